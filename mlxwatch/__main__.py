@@ -1,0 +1,3 @@
+from mlxwatch.cli import main
+
+main()

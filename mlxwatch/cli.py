@@ -1,0 +1,151 @@
+"""The ``mlxwatch`` command line: parse arguments, call the core, print, exit.
+
+Exit codes: 0 success / healthy, 1 unhealthy or target missing, 2 usage or config error.
+Only this module prints to stderr or calls ``sys.exit``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from pathlib import Path
+from typing import Callable, Sequence
+
+from rich.console import Console
+
+from mlxwatch import __version__
+from mlxwatch.config import Config, InstanceConfig, ProbeConfig, load_config, resolve_config_path
+from mlxwatch.durations import parse_duration
+from mlxwatch.errors import ConfigError, MlxwatchError, ProcessGoneError, UsageError
+
+EXIT_OK, EXIT_UNHEALTHY, EXIT_USAGE = 0, 1, 2
+
+
+def _duration_arg(text: str) -> float:
+    try:
+        seconds = parse_duration(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a duration: {text!r} (try 30, 30s, 5m)") from None
+    if seconds <= 0:
+        raise argparse.ArgumentTypeError(f"must be positive: {text!r}")
+    return seconds
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, exit 2, like every other bad input
+        raise UsageError(f"{self.prog}: {message}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="mlxwatch", description="Watchdog and hang diagnostics for mlx_lm.server.")
+    parser.add_argument("--version", action="version", version=f"mlxwatch {__version__}")
+    parser.add_argument("--config", help="config file (default: $MLXWATCH_CONFIG or ~/.config/mlxwatch/config.yaml)")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    cfg = sub.add_parser("config", help="config file tools")
+    cfg_sub = cfg.add_subparsers(dest="config_command", required=True, parser_class=_Parser)
+    validate = cfg_sub.add_parser("validate", help="check a config file and print what it watches")
+    validate.add_argument("path", nargs="?", help="config file (default: as --config)")
+
+    check = sub.add_parser("check", help="probe a server once; exit 0 healthy, 1 unhealthy")
+    check.add_argument("url", nargs="?", help="server base URL, e.g. http://127.0.0.1:8080")
+    check.add_argument("--instance", help="take URL and probe settings from this config instance")
+    check.add_argument("--timeout", type=_duration_arg, help="whole-probe limit (default 120s)")
+    check.add_argument("--first-token-timeout", type=_duration_arg, help="limit for the first token (default: min(60s, --timeout))")
+    check.add_argument("--max-tokens", type=int, default=None, help="tokens to ask for (default 4)")
+    check.add_argument("--json", action="store_true", help="print the full report as JSON")
+    return parser
+
+
+def _load(args: argparse.Namespace, path: str | None = None) -> Config:
+    return load_config(resolve_config_path(path or args.config))
+
+
+def cmd_config_validate(args: argparse.Namespace, out: Console) -> int:
+    config = _load(args, args.path)
+    out.print(f"{config.path}: ok, {len(config.instances)} instance(s)")
+    for inst in config.instances:
+        p, r = inst.probe, inst.restart
+        out.print(
+            f"  {inst.name}: {inst.url} probe every {p.interval:g}s, first token {p.first_token_timeout:g}s, "
+            f"total {p.timeout:g}s, verdict after {p.failures} failures; restart {r.method} {r.target or ' '.join(r.argv)}".rstrip()
+        )
+    return EXIT_OK
+
+
+def _check_target(args: argparse.Namespace) -> tuple[str, ProbeConfig]:
+    if args.instance and args.url:
+        raise UsageError("check: give a URL or --instance, not both")
+    if args.instance:
+        inst: InstanceConfig = _load(args).instance(args.instance)
+        return inst.url, inst.probe
+    if not args.url:
+        raise UsageError("check: give a URL (e.g. http://127.0.0.1:8080) or --instance NAME")
+    from mlxwatch.config import _url  # the same URL rule as the config file
+
+    try:
+        url = _url(args.url)
+    except ValueError as exc:
+        raise UsageError(f"check: {exc} (got {args.url!r})") from None
+    return url, ProbeConfig()
+
+
+def cmd_check(args: argparse.Namespace, out: Console) -> int:
+    from mlxwatch.probes import make_client, run_check
+    from mlxwatch.reports import render_check
+
+    url, probe = _check_target(args)
+    timeout = args.timeout or probe.timeout
+    first = args.first_token_timeout or (min(probe.first_token_timeout, timeout) if args.timeout else probe.first_token_timeout)
+    if first > timeout:
+        raise UsageError(f"check: --first-token-timeout ({first:g}s) exceeds --timeout ({timeout:g}s)")
+    max_tokens = args.max_tokens if args.max_tokens is not None else probe.max_tokens
+    if max_tokens <= 0:
+        raise UsageError(f"check: --max-tokens must be positive (got {max_tokens})")
+
+    async def go():
+        async with make_client() as client:
+            return await run_check(
+                client, url, first_token_timeout=first, timeout=timeout,
+                max_tokens=max_tokens, endpoint_timeout=min(probe.endpoint_timeout, timeout),
+            )
+
+    report = asyncio.run(go())
+    if args.json:
+        print(json.dumps(report.to_dict(), indent=2))
+    else:
+        render_check(report, out)
+    return EXIT_OK if report.healthy else EXIT_UNHEALTHY
+
+
+COMMANDS: dict[str, Callable[[argparse.Namespace, Console], int]] = {
+    "config": cmd_config_validate,
+    "check": cmd_check,
+}
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    sys.exit(run(argv))
+
+
+def run(argv: Sequence[str] | None = None, out: Console | None = None) -> int:
+    """Run one command and return its exit code (tests call this directly)."""
+    out = out or Console(highlight=False, soft_wrap=True)
+    err = Console(stderr=True, highlight=False, soft_wrap=True)
+    try:
+        args = build_parser().parse_args(argv)
+        return COMMANDS[args.command](args, out)
+    except (ConfigError, UsageError) as exc:
+        err.print(f"mlxwatch: {exc}", markup=False)
+        return EXIT_USAGE
+    except ProcessGoneError as exc:
+        err.print(f"mlxwatch: {exc}", markup=False)
+        return EXIT_UNHEALTHY
+    except MlxwatchError as exc:
+        err.print(f"mlxwatch: {exc}", markup=False)
+        return EXIT_UNHEALTHY
+    except KeyboardInterrupt:
+        err.print("mlxwatch: interrupted")
+        return 130

@@ -1,0 +1,217 @@
+"""Start a real ``mlx_lm.server`` with a switchable fault, for tests, benchmarks and the demo.
+
+The server runs under ``python`` (any interpreter with mlx-lm installed, so one test run can
+cover several mlx-lm versions) through ``fault_server.py``; a tiny random model is made in
+``workdir``. Everything stays on 127.0.0.1 and only the PID started here is ever signalled::
+
+    server = LabServer.start(sys.executable, Path("/tmp/lab"))
+    server.set_fault("spin")   # the next batch step livelocks
+    server.relaunch()          # stop our PID, clear the fault, start again on the same port
+    server.stop()
+
+The launch recipe is saved as ``lab.json`` beside the log so that ``python -m
+mlxwatch.lab.relaunch DIR`` (a watchdog restart hook) can do the same from another process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import psutil
+
+LAB_DIR = Path(__file__).parent
+TINY_MODEL_SCRIPT = LAB_DIR / "tiny_model.py"
+FAULT_SERVER_SCRIPT = LAB_DIR / "fault_server.py"
+SPEC_NAME = "lab.json"
+
+
+def free_port() -> int:
+    """A loopback port that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def make_tiny_model(python: str, out_dir: Path) -> Path:
+    """Write the tiny model with the server's interpreter (it needs mlx and tokenizers)."""
+    if not (out_dir / "model.safetensors").exists():
+        subprocess.run([python, str(TINY_MODEL_SCRIPT), str(out_dir)], check=True, capture_output=True, timeout=300)
+    return out_dir
+
+
+def server_version(python: str) -> str:
+    """mlx-lm's version as ``python`` sees it."""
+    out = subprocess.run(
+        [python, "-c", "import importlib.metadata as m; print(m.version('mlx-lm'))"],
+        check=True, capture_output=True, text=True, timeout=60,
+    )
+    return out.stdout.strip()
+
+
+@dataclass
+class LabServer:
+    """One real server we started; owns its PID, log, fault file and launch recipe."""
+
+    workdir: Path
+    python: str
+    port: int
+    extra_args: tuple[str, ...] = ()
+    pid: int = 0
+    create_time: float = 0.0
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def log_path(self) -> Path:
+        return self.workdir / "server.log"
+
+    @property
+    def fault_file(self) -> Path:
+        return self.workdir / "fault"
+
+    @property
+    def pid_file(self) -> Path:
+        return self.workdir / "server.pid"
+
+    @property
+    def model_dir(self) -> Path:
+        return self.workdir / "model"
+
+    @classmethod
+    def start(
+        cls,
+        python: str,
+        workdir: Path,
+        *,
+        port: int | None = None,
+        extra_args: tuple[str, ...] = (),
+        ready_timeout: float = 120.0,
+    ) -> "LabServer":
+        """Make the model if needed, launch, and wait until a real completion succeeds."""
+        workdir.mkdir(parents=True, exist_ok=True)
+        server = cls(workdir, python, port or free_port(), tuple(extra_args))
+        make_tiny_model(python, server.model_dir)
+        server._save_spec()
+        server.launch(ready_timeout)
+        return server
+
+    @classmethod
+    def load(cls, workdir: Path) -> "LabServer":
+        spec = json.loads((workdir / SPEC_NAME).read_text())
+        return cls(workdir, spec["python"], spec["port"], tuple(spec["extra_args"]), spec["pid"], spec["create_time"])
+
+    def _save_spec(self) -> None:
+        spec = {
+            "python": self.python, "port": self.port, "extra_args": list(self.extra_args),
+            "pid": self.pid, "create_time": self.create_time,
+        }
+        tmp = self.workdir / (SPEC_NAME + ".tmp")
+        tmp.write_text(json.dumps(spec))
+        os.replace(tmp, self.workdir / SPEC_NAME)
+
+    def command(self) -> list[str]:
+        return [
+            self.python, str(FAULT_SERVER_SCRIPT), "--fault-file", str(self.fault_file), "--",
+            "--model", str(self.model_dir), "--host", "127.0.0.1", "--port", str(self.port),
+            *self.extra_args,
+        ]
+
+    def launch(self, ready_timeout: float = 120.0) -> None:
+        """Start the server process (fault cleared) and wait until it generates."""
+        self.set_fault("")
+        hf_cache = self.workdir / "hf-cache"
+        hf_cache.mkdir(exist_ok=True)
+        env = {
+            **os.environ,
+            "HF_HUB_OFFLINE": "1",
+            "HF_HUB_CACHE": str(hf_cache),  # /v1/models scans it and errors if it is missing
+            "PYTHONUNBUFFERED": "1",
+        }
+        with open(self.log_path, "ab") as log:
+            proc = subprocess.Popen(
+                self.command(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                env=env, cwd=self.workdir, start_new_session=True,
+            )
+        self.pid = proc.pid
+        self.create_time = psutil.Process(proc.pid).create_time()
+        self.pid_file.write_text(f"{proc.pid}\n")
+        self._save_spec()
+        self.wait_ready(ready_timeout)
+
+    def wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        body = {"messages": [{"role": "user", "content": "ready?"}], "max_tokens": 1}
+        with httpx.Client(trust_env=False, timeout=10) as client:
+            while time.monotonic() < deadline:
+                if not self.owned_process_alive():
+                    raise RuntimeError(f"lab server exited during start; see {self.log_path}")
+                try:
+                    if client.post(f"{self.url}/v1/chat/completions", json=body).status_code == 200:
+                        return
+                except httpx.HTTPError:
+                    pass
+                time.sleep(0.2)
+        raise RuntimeError(f"lab server not ready after {timeout:g}s; see {self.log_path}")
+
+    def set_fault(self, fault: str, arg: float | None = None) -> None:
+        """Switch a fault on (``die``, ``block``, ``spin``, ``slow``) or off (``""``)."""
+        text = fault if arg is None else f"{fault} {arg}"
+        tmp = self.fault_file.with_suffix(".tmp")
+        tmp.write_text(text)
+        os.replace(tmp, self.fault_file)
+
+    def owned_process(self) -> psutil.Process | None:
+        """Our server process, or None if it is gone or the PID now belongs to someone else."""
+        if not self.pid:
+            return None
+        try:
+            proc = psutil.Process(self.pid)
+            if abs(proc.create_time() - self.create_time) > 0.01 or proc.status() == psutil.STATUS_ZOMBIE:
+                return None
+            return proc
+        except psutil.Error:
+            return None
+
+    def owned_process_alive(self) -> bool:
+        return self.owned_process() is not None
+
+    def stop(self, grace: float = 5.0) -> None:
+        """SIGTERM our PID (a SIGSTOPped one is continued first), SIGKILL after ``grace``."""
+        proc = self.owned_process()
+        if proc is None:
+            return
+        try:
+            proc.send_signal(signal.SIGCONT)
+            proc.terminate()
+            proc.wait(grace)
+        except psutil.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+        except psutil.NoSuchProcess:
+            pass
+
+    def relaunch(self, ready_timeout: float = 120.0) -> None:
+        self.stop()
+        self.launch(ready_timeout)
+
+
+def main(argv: list[str]) -> int:
+    """``python -m mlxwatch.lab.server PYTHON WORKDIR``: start a lab server and print its URL."""
+    server = LabServer.start(argv[0], Path(argv[1]))
+    print(server.url, server.pid, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

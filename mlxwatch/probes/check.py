@@ -1,0 +1,93 @@
+"""One full check of a server: the generation probe plus both endpoint probes, run together.
+
+This is what ``mlxwatch check`` prints, what a bundle records as the probe transcript, and what
+the watchdog runs on every cycle. The verdict comes from the generation probe alone; the
+endpoints only sharpen the reason (``/health`` 503 means the generation thread died).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from mlxwatch.probes.endpoints import EndpointResult, probe_endpoint
+from mlxwatch.probes.generation import Failure, GenerationProbeResult, probe_generation
+
+
+@dataclass
+class CheckReport:
+    """A generation probe and the endpoint states seen at the same time."""
+
+    url: str
+    generation: GenerationProbeResult
+    health: EndpointResult
+    models: EndpointResult
+
+    @property
+    def healthy(self) -> bool:
+        return self.generation.ok
+
+    @property
+    def failure(self) -> str | None:
+        if self.generation.ok:
+            return None
+        if self.health.status == 503 and self.generation.failure != Failure.CONNECT_REFUSED:
+            return Failure.THREAD_DIED
+        return self.generation.failure
+
+    @property
+    def reason(self) -> str:
+        if self.generation.ok:
+            return "ok"
+        if self.failure == Failure.THREAD_DIED and self.generation.failure != Failure.THREAD_DIED:
+            return f"server reports its generation thread died (/health {self.health.summary}); probe: {self.generation.reason}"
+        return self.generation.reason
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "url": self.url,
+            "healthy": self.healthy,
+            "failure": self.failure,
+            "reason": self.reason,
+            "generation": self.generation.to_dict(),
+            "health": self.health.to_dict(),
+            "models": self.models.to_dict(),
+        }
+
+
+async def run_check(
+    client: httpx.AsyncClient,
+    url: str,
+    *,
+    first_token_timeout: float = 60.0,
+    timeout: float = 120.0,
+    max_tokens: int = 4,
+    endpoint_timeout: float = 5.0,
+) -> CheckReport:
+    """Probe generation and the endpoints concurrently; never raises for the server's behaviour.
+
+    A generation probe that fails fast (0.32 closes the in-flight stream as its generation
+    thread dies) is followed by a second ``/health`` read: the first one raced the death.
+    The whole check still ends within ``timeout`` plus at most ``endpoint_timeout``.
+    """
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    generation, health, models = await asyncio.gather(
+        probe_generation(
+            client, url, first_token_timeout=first_token_timeout, timeout=timeout, max_tokens=max_tokens
+        ),
+        probe_endpoint(client, url, "/health", endpoint_timeout),
+        probe_endpoint(client, url, "/v1/models", endpoint_timeout),
+    )
+    remaining = timeout - (loop.time() - started)
+    if not generation.ok and health.status == 200 and remaining > 0.5:
+        health = await probe_endpoint(client, url, "/health", min(endpoint_timeout, remaining))
+    return CheckReport(url, generation, health, models)
+
+
+def make_client() -> httpx.AsyncClient:
+    """The one long-lived client a process should share: no env proxies (loopback servers)."""
+    return httpx.AsyncClient(trust_env=False, limits=httpx.Limits(max_connections=64))
