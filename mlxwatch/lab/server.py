@@ -22,7 +22,7 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
@@ -67,6 +67,7 @@ class LabServer:
     extra_args: tuple[str, ...] = ()
     pid: int = 0
     create_time: float = 0.0
+    _popen: subprocess.Popen | None = field(default=None, repr=False, compare=False)
 
     @property
     def url(self) -> str:
@@ -143,6 +144,7 @@ class LabServer:
                 self.command(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                 env=env, cwd=self.workdir, start_new_session=True,
             )
+        self._popen = proc
         self.pid = proc.pid
         self.create_time = psutil.Process(proc.pid).create_time()
         self.pid_file.write_text(f"{proc.pid}\n")
@@ -190,6 +192,7 @@ class LabServer:
         """SIGTERM our PID (a SIGSTOPped one is continued first), SIGKILL after ``grace``."""
         proc = self.owned_process()
         if proc is None:
+            self._reap()
             return
         try:
             proc.send_signal(signal.SIGCONT)
@@ -200,6 +203,12 @@ class LabServer:
             proc.wait(10)
         except psutil.NoSuchProcess:
             pass
+        self._reap()
+
+    def _reap(self) -> None:
+        if self._popen is not None:  # started here: collect its exit status
+            self._popen.wait(10)
+            self._popen = None
 
     def relaunch(self, ready_timeout: float = 120.0) -> None:
         self.stop()

@@ -250,6 +250,9 @@ async def _stream(
                     break
             if run.done:
                 break
+        if not run.done:
+            for event in parser.close():
+                _handle_event(event.kind, event.text, run, deadline, total_deadline)
     if not run.done:
         if res.ttft is None:
             raise run.fail(Failure.DISCONNECTED, "stream ended before any token")
@@ -268,6 +271,7 @@ def _handle_event(kind: str, text: str, run: _Run, deadline: asyncio.Timeout, to
         return
     if kind != "data":
         run.note("other", text)
+        _handle_plain_line(text, run)
         return
     if text.strip() == "[DONE]":
         run.note("done")
@@ -308,6 +312,19 @@ def _handle_event(kind: str, text: str, run: _Run, deadline: asyncio.Timeout, to
             run.note("finish", res.finish_reason)
             if res.ttft is None:  # the model chose to stop at once: still a delivery
                 run.deliver(deadline, total_deadline)
+
+
+def _handle_plain_line(text: str, run: _Run) -> None:
+    """A line that is not SSE: a JSON error sent without ``data:`` framing, or garbage."""
+    try:
+        payload = json.loads(text)
+    except ValueError:
+        raise run.fail(Failure.MALFORMED, f"not an SSE line: {text[:80]!r}") from None
+    if isinstance(payload, dict) and "error" in payload:
+        message = json.dumps(payload["error"])[:200]
+        failure = Failure.THREAD_DIED if "generation thread died" in message else Failure.SERVER_ERROR
+        raise run.fail(failure, message)
+    raise run.fail(Failure.MALFORMED, f"not an SSE line: {text[:80]!r}")
 
 
 def _was_refused(exc: BaseException) -> bool:

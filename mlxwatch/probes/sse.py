@@ -47,6 +47,14 @@ class SSEParser:
         return events
 
 
+    def close(self) -> list[SSEEvent]:
+        """The stream ended: whatever unterminated line is left is the last event."""
+        line = bytes(self._buffer).rstrip(b"\r")
+        self._buffer.clear()
+        event = _parse_line(line)
+        return [event] if event is not None else []
+
+
 def _parse_line(line: bytes) -> SSEEvent | None:
     if not line:
         return None

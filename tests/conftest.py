@@ -1,0 +1,80 @@
+"""Shared fixtures: real ``mlx_lm.server`` instances, one per mlx-lm version under test.
+
+``MLXWATCH_SERVER_PYTHONS`` lists interpreters (comma-separated) that have mlx-lm installed;
+``scripts/test.sh`` sets it to one venv per version. Without it, this interpreter is used if it
+has mlx-lm. ``MLXWATCH_REQUIRE_REAL_SERVER=1`` (set by the test script) turns "no mlx-lm" into a
+failure instead of a skip, so CI cannot pass by skipping the tests that matter.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from mlxwatch.lab.server import LabServer, server_version
+
+
+def _server_pythons() -> list[str]:
+    listed = [p for p in os.environ.get("MLXWATCH_SERVER_PYTHONS", "").split(",") if p.strip()]
+    if listed:
+        return listed
+    return [sys.executable] if importlib.util.find_spec("mlx_lm") else []
+
+
+SERVER_PYTHONS = _server_pythons()
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "server_python" in metafunc.fixturenames:
+        if not SERVER_PYTHONS:
+            if os.environ.get("MLXWATCH_REQUIRE_REAL_SERVER") == "1":
+                raise pytest.UsageError("MLXWATCH_REQUIRE_REAL_SERVER=1 but no interpreter with mlx-lm")
+            metafunc.parametrize("server_python", [pytest.param(None, marks=pytest.mark.skip("no mlx-lm"))])
+            return
+        ids = [server_version(p) for p in SERVER_PYTHONS]
+        metafunc.parametrize("server_python", SERVER_PYTHONS, ids=[f"mlx-lm-{v}" for v in ids], scope="session")
+
+
+_servers: dict[str, LabServer] = {}
+
+
+@pytest.fixture(scope="session")
+def lab_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("lab")
+
+
+@pytest.fixture
+def lab(server_python: str, lab_root: Path):
+    """A healthy real server for this mlx-lm version; relaunched if an earlier test broke it.
+
+    Tests may switch faults on freely: the next test that asks for it gets a fresh process.
+    """
+    server = _servers.get(server_python)
+    if server is None:
+        workdir = lab_root / f"server-{len(_servers)}"
+        server = LabServer.start(server_python, workdir)
+        _servers[server_python] = server
+    elif server.fault_file.read_text().strip() or not server.owned_process_alive():
+        server.relaunch()
+    yield server
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    for server in _servers.values():
+        server.stop()
+
+
+@pytest.fixture
+def config_file(tmp_path: Path):
+    """Write a YAML config text to a file and return its path."""
+
+    def write(text: str, name: str = "config.yaml") -> Path:
+        path = tmp_path / name
+        path.write_text(text)
+        return path
+
+    return write
