@@ -56,7 +56,42 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--first-token-timeout", type=_duration_arg, help="limit for the first token (default: min(60s, --timeout))")
     check.add_argument("--max-tokens", type=int, default=None, help="tokens to ask for (default 4)")
     check.add_argument("--json", action="store_true", help="print the full report as JSON")
+    cap = sub.add_parser("capture", help="capture an evidence bundle from a server process now")
+    cap.add_argument("pid", type=int, help="the mlx_lm.server process ID")
+    cap.add_argument("--out", help="directory for bundles (default: config capture.dir or <state dir>/bundles)")
+    cap.add_argument("--url", help="server base URL: adds /health, /v1/models and a generation probe")
+    cap.add_argument("--log", help="server log file: adds the tail and markers")
+    cap.add_argument("--instance", help="take URL and log from this config instance")
+    cap.add_argument("--snapshots", type=int, help="py-spy dumps (default 3)")
+    cap.add_argument("--spacing", type=_duration_arg, help="time between dumps (default 2s)")
+    cap.add_argument("--ceiling", type=_duration_arg, help="hard limit for the whole capture (default 60s)")
+    cap.add_argument("--json", action="store_true", help="print the manifest as JSON, no progress display")
+
+    bundle = sub.add_parser("bundle", help="look at or export a bundle")
+    bundle_sub = bundle.add_subparsers(dest="bundle_command", required=True, parser_class=_Parser)
+    show = bundle_sub.add_parser("show", help="print a bundle's summary")
+    show.add_argument("dir")
+    export = bundle_sub.add_parser("export", help="write a bundle as .tar.gz")
+    export.add_argument("dir")
+    export.add_argument("--redact", action="store_true", help="remove message contents, environment values, home paths")
+    export.add_argument("--out", help="output file (default: beside the bundle)")
     return parser
+
+
+def _load_optional(args: argparse.Namespace) -> Config:
+    """The config if one exists at the resolved path; defaults if the user has none."""
+    path = resolve_config_path(args.config)
+    if args.config or path.exists():
+        return load_config(path)
+    return Config()
+
+
+def bundles_dir(config: Config, override: str | None = None) -> Path:
+    from mlxwatch.config import default_state_dir
+
+    if override:
+        return Path(override).expanduser()
+    return config.capture.dir or (config.state_dir or default_state_dir()) / "bundles"
 
 
 def _load(args: argparse.Namespace, path: str | None = None) -> Config:
@@ -120,9 +155,70 @@ def cmd_check(args: argparse.Namespace, out: Console) -> int:
     return EXIT_OK if report.healthy else EXIT_UNHEALTHY
 
 
+def cmd_capture(args: argparse.Namespace, out: Console) -> int:
+    from mlxwatch.capture import CaptureRequest, capture_bundle
+    from mlxwatch.process import ProcessIdentity
+
+    config = _load_optional(args)
+    url, log, label = args.url, Path(args.log).expanduser() if args.log else None, None
+    if args.instance:
+        inst = config.instance(args.instance)
+        url, log, label = url or inst.url, log or inst.log, inst.name
+    if args.snapshots is not None and args.snapshots <= 0:
+        raise UsageError(f"capture: --snapshots must be positive (got {args.snapshots})")
+    ProcessIdentity.of(args.pid)  # a PID that does not exist: one line, exit 1
+    cap = config.capture
+    request = CaptureRequest(
+        pid=args.pid, out_dir=bundles_dir(config, args.out), label=label, url=url, log=log,
+        snapshots=args.snapshots or cap.snapshots, spacing=args.spacing or cap.spacing,
+        ceiling=args.ceiling or cap.ceiling, sudo=cap.sudo, log_tail_lines=cap.log_tail_lines,
+        keep=cap.keep, max_bytes=cap.max_bytes,
+    )
+    if args.json:
+        bundle = asyncio.run(capture_bundle(request))
+        print(json.dumps({"path": str(bundle.path), **bundle.manifest}, indent=2, default=str))
+        return EXIT_OK
+    from mlxwatch.reports import CaptureProgress
+
+    with CaptureProgress(out) as progress:
+        bundle = asyncio.run(capture_bundle(request, on_step=progress.update))
+    c = bundle.classification
+    out.print(f"[bold]{c.kind}[/] ({c.confidence} confidence)")
+    for line in c.evidence:
+        out.print(f"  - {line}", markup=False)
+    for line in c.competing:
+        out.print(f"  ? {line}", markup=False)
+    out.print(str(bundle.path), markup=False, highlight=False)
+    return EXIT_OK
+
+
+def _bundle_dir(text: str) -> Path:
+    path = Path(text).expanduser()
+    if not (path / "manifest.json").is_file():
+        raise UsageError(f"bundle: {path} is not a bundle (no manifest.json)")
+    return path
+
+
+def cmd_bundle(args: argparse.Namespace, out: Console) -> int:
+    from mlxwatch.capture import export_bundle
+
+    path = _bundle_dir(args.dir)
+    if args.bundle_command == "show":
+        print((path / "summary.md").read_text(), end="")
+        return EXIT_OK
+    try:
+        written = export_bundle(path, Path(args.out).expanduser() if args.out else None, redact=args.redact)
+    except FileExistsError as exc:
+        raise UsageError(f"bundle export: {exc}") from None
+    print(written)
+    return EXIT_OK
+
+
 COMMANDS: dict[str, Callable[[argparse.Namespace, Console], int]] = {
     "config": cmd_config_validate,
     "check": cmd_check,
+    "capture": cmd_capture,
+    "bundle": cmd_bundle,
 }
 
 

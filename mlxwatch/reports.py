@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from rich.console import Console
+from rich.live import Live
 from rich.table import Table
 
 from mlxwatch.durations import format_duration
@@ -33,3 +34,33 @@ def render_check(report: CheckReport, console: Console) -> None:
     table.add_row("/health", report.health.summary)
     table.add_row("/v1/models", report.models.summary)
     console.print(table)
+
+
+class CaptureProgress:
+    """A live table with one row per capture step: running, then its outcome."""
+
+    STYLES = {"ok": "green", "failed": "red", "skipped": "yellow", "start": "cyan"}
+
+    def __init__(self, console: Console) -> None:
+        self.console = console
+        self.states: dict[str, str] = {}
+        self.live = Live(self._table(), console=console, transient=True, auto_refresh=False)
+
+    def _table(self) -> Table:
+        table = Table(show_header=False, box=None, padding=(0, 1))
+        for name, state in self.states.items():
+            label = "running" if state == "start" else state
+            table.add_row(name, f"[{self.STYLES.get(state, 'red')}]{label}[/]")
+        return table
+
+    def update(self, name: str, state: str) -> None:
+        self.states[name] = state
+        self.live.update(self._table(), refresh=True)
+
+    def __enter__(self) -> "CaptureProgress":
+        self.live.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.live.__exit__(*exc)
+        self.console.print(self._table())  # the final states stay on screen

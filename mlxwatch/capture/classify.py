@@ -1,0 +1,178 @@
+"""Classify a hang from the evidence in a bundle, never from how it was caused.
+
+The kinds, and the evidence that leads to each (first match wins, ambiguity is reported)::
+
+    crashed      the process is gone
+    healthy      the probe got tokens
+    wedged       the probe failed and /health and /v1/models did not answer either
+    dead_thread  no generation thread in the stacks, its traceback in the log, or /health 503
+    busy         no token, but prompt processing or other completions advanced in the window
+    blocked      generation thread present, ~0% CPU, its stack the same in every snapshot
+    livelock     generation thread present and burning CPU while no token was delivered
+    unknown      the evidence does not decide; the competing lines say why
+
+CPU alone never makes a server healthy or busy: a livelock burns CPU and delivers nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from mlxwatch.capture.pyspy import ThreadStack, generation_thread
+from mlxwatch.serverlog import LogMarkers
+
+IDLE_CPU = 5.0  # percent of one core: below this the thread is parked
+BUSY_CPU = 20.0  # above this it is computing
+IDLE_FUNCTIONS = ("_next_request", "get_next_request")  # an idle server waits here for requests
+
+KINDS = ("dead_thread", "blocked", "livelock", "wedged", "crashed", "busy", "healthy", "unknown")
+
+
+@dataclass
+class Evidence:
+    """What the classifier reads; the collector fills it from the capture steps."""
+
+    process_alive: bool = True
+    process_statuses: list[str] = field(default_factory=list)
+    snapshots: list[list[ThreadStack]] = field(default_factory=list)
+    stacks_error: str | None = None
+    generation_cpu: float | None = None  # the generation thread, percent of one core
+    process_cpu: float | None = None  # the whole process: what decides idle vs computing
+    probe_ran: bool = False
+    probe_ok: bool = False
+    probe_tokens: int = 0
+    probe_failure: str | None = None
+    probe_keepalive_advanced: bool = False
+    health_status: int | None = None
+    models_status: int | None = None
+    endpoints_answered: bool = True
+    log: LogMarkers | None = None
+    log_progress_advanced: bool = False
+    log_completions_advanced: bool = False
+
+
+@dataclass
+class Classification:
+    kind: str
+    confidence: str  # high | medium | low
+    evidence: list[str]
+    competing: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def classify(ev: Evidence) -> Classification:
+    lines: list[str] = []
+    competing: list[str] = []
+
+    if not ev.process_alive:
+        lines.append("the server process is gone")
+        if ev.log and ev.log.insufficient_memory:
+            lines.append(f"log: {ev.log.insufficient_memory[-1]} (a Metal OOM aborts the whole process)")
+        return Classification("crashed", "high", lines)
+
+    if ev.probe_ran and ev.probe_ok:
+        lines.append(f"the generation probe got {ev.probe_tokens} token(s)")
+        return Classification("healthy", "high", lines)
+
+    if "stopped" in ev.process_statuses:
+        lines.append("process status is 'stopped' (SIGSTOP or a debugger): it runs nothing")
+    if ev.probe_ran and not ev.endpoints_answered:
+        lines.append("the probe failed and /health and /v1/models did not answer either: HTTP itself is stuck")
+        return Classification("wedged", "high", lines)
+
+    gens = [generation_thread(s) for s in ev.snapshots]
+    dead = _dead_thread_signals(ev, gens)
+    if dead:
+        present = [g for g in gens if g is not None]
+        if present:
+            competing.append(f"yet a generation thread appears in {len(present)} of {len(gens)} snapshot(s)")
+        confidence = "high" if len(dead) >= 2 or (gens and not present and len(gens) >= 2) else "medium"
+        return Classification("dead_thread", confidence if not competing else "medium", dead, competing)
+
+    progress = _progress_signals(ev)
+    if progress:
+        lines += progress
+        lines.append("no token yet, but work is visibly advancing: not a hang (yet)")
+        return Classification("busy", "medium", lines)
+
+    present = [g for g in gens if g is not None]
+    # Process CPU decides, not the generation thread's own: MLX evaluates on its own worker
+    # threads, so a livelocked Python thread mostly waits in mx.eval while the process computes.
+    cpu = ev.process_cpu
+    no_delivery = "the probe got no token" if ev.probe_ran else "no probe was run (no URL): delivery unknown"
+    lines.append(no_delivery)
+    if cpu is not None:
+        thread = f" (generation thread itself: {ev.generation_cpu:.0f}%)" if ev.generation_cpu is not None else ""
+        lines.append(f"process CPU over the window: {cpu:.0f}% of one core{thread}")
+
+    if not present:
+        competing.append(f"no stacks: {ev.stacks_error or 'py-spy gave none'}")
+        if not ev.probe_ran:  # neither delivery nor stacks: an idle server would look the same
+            return Classification("unknown", "low", lines, competing)
+        return _from_cpu_only(cpu, lines, competing)
+
+    top = present[-1].frames[0].where if present[-1].frames else "?"
+    identical = len(present) >= 2 and len({g.signature() for g in present}) == 1
+    lines.append(
+        f"generation thread stack {'identical' if identical else 'changing'} across {len(present)} snapshot(s); innermost: {top}"
+    )
+    if not ev.probe_ran and _idle(present[-1]):
+        lines.append("the generation thread is waiting for new requests: an idle server")
+        return Classification("healthy", "low", lines, ["no generation probe confirmed delivery"])
+
+    confidence_cut = "high" if ev.probe_ran else "low"
+    if cpu is not None and cpu < IDLE_CPU:
+        if not identical:
+            competing.append("the stack changed between snapshots although the CPU is idle")
+        return Classification("blocked", confidence_cut if identical else "medium", lines, competing)
+    if cpu is not None and cpu >= BUSY_CPU:
+        if identical:
+            competing.append("the stack looked the same in every snapshot (one long native call?)")
+        return Classification("livelock", confidence_cut if not identical else "medium", lines, competing)
+    if cpu is None:
+        competing.append("CPU use could not be measured")
+        kind = "blocked" if identical else "livelock"
+        return Classification(kind, "low", lines, competing)
+    competing.append(f"CPU {cpu:.0f}% is between idle ({IDLE_CPU:g}%) and busy ({BUSY_CPU:g}%)")
+    return Classification("unknown", "low", lines, competing)
+
+
+def _dead_thread_signals(ev: Evidence, gens: list[ThreadStack | None]) -> list[str]:
+    found = []
+    if gens and all(g is None for g in gens):
+        found.append(f"no generation thread (_generate) in any of {len(gens)} stack snapshot(s)")
+    if ev.log and ev.log.generation_thread_exception:
+        died = [line for line in ev.log.generation_thread_died if "generation thread died:" in line]
+        for line in dict.fromkeys([(died or ev.log.generation_thread_died or ev.log.thread_exceptions)[-1],
+                                   *(ev.log.last_traceback[-1:])]):
+            found.append(f"log: {line.strip()}")
+    if ev.health_status == 503:
+        found.append("/health answered 503 (mlx-lm >= 0.32 says so when its generation thread died)")
+    if ev.probe_failure == "thread_died":
+        found.append("the server answered the probe with 'generation thread died'")
+    return found
+
+
+def _progress_signals(ev: Evidence) -> list[str]:
+    found = []
+    if ev.probe_keepalive_advanced:
+        found.append("the probe's keepalive progress advanced (prompt processing)")
+    if ev.log_progress_advanced:
+        found.append("log: 'Prompt processing progress' advanced during the window")
+    if ev.log_completions_advanced:
+        found.append("log: other clients' completions returned during the window")
+    return found
+
+
+def _idle(thread: ThreadStack) -> bool:
+    return any(f.name.rsplit(".", 1)[-1] in IDLE_FUNCTIONS for f in thread.frames[:8])
+
+
+def _from_cpu_only(cpu: float | None, lines: list[str], competing: list[str]) -> Classification:
+    if cpu is not None and cpu < IDLE_CPU:
+        return Classification("blocked", "low", lines, competing)
+    if cpu is not None and cpu >= BUSY_CPU:
+        return Classification("livelock", "low", lines, competing)
+    return Classification("unknown", "low", lines, competing)

@@ -1,0 +1,64 @@
+"""``summary.md``: what a maintainer reads in one minute.
+
+The verdict and its evidence first, then the generation thread's stack across snapshots, CPU
+over the window, the last log markers, and what could not be captured and why.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mlxwatch.capture.pyspy import ThreadStack, generation_thread
+
+
+def render_summary(manifest: dict[str, Any], snapshots: list[tuple[float, list[ThreadStack]]], markers: dict | None) -> str:
+    c = manifest["classification"]
+    out = [
+        f"# mlxwatch bundle: {c['kind']} ({c['confidence']} confidence)",
+        "",
+        f"- target: PID {manifest['target']['pid']} {manifest['target'].get('label', '')}".rstrip(),
+        f"- created: {manifest['created_at']} on {manifest['host']}",
+    ]
+    if manifest["target"].get("url"):
+        out.append(f"- url: {manifest['target']['url']}")
+    versions = manifest.get("versions") or {}
+    pkgs = versions.get("packages") or {}
+    if pkgs:
+        out.append("- server: " + ", ".join(f"{k} {v}" for k, v in sorted(pkgs.items()) if k.startswith("mlx"))
+                   + f", Python {versions.get('python') or '?'}")
+    out += ["", "## Why", ""] + [f"- {line}" for line in c["evidence"]]
+    if c.get("competing"):
+        out += ["", "Competing evidence:", ""] + [f"- {line}" for line in c["competing"]]
+
+    out += ["", "## Generation thread across snapshots", ""]
+    if not snapshots:
+        out.append("No stack snapshots (see 'Not captured').")
+    for i, (t, threads) in enumerate(snapshots, 1):
+        gen = generation_thread(threads)
+        out.append(f"Snapshot {i} at +{t:.1f}s: " + (f"`{gen.name}`" if gen else "**no generation thread**"))
+        if gen:
+            out.append("```")
+            out += [f"    {f.where}" for f in gen.frames[:12]]
+            out.append("```")
+    cpu = manifest.get("cpu") or {}
+    out += ["", "## CPU over the window", ""]
+    out.append(f"- process: {_pct(cpu.get('process'))}; generation thread: {_pct(cpu.get('generation_thread'))}; "
+               f"status: {', '.join(cpu.get('statuses') or ['?'])}")
+    if markers:
+        out += ["", "## Log markers", ""]
+        for key in ("last_prompt_progress", "last_completion"):
+            if markers.get(key):
+                out.append(f"- {key.replace('_', ' ')}: `{markers[key].strip()}`")
+        for key in ("thread_exceptions", "metal_malloc", "insufficient_memory", "missing_parameters", "generation_thread_died"):
+            for line in markers.get(key) or []:
+                out.append(f"- {key.replace('_', ' ')}: `{line}`")
+        if markers.get("last_traceback"):
+            out += ["", "Last traceback:", "```"] + markers["last_traceback"][-15:] + ["```"]
+    failed = [s for s in manifest["steps"] if s["outcome"] != "ok"]
+    out += ["", "## Not captured", ""]
+    out += [f"- {s['name']}: {s['outcome']}: {s.get('error') or ''}".rstrip(": ") for s in failed] or ["- nothing: every step succeeded"]
+    return "\n".join(out) + "\n"
+
+
+def _pct(value: float | None) -> str:
+    return "unknown" if value is None else f"{value:.0f}%"

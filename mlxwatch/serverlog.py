@@ -1,0 +1,116 @@
+"""Read an mlx_lm.server log: a bounded tail, and the markers that tell what happened.
+
+Shared by capture (evidence) and the watchdog (is prompt processing advancing? are other
+clients' completions coming back?). Reads at most a few MB from the end of the file, however
+large it has grown; a missing or unreadable log is "no evidence", never an error.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+RECENT_BYTES = 4 * 1024 * 1024
+
+_PROGRESS = re.compile(r"Prompt processing progress: (\d+)/(\d+)")
+_COMPLETION = re.compile(r'"POST /v1/(?:chat/)?completions HTTP/1\.[01]" (\d{3})')
+_THREAD_EXC = re.compile(r"Exception in thread (.+?):?$")
+_MISSING_PARAMS = re.compile(r"Missing (\d+) parameters")
+# Other threads keep logging while a traceback is printed: access lines and timestamped lines
+# can land inside it and must not end it.
+_INTERLEAVED = re.compile(r"^(\d{1,3}(\.\d{1,3}){3} - - \[|\d{4}-\d{2}-\d{2} \d{2}:\d{2}:\d{2})")
+_EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt|Warning)?(: .*)?$")
+
+
+@dataclass
+class LogMarkers:
+    """What the recent log says. Line texts are kept so a person can see the evidence."""
+
+    lines_scanned: int = 0
+    last_prompt_progress: str | None = None
+    prompt_progress: tuple[int, int] | None = None
+    progress_count: int = 0  # how many progress lines: growth between reads means work advanced
+    last_completion: str | None = None
+    completion_count: int = 0  # POST .../completions 200 lines
+    thread_exceptions: list[str] = field(default_factory=list)
+    last_traceback: list[str] = field(default_factory=list)
+    metal_malloc: list[str] = field(default_factory=list)
+    insufficient_memory: list[str] = field(default_factory=list)
+    missing_parameters: list[str] = field(default_factory=list)
+    generation_thread_died: list[str] = field(default_factory=list)  # mlx-lm >= 0.32 logs this
+
+    @property
+    def generation_thread_exception(self) -> bool:
+        return any("_generate" in line for line in self.thread_exceptions) or bool(self.generation_thread_died)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def read_recent(path: Path | None, max_bytes: int = RECENT_BYTES) -> str:
+    """The last ``max_bytes`` of the log as text, starting at a whole line; "" if unreadable."""
+    if path is None:
+        return ""
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(0, 2)
+            size = fh.tell()
+            fh.seek(max(0, size - max_bytes))
+            data = fh.read(max_bytes)
+    except OSError:
+        return ""
+    if size > max_bytes:
+        data = data[data.find(b"\n") + 1:]
+    return data.decode("utf-8", errors="replace")
+
+
+def tail_lines(text: str, n: int) -> list[str]:
+    return text.splitlines()[-n:]
+
+
+SERVER_START = "Starting httpd at"
+
+
+def since_last_start(text: str) -> str:
+    """The part of the log written by the current server process: a traceback from before the
+    last restart is history, not evidence about the process running now."""
+    at = text.rfind(SERVER_START)
+    return text if at < 0 else text[text.rfind("\n", 0, at) + 1:]
+
+
+def scan(text: str) -> LogMarkers:
+    """Find the markers in ``text`` (typically ``since_last_start(read_recent(path))``)."""
+    markers = LogMarkers()
+    traceback: list[str] = []
+    in_traceback = False
+    for line in text.splitlines():
+        markers.lines_scanned += 1
+        if (m := _PROGRESS.search(line)):
+            markers.last_prompt_progress = line
+            markers.prompt_progress = (int(m.group(1)), int(m.group(2)))
+            markers.progress_count += 1
+        if (m := _COMPLETION.search(line)) and m.group(1) == "200":
+            markers.last_completion = line
+            markers.completion_count += 1
+        if (m := _THREAD_EXC.search(line.strip())):
+            markers.thread_exceptions.append(line.strip())
+        if "metal::malloc" in line:
+            markers.metal_malloc.append(line.strip())
+        if "Insufficient Memory" in line:
+            markers.insufficient_memory.append(line.strip())
+        if _MISSING_PARAMS.search(line):
+            markers.missing_parameters.append(line.strip())
+        if "generation thread died" in line:
+            markers.generation_thread_died.append(line.strip())
+        if line.startswith("Traceback (most recent call last)") or line.startswith("Exception in thread"):
+            traceback, in_traceback = [line], True
+        elif in_traceback and not _INTERLEAVED.match(line):
+            traceback.append(line)
+            if line and not line.startswith((" ", "\t", "Traceback")) and _EXCEPTION_LINE.match(line):
+                markers.last_traceback = traceback[-60:]  # the exception line ends the block
+                in_traceback = False
+    for name in ("thread_exceptions", "metal_malloc", "insufficient_memory", "missing_parameters",
+                 "generation_thread_died"):
+        setattr(markers, name, getattr(markers, name)[-5:])  # the latest few are the evidence
+    return markers
