@@ -184,8 +184,9 @@ async def _stacks(cap: _Capture, rec: _Step) -> None:
         at = cap.now()
         result = await cap.runner(pyspy.dump_command(exe, req.pid, as_json=True, native=False, sudo=req.sudo), DUMP_TIMEOUT)
         nonblocking = False
-        if not result.ok and "suspend" in (result.error or "").lower():
-            # A SIGSTOPped target cannot be suspended again; --nonblocking reads it anyway.
+        if not result.ok and not _missing_or_denied(result.error):
+            # A SIGSTOPped target cannot be suspended again ("Failed to suspend process" or
+            # "Failed to get stack traces"); --nonblocking reads it anyway.
             nonblocking = True
             result = await cap.runner(pyspy.dump_command(exe, req.pid, as_json=True, native=False, nonblocking=True, sudo=req.sudo), DUMP_TIMEOUT)
         if not result.ok:
@@ -207,6 +208,11 @@ async def _stacks(cap: _Capture, rec: _Step) -> None:
         cap.stacks_error = "; ".join(errors)
         rec.error = cap.stacks_error
         rec.outcome = "failed" if not cap.snapshots else "ok"
+
+
+def _missing_or_denied(error: str | None) -> bool:
+    text = (error or "").lower()
+    return any(w in text for w in ("not found", "no such process", "permission denied", "operation not permitted"))
 
 
 async def _cpu(cap: _Capture, rec: _Step, seconds: float) -> None:
