@@ -75,6 +75,20 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("dir")
     export.add_argument("--redact", action="store_true", help="remove message contents, environment values, home paths")
     export.add_argument("--out", help="output file (default: beside the bundle)")
+    run_p = sub.add_parser("run", help="run the watchdog daemon in the foreground")
+    run_p.add_argument("--state-dir", help="journal and state (default: config state_dir, else the platform's)")
+    run_p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+
+    status = sub.add_parser("status", help="show each instance's state and last incident")
+    status.add_argument("--state-dir")
+    status.add_argument("--json", action="store_true")
+
+    resume = sub.add_parser("resume", help="allow restarts again for an instance that was given up")
+    resume.add_argument("name")
+    resume.add_argument("--state-dir")
+
+    demo = sub.add_parser("demo", help="watch a tiny real mlx_lm.server through a livelock and its recovery")
+    demo.add_argument("--keep", action="store_true", help="keep the demo's model and server log too")
     return parser
 
 
@@ -214,11 +228,79 @@ def cmd_bundle(args: argparse.Namespace, out: Console) -> int:
     return EXIT_OK
 
 
+def _state_dir(config: Config, override: str | None) -> Path:
+    from mlxwatch.watchdog.daemon import state_dir_for
+
+    return state_dir_for(config, Path(override).expanduser() if override else None)
+
+
+def cmd_run(args: argparse.Namespace, out: Console) -> int:
+    import logging
+    import signal
+
+    from mlxwatch.watchdog.daemon import Daemon
+
+    path = resolve_config_path(args.config)
+    if not path.exists() and not args.config:
+        raise UsageError(f"no config at {path}: nothing to watch. Write one (see mlxwatch.example.yaml) "
+                         "or run `mlxwatch demo` to see the watchdog work on a tiny local server")
+    config = load_config(path)
+    if not config.instances:
+        raise ConfigError(str(path), "instances", "no instances to watch")
+    logging.basicConfig(level=args.log_level, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    daemon = Daemon(config, _state_dir(config, args.state_dir))
+
+    async def go() -> None:
+        loop = asyncio.get_running_loop()
+        stop, reload = asyncio.Event(), asyncio.Event()
+        loop.add_signal_handler(signal.SIGTERM, stop.set)
+        loop.add_signal_handler(signal.SIGINT, stop.set)
+        loop.add_signal_handler(signal.SIGHUP, reload.set)
+        await daemon.run(stop, reload, load_config=lambda: load_config(path))
+
+    asyncio.run(go())
+    return EXIT_OK
+
+
+def cmd_status(args: argparse.Namespace, out: Console) -> int:
+    from mlxwatch.watchdog.status import collect_status, render_status
+
+    config = _load_optional(args)
+    status = collect_status(config, _state_dir(config, args.state_dir))
+    if args.json:
+        print(json.dumps(status, indent=2, default=str))
+    else:
+        render_status(status, out)
+    return EXIT_OK
+
+
+def cmd_resume(args: argparse.Namespace, out: Console) -> int:
+    from mlxwatch.watchdog.state import request_resume
+
+    config = _load_optional(args)
+    if config.instances:
+        config.instance(args.name)  # an unknown name is a config error, not a silent no-op
+    path = request_resume(_state_dir(config, args.state_dir), args.name)
+    out.print(f"resume requested for {args.name} ({path}); the daemon applies it at its next probe")
+    return EXIT_OK
+
+
+def cmd_demo(args: argparse.Namespace, out: Console) -> int:
+    from mlxwatch.demo import run_demo
+
+    return run_demo(out, keep=args.keep)
+
+
 COMMANDS: dict[str, Callable[[argparse.Namespace, Console], int]] = {
     "config": cmd_config_validate,
     "check": cmd_check,
     "capture": cmd_capture,
     "bundle": cmd_bundle,
+    "run": cmd_run,
+    "status": cmd_status,
+    "resume": cmd_resume,
+    "demo": cmd_demo,
 }
 
 

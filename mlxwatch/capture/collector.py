@@ -45,7 +45,7 @@ StepCallback = Callable[[str, str], None]  # (step name, "start" | outcome)
 
 @dataclass
 class CaptureRequest:
-    pid: int
+    pid: int | None  # None: no server process could be found (it is gone)
     out_dir: Path
     label: str | None = None
     url: str | None = None
@@ -159,6 +159,10 @@ async def capture_bundle(req: CaptureRequest, *, runner: Runner = run_command, o
 
 
 async def _process(cap: _Capture, rec: _Step) -> None:
+    if cap.req.pid is None:
+        cap.process = {"pid": None, "errors": {"process": "no server process found"}}
+        rec.outcome, rec.error = "failed", "no server process found (nothing listening on the port)"
+        return
     cap.process = describe_process(cap.req.pid)
     cap.writer.write_json("process.json", cap.process)
     if "process" in cap.process["errors"]:
@@ -167,6 +171,10 @@ async def _process(cap: _Capture, rec: _Step) -> None:
 
 async def _stacks(cap: _Capture, rec: _Step) -> None:
     req = cap.req
+    if req.pid is None or "process" in cap.process.get("errors", {}):
+        rec.outcome, rec.error = "skipped", "no process to inspect"
+        cap.stacks_error = rec.error
+        return
     exe = pyspy.find_py_spy()
     if exe is None:
         rec.outcome, rec.error = "failed", "py-spy not found on PATH (pip install py-spy)"
@@ -216,6 +224,9 @@ def _missing_or_denied(error: str | None) -> bool:
 
 
 async def _cpu(cap: _Capture, rec: _Step, seconds: float) -> None:
+    if cap.req.pid is None:
+        rec.outcome, rec.error = "skipped", "no process to inspect"
+        return
     cap.window = await sample_process(cap.req.pid, seconds)
     cap.writer.write_json("procstats.json", cap.window.to_dict())
     if cap.window.errors:
@@ -311,7 +322,7 @@ def _evidence(cap: _Capture) -> Evidence:
 
     ev = Evidence()
     ev.process_alive = "process" not in cap.process.get("errors", {}) and cap.window.gone_at is None
-    if ev.process_alive:
+    if ev.process_alive and cap.req.pid is not None:
         try:
             ev.process_alive = psutil.pid_exists(cap.req.pid) and psutil.Process(cap.req.pid).status() != psutil.STATUS_ZOMBIE
         except psutil.Error:

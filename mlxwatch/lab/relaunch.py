@@ -20,7 +20,7 @@ def main(argv: list[str]) -> int:
     server = LabServer.load(Path(argv[0]))
     try:
         server.relaunch()
-    except RuntimeError as exc:
+    except (RuntimeError, OSError) as exc:
         print(f"relaunch: {exc}", file=sys.stderr)
         return 1
     print(f"relaunched pid {server.pid} at {server.url}")

@@ -188,26 +188,42 @@ class LabServer:
     def owned_process_alive(self) -> bool:
         return self.owned_process() is not None
 
+    def refresh(self) -> None:
+        """Adopt the PID recorded in lab.json: a restart hook may have relaunched the server."""
+        try:
+            spec = json.loads((self.workdir / SPEC_NAME).read_text())
+        except (OSError, ValueError):
+            return
+        self.pid, self.create_time = spec["pid"], spec["create_time"]
+
+    def _wait_gone(self, timeout: float) -> bool:
+        """Until our process is gone. A zombie counts as gone: its parent may be another process."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.owned_process() is None:
+                return True
+            time.sleep(0.05)
+        return self.owned_process() is None
+
     def stop(self, grace: float = 5.0) -> None:
         """SIGTERM our PID (a SIGSTOPped one is continued first), SIGKILL after ``grace``."""
+        self.refresh()
         proc = self.owned_process()
-        if proc is None:
-            self._reap()
-            return
-        try:
-            proc.send_signal(signal.SIGCONT)
-            proc.terminate()
-            proc.wait(grace)
-        except psutil.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
-        except psutil.NoSuchProcess:
-            pass
+        if proc is not None:
+            try:
+                proc.send_signal(signal.SIGCONT)
+                proc.terminate()
+                if not self._wait_gone(grace):
+                    proc.kill()
+                    self._wait_gone(10)
+            except psutil.NoSuchProcess:
+                pass
         self._reap()
 
     def _reap(self) -> None:
-        if self._popen is not None:  # started here: collect its exit status
-            self._popen.wait(10)
+        if self._popen is not None:  # our own child (maybe already replaced by a hook): collect it
+            if self._popen.poll() is None:
+                self._popen.wait(10)
             self._popen = None
 
     def relaunch(self, ready_timeout: float = 120.0) -> None:

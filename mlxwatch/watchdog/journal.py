@@ -1,0 +1,73 @@
+"""The incident journal: ``<state_dir>/incidents.jsonl``, append-only, one fsynced line per change.
+
+Each record carries the incident's fields so far, so the last record of an incident is its
+whole story: instance, incident id, first_failure_at, detected_at, kind, bundle, restart
+method and result, recovered_at, seconds_to_recovery. An incident whose last record is not a
+closing event is open: the daemon was killed mid-incident, and the next start and
+``mlxwatch status`` say so.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from mlxwatch.storage import append_record, private_dir, read_records
+
+JOURNAL_NAME = "incidents.jsonl"
+CLOSING_EVENTS = ("recovered", "gave_up", "closed")
+
+
+@dataclass
+class Incident:
+    instance: str
+    id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
+    first_failure_at: float | None = None
+    detected_at: float | None = None
+    failures: list[str] = field(default_factory=list)  # probe reasons that led to the verdict
+    kind: str | None = None
+    confidence: str | None = None
+    bundle: str | None = None
+    pid: int | None = None
+    restart_method: str | None = None
+    restarts: list[dict[str, Any]] = field(default_factory=list)  # {at, result, error}
+    recovered_at: float | None = None
+    seconds_to_recovery: float | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class Journal:
+    def __init__(self, state_dir: Path) -> None:
+        self.path = private_dir(state_dir) / JOURNAL_NAME
+
+    def record(self, event: str, incident: Incident, **extra: Any) -> dict[str, Any]:
+        entry = {"ts": time.time(), "event": event, **incident.to_dict(), **extra}
+        append_record(self.path, entry)
+        return entry
+
+    def note(self, event: str, **fields: Any) -> None:
+        """A record that belongs to no incident (daemon start, resume requests)."""
+        append_record(self.path, {"ts": time.time(), "event": event, **fields})
+
+    def records(self) -> list[dict[str, Any]]:
+        return read_records(self.path)
+
+    def open_incidents(self) -> list[dict[str, Any]]:
+        """The last record of each incident that never reached a closing event."""
+        last: dict[str, dict[str, Any]] = {}
+        for rec in self.records():
+            if "id" in rec and "instance" in rec:
+                last[rec["id"]] = rec
+        return [r for r in last.values() if r["event"] not in CLOSING_EVENTS]
+
+    def latest_by_instance(self) -> dict[str, dict[str, Any]]:
+        out: dict[str, dict[str, Any]] = {}
+        for rec in self.records():
+            if "id" in rec and "instance" in rec:
+                out[rec["instance"]] = rec
+        return out

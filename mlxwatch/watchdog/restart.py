@@ -1,0 +1,99 @@
+"""Restart methods: launchd, systemd, a custom command, a signal, or none.
+
+Commands are argv lists, never a shell string. ``{name}``, ``{pid}``, ``{url}`` and
+``{bundle}`` are substituted inside each argument. ``signal`` re-checks the process identity
+(same PID, same create time, still listening on the port) before every signal it sends:
+a reused PID is never signalled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal as signals
+from dataclasses import dataclass
+
+from mlxwatch.capture.commands import Runner, run_command
+from mlxwatch.config import InstanceConfig, RestartConfig
+from mlxwatch.errors import RestartError
+from mlxwatch.process import ProcessIdentity
+
+
+@dataclass
+class RestartContext:
+    """What a restart may refer to."""
+
+    instance: InstanceConfig
+    identity: ProcessIdentity | None
+    bundle: str | None
+
+
+def launchd_command(cfg: RestartConfig, uid: int | None = None) -> list[str]:
+    uid = os.getuid() if uid is None else uid
+    domain = "system" if cfg.domain == "system" else f"{cfg.domain}/{uid}"
+    return ["launchctl", "kickstart", "-k", f"{domain}/{cfg.target}"]
+
+
+def systemd_command(cfg: RestartConfig) -> list[str]:
+    return ["systemctl", *(["--user"] if cfg.user else []), "restart", cfg.target]
+
+
+def custom_command(cfg: RestartConfig, ctx: RestartContext) -> list[str]:
+    values = {
+        "{name}": ctx.instance.name,
+        "{pid}": str(ctx.identity.pid) if ctx.identity else "",
+        "{url}": ctx.instance.url,
+        "{bundle}": ctx.bundle or "",
+    }
+    out = []
+    for arg in cfg.argv:
+        for key, value in values.items():
+            arg = arg.replace(key, value)
+        out.append(arg)
+    return out
+
+
+def describe(cfg: RestartConfig) -> str:
+    if cfg.method in ("launchd", "systemd"):
+        return f"{cfg.method} {cfg.target}"
+    if cfg.method == "command":
+        return "command " + " ".join(cfg.argv)
+    if cfg.method == "signal":
+        return f"signal {cfg.signal_name}"
+    return "none"
+
+
+async def restart(ctx: RestartContext, runner: Runner = run_command) -> str:
+    """Restart the instance; return a one-line result. Raises RestartError on failure."""
+    cfg = ctx.instance.restart
+    if cfg.method == "none":
+        return "no restart configured (capture and notify only)"
+    if cfg.method == "signal":
+        return await _signal(ctx, cfg)
+    argv = {"launchd": lambda: launchd_command(cfg), "systemd": lambda: systemd_command(cfg),
+            "command": lambda: custom_command(cfg, ctx)}[cfg.method]()
+    result = await runner(argv, cfg.timeout)
+    if not result.ok:
+        raise RestartError(f"{argv[0]}: {result.error}")
+    return f"ran {' '.join(argv)}"
+
+
+async def _signal(ctx: RestartContext, cfg: RestartConfig) -> str:
+    ident, port = ctx.identity, ctx.instance.port
+    if ident is None:
+        raise RestartError("no process identity recorded: refusing to signal an unknown PID")
+    if not ident.still_ours(port):
+        if not ident.alive():
+            return f"process {ident.pid} already gone; its supervisor restarts it"
+        raise RestartError(f"PID {ident.pid} is no longer the server on port {port}: not signalling it")
+    os.kill(ident.pid, getattr(signals, cfg.signal_name))
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + cfg.grace
+    while loop.time() < deadline:
+        if not ident.alive():
+            return f"sent {cfg.signal_name} to {ident.pid}; it exited"
+        await asyncio.sleep(0.2)
+    if ident.alive():  # same PID and create time: still our process, so SIGKILL is safe
+        os.kill(ident.pid, signals.SIGKILL)
+        return f"sent {cfg.signal_name} to {ident.pid}; still running after {cfg.grace:g}s, sent SIGKILL"
+    return f"sent {cfg.signal_name} to {ident.pid}; it exited"

@@ -1,0 +1,83 @@
+"""``mlxwatch status``: the daemon's state file and the journal, daemon running or not."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+from rich.console import Console
+from rich.table import Table
+
+from mlxwatch.config import Config
+from mlxwatch.durations import format_duration
+from mlxwatch.watchdog.journal import Journal
+from mlxwatch.watchdog.state import StateFile
+
+
+def collect_status(config: Config, state_dir: Path) -> dict[str, Any]:
+    state = StateFile.read(state_dir)
+    journal = Journal(state_dir)
+    daemon = state.get("daemon", {})
+    pid = daemon.get("pid")
+    running = bool(daemon.get("running") and pid and psutil.pid_exists(pid))
+    latest = journal.latest_by_instance()
+    open_incidents = {r["instance"]: r for r in journal.open_incidents()}
+    names = [i.name for i in config.instances] + [n for n in state.get("instances", {}) if n not in {i.name for i in config.instances}]
+    instances = []
+    for name in names:
+        s = state.get("instances", {}).get(name, {})
+        inc = latest.get(name)
+        instances.append({
+            "name": name,
+            "state": s.get("state", "never probed"),
+            "last_probe": s.get("last_probe"),
+            "failures": s.get("failures", 0),
+            "restarts_in_window": _restarts_in_window(s, config, name),
+            "last_incident": inc and {k: inc.get(k) for k in ("id", "event", "kind", "detected_at", "bundle",
+                                                              "recovered_at", "seconds_to_recovery")},
+            "open_incident": open_incidents.get(name) and {"id": open_incidents[name]["id"],
+                                                           "stopped_at_event": open_incidents[name]["event"]},
+        })
+    return {"state_dir": str(state_dir), "daemon": {"running": running, **daemon}, "instances": instances}
+
+
+def _restarts_in_window(s: dict, config: Config, name: str) -> int:
+    window = next((i.restart.window for i in config.instances if i.name == name), 1800.0)
+    return sum(1 for t in s.get("restarts", []) if time.time() - t < window)
+
+
+def render_status(status: dict[str, Any], console: Console) -> None:
+    d = status["daemon"]
+    if d["running"]:
+        console.print(f"daemon running (PID {d['pid']}), state in {status['state_dir']}")
+    elif d.get("updated_at"):
+        console.print(f"[yellow]daemon not running[/] (last update {_ago(d['updated_at'])}); state in {status['state_dir']}")
+    else:
+        console.print(f"[yellow]daemon has not run yet[/] (no state in {status['state_dir']})")
+    table = Table()
+    for col in ("instance", "state", "last probe", "TTFT", "total", "failures", "last incident", "restarts"):
+        table.add_column(col)
+    for i in status["instances"]:
+        p = i["last_probe"] or {}
+        inc = i["last_incident"]
+        inc_text = "-"
+        if inc:
+            inc_text = f"{inc.get('kind') or '?'} {inc['event']} {_ago(inc.get('detected_at'))}"
+        if i["open_incident"]:
+            inc_text += f" [red](open: daemon stopped at {i['open_incident']['stopped_at_event']})[/]"
+        table.add_row(
+            i["name"], i["state"],
+            ("ok" if p.get("ok") else f"failed: {p.get('reason', '')[:40]}") + f" {_ago(p.get('at'))}" if p else "-",
+            format_duration(p["ttft"]) if p.get("ttft") is not None else "-",
+            format_duration(p["total"]) if p.get("total") is not None else "-",
+            str(i["failures"]), inc_text, str(i["restarts_in_window"]),
+        )
+    console.print(table)
+
+
+def _ago(ts: float | None) -> str:
+    if not ts:
+        return ""
+    return f"{format_duration(max(0.0, time.time() - ts))} ago"
