@@ -40,7 +40,7 @@ def collect_status(config: Config, state_dir: Path) -> dict[str, Any]:
             "open_incident": open_incidents.get(name) and {"id": open_incidents[name]["id"],
                                                            "stopped_at_event": open_incidents[name]["event"]},
         })
-    return {"state_dir": str(state_dir), "daemon": {"running": running, **daemon}, "instances": instances}
+    return {"state_dir": str(state_dir), "daemon": {**daemon, "running": running}, "instances": instances}
 
 
 def _restarts_in_window(s: dict, config: Config, name: str) -> int:
@@ -66,7 +66,7 @@ def render_status(status: dict[str, Any], console: Console) -> None:
         if inc:
             inc_text = f"{inc.get('kind') or '?'} {inc['event']} {_ago(inc.get('detected_at'))}"
         if i["open_incident"]:
-            inc_text += f" [red](open: daemon stopped at {i['open_incident']['stopped_at_event']})[/]"
+            inc_text += " [red](open)[/]"
         table.add_row(
             i["name"], i["state"],
             ("ok" if p.get("ok") else f"failed: {p.get('reason', '')[:40]}") + f" {_ago(p.get('at'))}" if p else "-",
@@ -75,6 +75,11 @@ def render_status(status: dict[str, Any], console: Console) -> None:
             str(i["failures"]), inc_text, str(i["restarts_in_window"]),
         )
     console.print(table)
+    for i in status["instances"]:
+        if i["open_incident"]:
+            o = i["open_incident"]
+            console.print(f"[red]{i['name']}: incident {o['id']} open: daemon stopped at {o['stopped_at_event']}[/]"
+                          + (" (the daemon will close it when it starts)" if not d["running"] else ""))
 
 
 def _ago(ts: float | None) -> str:

@@ -1,0 +1,178 @@
+"""`mlxwatch run` as the process launchd would run, and what survives it: restart budget with a
+failing or hanging hook, SIGKILL mid-incident, clean SIGTERM, SIGHUP with a bad config.
+
+The watched URL is a closed loopback port (nothing listens: every probe is refused), so these
+tests need no model server; the real-server paths are in test_watchdog_real.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from mlxwatch.watchdog.journal import Journal
+
+
+def closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def write_config(tmp_path: Path, restart: str, extra: str = "", budget: int = 2) -> Path:
+    path = tmp_path / "config.yaml"
+    path.write_text(f"""
+state_dir: {tmp_path / 'state'}
+{extra}
+capture: {{snapshots: 1, spacing: 0.2, ceiling: 10s}}
+instances:
+  - name: gone
+    url: http://127.0.0.1:{closed_port()}
+    probe: {{interval: 0.3, first_token_timeout: 1, timeout: 2, failures: 2, endpoint_timeout: 0.5, startup_timeout: 1}}
+    restart: {{{restart}, budget: {budget}, window: 10m, backoff: 0.2, cooldown: 1h}}
+""")
+    return path
+
+
+def start_daemon(config: Path) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "mlxwatch", "--config", str(config), "run"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def wait_for(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)
+
+
+def events(tmp_path: Path) -> list[str]:
+    return [r["event"] for r in Journal(tmp_path / "state").records()]
+
+
+def stop(proc: subprocess.Popen) -> tuple[str, str]:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+    return proc.communicate(timeout=30)
+
+
+def test_failing_restart_hook_is_recorded_and_the_budget_gives_up(tmp_path):
+    """Each failed restart is journaled; after `budget` restarts the instance is given up and the
+    notify hook hears about it with the incident on stdin."""
+    notified = tmp_path / "notified.jsonl"
+    hook = [sys.executable, "-c", f"import sys; open({str(notified)!r}, 'a').write(sys.stdin.read() + '\\n')"]
+    failing = f'command: ["{sys.executable}", "-c", "import sys; sys.exit(7)"]'
+    proc = start_daemon(write_config(tmp_path, failing, extra=f"notify: {json.dumps(hook)}"))
+    try:
+        wait_for(lambda: "gave_up" in events(tmp_path), 60, "gave_up")
+    finally:
+        out, err = stop(proc)
+    assert proc.returncode == 0, err
+    evs = events(tmp_path)
+    assert evs.count("restart_failed") == 2 and evs.count("restarting") == 2
+    last = [r for r in Journal(tmp_path / "state").records() if r["event"] == "gave_up"][-1]
+    assert [r["result"] for r in last["restarts"]] == ["failed", "failed"]
+    assert "exit 7" in last["restarts"][0]["detail"]
+    assert last["kind"] == "crashed"  # nothing listens: the bundle says the process is gone
+    wait_for(lambda: notified.exists() and "gave_up" in notified.read_text(), 10, "notify")
+    kinds = [json.loads(line)["event"] for line in notified.read_text().splitlines() if line.strip()]
+    assert kinds[0] == "verdict" and "gave_up" in kinds
+    assert "GAVE UP" in err
+
+
+def test_hanging_restart_hook_times_out_and_counts(tmp_path):
+    """A hook that hangs is ended at its timeout, recorded as failed, and uses the budget."""
+    hanging = f'command: ["{sys.executable}", "-c", "import time; time.sleep(120)"], timeout: 1s'
+    proc = start_daemon(write_config(tmp_path, hanging, budget=1))
+    try:
+        wait_for(lambda: "gave_up" in events(tmp_path), 60, "gave_up")
+    finally:
+        stop(proc)
+    last = [r for r in Journal(tmp_path / "state").records() if r["event"] == "gave_up"][-1]
+    assert "timed out after 1s" in last["restarts"][0]["detail"]
+
+
+def test_sigkill_mid_incident_leaves_a_journal_status_reports(tmp_path):
+    """Kill -9 the daemon while a restart is running: status shows the open incident and where
+    it stopped; the next daemon start reports it and closes it."""
+    slow = f'command: ["{sys.executable}", "-c", "import time; time.sleep(300)"], timeout: 10m'
+    config = write_config(tmp_path, slow)
+    proc = start_daemon(config)
+    try:
+        wait_for(lambda: "restarting" in events(tmp_path), 60, "restarting")
+        wait_for(lambda: psutil.Process(proc.pid).children(recursive=True), 30, "the restart hook")
+        hook = psutil.Process(proc.pid).children(recursive=True)
+        proc.send_signal(signal.SIGKILL)
+        proc.communicate(timeout=10)
+    finally:
+        for child in hook:  # the hook we caused to start: ended by its own PID
+            try:
+                child.kill()
+            except psutil.NoSuchProcess:
+                pass
+    status = subprocess.run([sys.executable, "-m", "mlxwatch", "--config", str(config), "status", "--json"],
+                            capture_output=True, text=True, timeout=60)
+    assert status.returncode == 0, status.stderr
+    data = json.loads(status.stdout)
+    assert data["daemon"]["running"] is False
+    (gone,) = data["instances"]
+    assert gone["open_incident"]["stopped_at_event"] == "restarting"
+    human = subprocess.run([sys.executable, "-m", "mlxwatch", "--config", str(config), "status"],
+                           capture_output=True, text=True, timeout=60)
+    assert "daemon not running" in human.stdout
+    assert f"gone: incident {gone['open_incident']['id']} open: daemon stopped at restarting" in human.stdout
+    again = start_daemon(config)
+    try:
+        wait_for(lambda: "closed" in events(tmp_path), 30, "closed")
+    finally:
+        _, err = stop(again)
+    assert "was left open by a stopped daemon at 'restarting'" in err
+
+
+def test_sigterm_stops_cleanly_and_sighup_keeps_old_config_when_new_is_bad(tmp_path):
+    """SIGHUP with a broken config: reported, old config kept; SIGTERM: exit 0, state says stopped."""
+    config = write_config(tmp_path, "none: true")
+    proc = start_daemon(config)
+    try:
+        wait_for(lambda: (tmp_path / "state" / "state.json").exists(), 30, "state file")
+        config.write_text("instances: [{name: x, url: 'http://127.0.0.1:1', probe: {timeout: -1}}]")
+        proc.send_signal(signal.SIGHUP)
+        time.sleep(1.0)
+        assert proc.poll() is None
+    finally:
+        out, err = stop(proc)
+    assert proc.returncode == 0
+    assert "config reload failed, keeping the old config" in err
+    assert "instances[0].probe.timeout: must be a positive duration (got -1)" in err
+    state = json.loads((tmp_path / "state" / "state.json").read_text())
+    assert state["daemon"]["running"] is False
+
+
+def test_run_without_config_points_to_demo(tmp_path, monkeypatch):
+    """No config anywhere: exit 2 with one line that says what to do."""
+    env = {**os.environ, "HOME": str(tmp_path)}
+    env.pop("MLXWATCH_CONFIG", None)
+    proc = subprocess.run([sys.executable, "-m", "mlxwatch", "run"], capture_output=True, text=True, env=env, timeout=60)
+    assert proc.returncode == 2
+    (line,) = proc.stderr.strip().splitlines()
+    assert "nothing to watch" in line and "mlxwatch demo" in line
+
+
+def test_resume_command_writes_a_request_the_daemon_consumes(tmp_path):
+    """`mlxwatch resume NAME` works without a running daemon; an unknown name is refused."""
+    config = write_config(tmp_path, "none: true")
+    ok = subprocess.run([sys.executable, "-m", "mlxwatch", "--config", str(config), "resume", "gone"],
+                        capture_output=True, text=True, timeout=60)
+    assert ok.returncode == 0 and (tmp_path / "state" / "resume" / "gone").exists()
+    bad = subprocess.run([sys.executable, "-m", "mlxwatch", "--config", str(config), "resume", "nope"],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "no instance named 'nope'" in bad.stderr

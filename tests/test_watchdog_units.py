@@ -1,0 +1,197 @@
+"""The watchdog's decisions and side effects, without a model server: policy, flap guard,
+restart commands, PID-reuse safety, journal durability, notify hooks, progress evidence."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from mlxwatch.config import InstanceConfig, RestartConfig
+from mlxwatch.errors import RestartError
+from mlxwatch.probes import CheckReport
+from mlxwatch.probes.endpoints import EndpointResult
+from mlxwatch.probes.generation import GenerationProbeResult, Keepalive
+from mlxwatch.process import ProcessIdentity
+from mlxwatch.watchdog import policy
+from mlxwatch.watchdog.flapguard import FlapGuard
+from mlxwatch.watchdog.journal import Incident, Journal
+from mlxwatch.watchdog.notify import run_notify
+from mlxwatch.watchdog.progress import ProgressTracker
+from mlxwatch.watchdog.restart import RestartContext, custom_command, launchd_command, restart, systemd_command
+
+
+def test_verdict_after_n_consecutive_failures():
+    """Two failures in a row make a verdict; a success in between resets the count."""
+    d = policy.Detection(failures_needed=2, grace_ceiling=600)
+    assert d.failure(0, []) is False and d.state == policy.SUSPECT
+    d.success()
+    assert d.failure(10, []) is False
+    assert d.failure(20, []) is True and d.state == policy.HUNG
+
+
+def test_progress_holds_the_verdict_until_the_ceiling():
+    """Visible progress keeps a failing server suspect, but only up to grace_ceiling."""
+    d = policy.Detection(failures_needed=2, grace_ceiling=100)
+    for t in (0, 10, 20, 50, 90):
+        assert d.failure(t, ["log: prompt processing advanced"]) is False
+    assert d.graced
+    assert d.failure(100, ["log: prompt processing advanced"]) is True  # ceiling reached
+
+
+def test_progress_stopping_leads_to_a_verdict_on_the_next_failure():
+    """Once progress stops, the next failure is enough: the count was held at failures-1."""
+    d = policy.Detection(failures_needed=3, grace_ceiling=600)
+    d.failure(0, ["x"]), d.failure(10, ["x"]), d.failure(20, ["x"])
+    assert d.failure(30, []) is True
+
+
+def test_flap_guard_backoff_and_budget():
+    """Backoff doubles; the budget per window gives up; the window forgets; resume clears."""
+    g = FlapGuard(budget=3, window=1000, backoff=10, max_backoff=25, cooldown=500)
+    assert g.wait_before_restart(0) == 0
+    g.record_restart(0)
+    assert g.wait_before_restart(4) == 6  # 10 s after the first
+    g.record_restart(10)
+    assert g.wait_before_restart(10) == 20  # doubled
+    g.record_restart(30)
+    assert g.exhausted(31)
+    assert g.wait_before_restart(30) == 25  # capped at max_backoff
+    g.give_up(31)
+    assert not g.cooled_down(100) and g.cooled_down(531)
+    assert not g.exhausted(1011)  # the first restart left the window
+    g.resume()
+    assert g.restarts == [] and g.gave_up_at is None
+
+
+def inst(restart: RestartConfig, url="http://127.0.0.1:8082") -> InstanceConfig:
+    return InstanceConfig("gemma", url, restart=restart)
+
+
+def test_restart_command_construction():
+    """launchd kickstart -k in the user's GUI domain (or system); systemctl [--user]; argv substitution."""
+    assert launchd_command(RestartConfig("launchd", "com.x.mlx"), uid=501) == \
+        ["launchctl", "kickstart", "-k", "gui/501/com.x.mlx"]
+    assert launchd_command(RestartConfig("launchd", "com.x.mlx", domain="system"), uid=501) == \
+        ["launchctl", "kickstart", "-k", "system/com.x.mlx"]
+    assert launchd_command(RestartConfig("launchd", "com.x.mlx", domain="user"), uid=501) == \
+        ["launchctl", "kickstart", "-k", "user/501/com.x.mlx"]
+    assert systemd_command(RestartConfig("systemd", "mlx.service", user=True)) == ["systemctl", "--user", "restart", "mlx.service"]
+    assert systemd_command(RestartConfig("systemd", "mlx.service")) == ["systemctl", "restart", "mlx.service"]
+    cfg = RestartConfig("command", argv=("/bin/restart", "--name={name}", "{pid}", "{url}", "{bundle}", "{unknown}; rm -rf /"))
+    ctx = RestartContext(inst(cfg), ProcessIdentity(4242, 1.0, ()), "/b/1")
+    assert custom_command(cfg, ctx) == ["/bin/restart", "--name=gemma", "4242", "http://127.0.0.1:8082", "/b/1",
+                                        "{unknown}; rm -rf /"]  # one argv element, never a shell
+
+
+async def test_command_restart_failure_and_timeout_raise():
+    """A hook that exits non-zero or hangs past its timeout is a RestartError naming why."""
+    failing = RestartConfig("command", argv=(sys.executable, "-c", "import sys; print('boom', file=sys.stderr); sys.exit(3)"))
+    with pytest.raises(RestartError, match="exit 3: boom"):
+        await restart(RestartContext(inst(failing), None, None))
+    hanging = RestartConfig("command", argv=(sys.executable, "-c", "import time; time.sleep(60)"), timeout=0.5)
+    t0 = time.monotonic()
+    with pytest.raises(RestartError, match="timed out after 0.5s"):
+        await restart(RestartContext(inst(hanging), None, None))
+    assert time.monotonic() - t0 < 5
+
+
+async def test_signal_restart_never_signals_a_reused_pid():
+    """A recorded identity whose create time differs (the PID was reused) is refused."""
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        real = ProcessIdentity.of(child.pid)
+        reused = ProcessIdentity(child.pid, real.create_time - 100, real.cmdline)
+        cfg = RestartConfig("signal", signal_name="SIGTERM", grace=1)
+        with pytest.raises(RestartError, match="no longer the server"):
+            # same PID alive, other create time: alive() is False but the PID exists
+            await restart(RestartContext(inst(cfg), ProcessIdentity(child.pid, real.create_time, ()), None))
+        assert child.poll() is None  # not listening on the port: refused, untouched
+        result = await restart(RestartContext(inst(cfg), reused, None))
+        assert "already gone" in result and child.poll() is None  # treated as gone, never signalled
+    finally:
+        child.kill()
+        child.wait()
+
+
+async def test_signal_restart_terminates_our_listening_server(tmp_path):
+    """The real thing: a process listening on the port gets SIGTERM and exits."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    child = subprocess.Popen([sys.executable, "-c",
+                              f"import socket,time; s=socket.socket(); s.bind(('127.0.0.1',{port})); s.listen(); time.sleep(60)"])
+    try:
+        for _ in range(100):
+            from mlxwatch.process import listening_pids
+            if child.pid in listening_pids(port):
+                break
+            await asyncio.sleep(0.05)
+        ident = ProcessIdentity.of(child.pid)
+        cfg = RestartConfig("signal", signal_name="SIGTERM", grace=5)
+        result = await restart(RestartContext(inst(cfg, f"http://127.0.0.1:{port}"), ident, None))
+        child.wait(5)
+        assert "sent SIGTERM" in result and child.returncode == -15
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+
+
+def test_journal_survives_a_torn_last_line_and_finds_open_incidents(tmp_path):
+    """Each record is a whole fsynced line; a torn tail is skipped; unfinished incidents are open."""
+    j = Journal(tmp_path)
+    a, b = Incident("gemma", detected_at=1.0), Incident("qwen", detected_at=2.0)
+    j.record("verdict", a)
+    j.record("verdict", b)
+    j.record("recovered", b)
+    with open(j.path, "a") as fh:
+        fh.write('{"event": "restarting", "id": "tor')  # killed mid-write
+    assert [r["id"] for r in j.open_incidents()] == [a.id]
+    assert (j.path.stat().st_mode & 0o777) == 0o600
+
+
+async def test_notify_hook_gets_json_and_a_hanging_hook_is_killed(tmp_path):
+    """The hook reads the incident as JSON on stdin; one that hangs is killed at its timeout."""
+    out = tmp_path / "got.json"
+    ok = await run_notify([sys.executable, "-c", f"import sys; open({str(out)!r}, 'w').write(sys.stdin.read())"],
+                          "verdict", {"instance": "gemma", "kind": "livelock"})
+    assert ok and json.loads(out.read_text()) == {"event": "verdict", "instance": "gemma", "kind": "livelock"}
+    t0 = time.monotonic()
+    assert await run_notify([sys.executable, "-c", "import time; time.sleep(60)"], "verdict", {}, timeout=0.5) is False
+    assert time.monotonic() - t0 < 5
+    assert await run_notify(["/nonexistent/hook"], "verdict", {}) is False
+
+
+def report(status=200, keepalives=()):
+    gen = GenerationProbeResult(url="u", started_at=0, status=status, keepalives=[Keepalive(0, a, b) for a, b in keepalives])
+    return CheckReport("u", gen, EndpointResult("/health"), EndpointResult("/v1/models"))
+
+
+def test_progress_tracker_reads_only_other_work(tmp_path):
+    """The probe's own prompt lines and POSTs do not count; another prompt's progress does."""
+    log = tmp_path / "server.log"
+    log.write_text("Starting httpd at 127.0.0.1 on port 1...\n")
+    t = ProgressTracker(log)
+    t.prime()
+    with open(log, "a") as fh:  # our probe: admitted (POST 200), prefilled 25/25, then nothing
+        fh.write('127.0.0.1 - - [x] "POST /v1/chat/completions HTTP/1.1" 200 -\n'
+                 "Prompt processing progress: 24/25\nPrompt processing progress: 25/25\n")
+    assert t.observe([report(keepalives=[(24, 25), (25, 25)])]) == []
+    with open(log, "a") as fh:  # someone else's long prompt is advancing
+        fh.write("Prompt processing progress: 1024/25660\nPrompt processing progress: 2048/25660\n")
+    signals = t.observe([report(status=None)])
+    assert signals == ["log: prompt processing advanced (2 progress line(s), now 2048/25660)"]
+    with open(log, "a") as fh:
+        fh.write('127.0.0.1 - - [x] "POST /v1/chat/completions HTTP/1.1" 200 -\n' * 3)
+    assert t.observe([report(status=200)]) == ["log: 2 other request(s) answered (POST ... 200)"]
+    assert t.observe([report(keepalives=[(64, 900)])]) == [
+        "the probe's own prompt was still being processed (64/900)"]
