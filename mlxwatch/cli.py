@@ -87,6 +87,11 @@ def build_parser() -> argparse.ArgumentParser:
     resume.add_argument("name")
     resume.add_argument("--state-dir")
 
+    agent = sub.add_parser("launchd", help="launchd agent for the daemon (macOS)")
+    agent_sub = agent.add_subparsers(dest="launchd_command", required=True, parser_class=_Parser)
+    plist = agent_sub.add_parser("plist", help="print the agent plist for this installation")
+    plist.add_argument("--label", default="com.mlxwatch.daemon")
+
     demo = sub.add_parser("demo", help="watch a tiny real mlx_lm.server through a livelock and its recovery")
     demo.add_argument("--keep", action="store_true", help="keep the demo's model and server log too")
     return parser
@@ -286,6 +291,14 @@ def cmd_resume(args: argparse.Namespace, out: Console) -> int:
     return EXIT_OK
 
 
+def cmd_launchd(args: argparse.Namespace, out: Console) -> int:
+    from mlxwatch.launchd import render
+
+    config = resolve_config_path(args.config)
+    sys.stdout.write(render(config.resolve(), args.label).decode())
+    return EXIT_OK
+
+
 def cmd_demo(args: argparse.Namespace, out: Console) -> int:
     from mlxwatch.demo import run_demo
 
@@ -301,6 +314,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace, Console], int]] = {
     "status": cmd_status,
     "resume": cmd_resume,
     "demo": cmd_demo,
+    "launchd": cmd_launchd,
 }
 
 

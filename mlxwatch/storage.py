@@ -36,31 +36,27 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def write_new(path: Path, data: bytes) -> None:
-    """Create ``path`` with ``data``; raise FileExistsError rather than overwrite."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE)
+def _write_synced(path: Path, flags: int, data: bytes) -> None:
+    """Open with ``flags``, write all of ``data``, fsync, close: the one way files are written."""
+    fd = os.open(path, os.O_WRONLY | flags, FILE_MODE)
     try:
-        _write_all(fd, data)
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
         os.fsync(fd)
     finally:
         os.close(fd)
 
 
-def _write_all(fd: int, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view):]
+def write_new(path: Path, data: bytes) -> None:
+    """Create ``path`` with ``data``; raise FileExistsError rather than overwrite."""
+    _write_synced(path, os.O_CREAT | os.O_EXCL, data)
 
 
 def replace_atomically(path: Path, data: bytes) -> None:
     """Readers see the old content or the new, never a torn file."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, FILE_MODE)
-    try:
-        _write_all(fd, data)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    _write_synced(tmp, os.O_CREAT | os.O_TRUNC, data)
     os.replace(tmp, path)
     fsync_dir(path.parent)
 
@@ -68,12 +64,7 @@ def replace_atomically(path: Path, data: bytes) -> None:
 def append_record(path: Path, record: dict[str, Any]) -> None:
     """Append one JSON line and fsync: after a crash the journal ends at a whole record."""
     line = (json.dumps(record, sort_keys=True, default=str) + "\n").encode()
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, FILE_MODE)
-    try:
-        _write_all(fd, line)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    _write_synced(path, os.O_CREAT | os.O_APPEND, line)
 
 
 def read_records(path: Path) -> list[dict[str, Any]]:

@@ -39,7 +39,7 @@ def test_valid_config_fills_defaults_and_parses_durations(config_file):
     assert qwen.port == 8080
     assert qwen.restart.argv == ("/usr/local/bin/restart-qwen", "{pid}")
     assert qwen.restart.timeout == 30.0
-    assert qwen.probe.interval == 60.0
+    assert qwen.probe.interval == 30.0 and qwen.probe.suspect_interval == 10.0
 
 
 def test_example_config_is_valid():

@@ -195,3 +195,21 @@ def test_progress_tracker_reads_only_other_work(tmp_path):
     assert t.observe([report(status=200)]) == ["log: 2 other request(s) answered (POST ... 200)"]
     assert t.observe([report(keepalives=[(64, 900)])]) == [
         "the probe's own prompt was still being processed (64/900)"]
+
+
+def test_suspect_server_is_probed_again_sooner(tmp_path):
+    """After one failed probe the next comes after suspect_interval, not the full interval."""
+    from mlxwatch.config import CaptureConfig, ProbeConfig
+    from mlxwatch.watchdog.instance import InstanceWatcher, Shared
+    from mlxwatch.watchdog.notify import Notifier
+    from mlxwatch.watchdog.state import StateFile
+
+    shared = Shared(client=None, journal=Journal(tmp_path), state=StateFile(tmp_path), state_dir=tmp_path,
+                    notifier=Notifier(()), capture=CaptureConfig(), bundles_dir=tmp_path / "b")
+    probe = ProbeConfig(interval=30.0, suspect_interval=10.0)
+    watcher = InstanceWatcher(InstanceConfig("gemma", "http://127.0.0.1:1", probe=probe), shared, asyncio.Event())
+    assert watcher.next_delay() == 30.0
+    watcher.detect.failure(0.0, [])
+    assert watcher.detect.state == policy.SUSPECT and watcher.next_delay() == 10.0
+    watcher.detect.success()
+    assert watcher.next_delay() == 30.0

@@ -86,7 +86,12 @@ class InstanceWatcher:
         await self._sleep(random.uniform(0, min(self.inst.probe.interval, 5.0)))  # spread instances out
         while not self.stop.is_set():
             await self.cycle()
-            await self._sleep(self.inst.probe.interval * random.uniform(0.9, 1.1))
+            await self._sleep(self.next_delay() * random.uniform(0.9, 1.1))
+
+    def next_delay(self) -> float:
+        """A suspect server is probed again soon: one failure is a question, not an answer."""
+        p = self.inst.probe
+        return min(p.interval, p.suspect_interval) if self.detect.state == policy.SUSPECT else p.interval
 
     async def _sleep(self, seconds: float) -> None:
         """Sleep that a stop request interrupts."""

@@ -1,0 +1,28 @@
+"""The README's main command, `mlxwatch demo`, end to end: it must detect, capture, restart and
+recover, and leave no server running."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+
+
+def test_demo_runs_the_whole_job_and_cleans_up():
+    """Exit 0; the livelock is classified from its bundle; the server it started is gone."""
+    pytest.importorskip("mlx_lm")
+    proc = subprocess.run([sys.executable, "-m", "mlxwatch", "demo"], capture_output=True, text=True, timeout=600)
+    out = proc.stdout
+    assert proc.returncode == 0, out[-3000:] + proc.stderr[-3000:]
+    assert "classification: livelock" in out
+    assert re.search(r"Recovered [\d.]+s after the livelock was switched on", out)
+    bundle = Path(re.search(r"bundle:\s+(\S+)", out).group(1))
+    assert (bundle / "manifest.json").exists() and (bundle / "summary.md").exists()
+    workdir = bundle.parents[2]
+    assert not (workdir / "server").exists()  # model and server dir removed
+    leftovers = [p for p in psutil.process_iter(["cmdline"]) if str(workdir) in " ".join(p.info["cmdline"] or [])]
+    assert leftovers == []
