@@ -137,10 +137,10 @@ def _check_target(args: argparse.Namespace) -> tuple[str, ProbeConfig]:
         return inst.url, inst.probe
     if not args.url:
         raise UsageError("check: give a URL (e.g. http://127.0.0.1:8080) or --instance NAME")
-    from mlxwatch.config import _url  # the same URL rule as the config file
+    from mlxwatch.config import parse_base_url  # the same URL rule as the config file
 
     try:
-        url = _url(args.url)
+        url = parse_base_url(args.url)
     except ValueError as exc:
         raise UsageError(f"check: {exc} (got {args.url!r})") from None
     return url, ProbeConfig()

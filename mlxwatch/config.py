@@ -243,18 +243,18 @@ def _path(base: Path) -> Callable[[Any], Path]:
     return read
 
 
-def _url(value: Any) -> str:
+def parse_base_url(value: Any) -> str:
+    """A server base URL (http[s]://host:port, no path), without a trailing slash. ValueError otherwise."""
     text = _string(value)
     try:
         parts = urlsplit(text)
-        port = parts.port
+        parts.port  # noqa: B018 - reading it raises ValueError for a port out of range
     except ValueError:
         raise ValueError("must be a URL such as http://127.0.0.1:8080") from None
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise ValueError("must be a URL such as http://127.0.0.1:8080")
     if parts.path not in ("", "/") or parts.query or parts.fragment:
         raise ValueError("must be the server's base URL, without a path")
-    del port
     return text.rstrip("/")
 
 
@@ -382,7 +382,7 @@ def _signal_name(value: Any) -> str:
 
 def _instance(sec: _Section, base: Path) -> InstanceConfig:
     name = sec.require("name", _string)
-    url = sec.require("url", _url)
+    url = sec.require("url", parse_base_url)
     log = sec.take("log", _path(base), None)
     pid_file = sec.take("pid_file", _path(base), None)
     probe = _probe(sec.section("probe"))

@@ -188,3 +188,31 @@ async def test_a_wedged_instance_does_not_delay_another(lab, tmp_path):
         for w in hold:
             w.close()
         silent.close()
+
+
+async def test_after_giving_up_a_server_that_returns_is_recorded_as_recovered(server_python, lab_root, tmp_path):
+    """Nothing listens and the restart hook fails: gave_up. When a server appears on the port,
+    the same incident is closed as recovered without a restart."""
+    from mlxwatch.lab.server import free_port
+
+    port = free_port()
+    failing = RestartConfig("command", argv=(sys.executable, "-c", "import sys; sys.exit(7)"), budget=1, backoff=0.2)
+    probe = ProbeConfig(interval=0.5, first_token_timeout=2.0, timeout=4.0, failures=2, endpoint_timeout=1.0,
+                        startup_timeout=1.0)
+    config = Config(None, (InstanceConfig("lab", f"http://127.0.0.1:{port}", probe=probe, restart=failing),),
+                    tmp_path, (), CaptureConfig(snapshots=1, spacing=0.2, ceiling=10.0))
+    started = {}
+
+    def gave_up(journal: Journal) -> bool:
+        if any(r["event"] == "gave_up" for r in journal.records()) and "server" not in started:
+            started["server"] = LabServer.start(server_python, lab_root / f"late-{port}", port=port)
+        return any(r["event"] == "recovered" for r in journal.records())
+
+    try:
+        journal = await run_daemon_until(config, gave_up, timeout=180)
+    finally:
+        if "server" in started:
+            started["server"].stop()
+    records = incident_records(journal)
+    assert [r["event"] for r in records][-2:] == ["gave_up", "recovered"]
+    assert records[-1]["id"] == records[-2]["id"] and records[-1]["how"] == "recovered without a restart"

@@ -254,13 +254,15 @@ class InstanceWatcher:
         self.shared.journal.record("gave_up", inc)
         self.shared.notifier.fire("gave_up", inc.to_dict())
         self.detect.state = policy.GAVE_UP
-        self.incident = None
-        self._save(last_incident=_incident_summary(inc))
+        self._save(last_incident=_incident_summary(inc))  # kept open: a later good probe records recovery
 
     def _resume(self, why: str) -> None:
         log.warning("%s: %s: restarts allowed again", self.inst.name, why)
         self.guard.resume()
         self.shared.journal.note("resumed", instance=self.inst.name, why=why)
+        if self.incident is not None:  # the given-up incident ends here; new failures start a new one
+            self.shared.journal.record("closed", self.incident, reason=why)
+            self.incident = None
         if self.detect.state == policy.GAVE_UP:
             self.detect.success()
         self._save()
