@@ -4,7 +4,6 @@ crash reports shaped like real ones (tests/data); they cannot run on Linux CI.""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import tarfile

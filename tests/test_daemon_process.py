@@ -17,7 +17,6 @@ import time
 from pathlib import Path
 
 import psutil
-import pytest
 
 from mlxwatch.watchdog.journal import Journal
 

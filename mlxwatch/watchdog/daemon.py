@@ -123,7 +123,7 @@ class Daemon:
         for task in self.tasks.values():
             task.cancel()
         await asyncio.gather(*self.tasks.values(), return_exceptions=True)
-        for name, watcher in self.watchers.items():
+        for watcher in self.watchers.values():
             if watcher.incident is not None:
                 self.journal.record("interrupted", watcher.incident, reason="daemon stopped")
         await self.notifier.drain()
