@@ -106,11 +106,12 @@ def _load_optional(args: argparse.Namespace) -> Config:
 
 
 def bundles_dir(config: Config, override: str | None = None) -> Path:
-    from mlxwatch.config import default_state_dir
+    """--out, else where the daemon keeps its bundles for this config."""
+    from mlxwatch.watchdog.daemon import bundles_dir_for, state_dir_for
 
     if override:
         return Path(override).expanduser()
-    return config.capture.dir or (config.state_dir or default_state_dir()) / "bundles"
+    return bundles_dir_for(config, state_dir_for(config))
 
 
 def _load(args: argparse.Namespace, path: str | None = None) -> Config:

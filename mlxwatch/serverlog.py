@@ -13,8 +13,8 @@ from pathlib import Path
 
 RECENT_BYTES = 4 * 1024 * 1024
 
-_PROGRESS = re.compile(r"Prompt processing progress: (\d+)/(\d+)")
-_COMPLETION = re.compile(r'"POST /v1/(?:chat/)?completions HTTP/1\.[01]" (\d{3})')
+PROGRESS = re.compile(r"Prompt processing progress: (\d+)/(\d+)")
+COMPLETION = re.compile(r'"POST /v1/(?:chat/)?completions HTTP/1\.[01]" (\d{3})')
 _THREAD_EXC = re.compile(r"Exception in thread (.+?):?$")
 _MISSING_PARAMS = re.compile(r"Missing (\d+) parameters")
 # Other threads keep logging while a traceback is printed: access lines and timestamped lines
@@ -65,6 +65,16 @@ def read_recent(path: Path | None, max_bytes: int = RECENT_BYTES) -> str:
     return data.decode("utf-8", errors="replace")
 
 
+def progress_lines(text: str) -> list[tuple[int, int]]:
+    """Every ``Prompt processing progress: X/Y`` in ``text``, in order."""
+    return [(int(a), int(b)) for a, b in PROGRESS.findall(text)]
+
+
+def completions_ok(text: str) -> int:
+    """How many ``POST /v1/(chat/)completions ... 200`` access lines ``text`` holds."""
+    return sum(1 for status in COMPLETION.findall(text) if status == "200")
+
+
 def tail_lines(text: str, n: int) -> list[str]:
     return text.splitlines()[-n:]
 
@@ -86,11 +96,11 @@ def scan(text: str) -> LogMarkers:
     in_traceback = False
     for line in text.splitlines():
         markers.lines_scanned += 1
-        if (m := _PROGRESS.search(line)):
+        if (m := PROGRESS.search(line)):
             markers.last_prompt_progress = line
             markers.prompt_progress = (int(m.group(1)), int(m.group(2)))
             markers.progress_count += 1
-        if (m := _COMPLETION.search(line)) and m.group(1) == "200":
+        if (m := COMPLETION.search(line)) and m.group(1) == "200":
             markers.last_completion = line
             markers.completion_count += 1
         if (m := _THREAD_EXC.search(line.strip())):

@@ -43,6 +43,7 @@ class BundleWriter:
         self.partial = self.root / f".{self.name}.partial"
         self.partial.mkdir(mode=0o700)
         self.files: dict[str, dict[str, Any]] = {}
+        self.manifest: dict[str, Any] = {}
 
     def write(self, relname: str, data: bytes | str) -> Path:
         if isinstance(data, str):
@@ -56,15 +57,32 @@ class BundleWriter:
     def write_json(self, relname: str, value: Any) -> Path:
         return self.write(relname, json.dumps(value, indent=2, sort_keys=True, default=str))
 
+    def adopt(self, relname: str) -> None:
+        """Register a file a tool wrote itself inside the partial bundle (py-spy's siblings:
+        ``sample -f``, ``spindump -o``): private mode, listed with its hash."""
+        path = self.partial / relname
+        if path.exists():
+            os.chmod(path, 0o600)
+            data = path.read_bytes()
+            self.files[relname] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+    def tool_output(self, relname: str) -> Path:
+        """Where a tool should write ``relname`` (its directory made private)."""
+        path = self.partial / relname
+        private_dir(path.parent)
+        return path
+
     def copy(self, relname: str, source: Path, max_bytes: int = 16 * 1024 * 1024) -> Path:
         with open(source, "rb") as fh:
             return self.write(relname, fh.read(max_bytes))
 
     def finish(self, manifest: dict[str, Any], summary: str) -> Path:
-        """Write summary and manifest (which lists every file), then rename into place."""
+        """Write summary and manifest (which lists every file), then rename into place.
+        The manifest as written stays in ``self.manifest``."""
         self.write(SUMMARY, summary)
         manifest = {**manifest, "format_version": FORMAT_VERSION, "name": self.name, "files": dict(sorted(self.files.items()))}
         self.write(MANIFEST, json.dumps(manifest, indent=2, sort_keys=True, default=str))
+        self.manifest = manifest
         fsync_dir(self.partial)
         final = self.root / self.name
         if final.exists():  # names carry a random id; this would be a bug, and we never overwrite

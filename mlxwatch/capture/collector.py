@@ -16,7 +16,6 @@ Usage::
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import platform
 import socket
@@ -35,6 +34,7 @@ from mlxwatch.capture.commands import Runner, run_command
 from mlxwatch.capture.procstats import ProcessWindow, describe_process, sample_process
 from mlxwatch.capture.summary import render_summary
 from mlxwatch.capture.versions import server_versions
+from mlxwatch.process import ProcessIdentity
 from mlxwatch.serverlog import read_recent, scan, since_last_start, tail_lines
 
 DUMP_TIMEOUT = 10.0
@@ -256,10 +256,9 @@ async def _sample(cap: _Capture, rec: _Step) -> None:
     if not macos.tool_available("sample"):
         rec.outcome, rec.error = "skipped", "sample: not found"
         return
-    out = cap.writer.partial / "native" / "sample.txt"
-    out.parent.mkdir(mode=0o700, exist_ok=True)
+    out = cap.writer.tool_output("native/sample.txt")
     result = await cap.runner(macos.sample_command(cap.req.pid, out), macos.SAMPLE_SECONDS + 15)
-    _register_tool_output(cap, rec, "native/sample.txt", out, result)
+    _register_tool_output(cap, rec, "native/sample.txt", result)
 
 
 async def _spindump(cap: _Capture, rec: _Step) -> None:
@@ -269,21 +268,15 @@ async def _spindump(cap: _Capture, rec: _Step) -> None:
     if os.geteuid() != 0 and not cap.req.sudo:
         rec.outcome, rec.error = "skipped", "spindump needs root: run as root or set capture.sudo"
         return
-    out = cap.writer.partial / "native" / "spindump.txt"
-    out.parent.mkdir(mode=0o700, exist_ok=True)
+    out = cap.writer.tool_output("native/spindump.txt")
     result = await cap.runner(macos.spindump_command(cap.req.pid, out, sudo=cap.req.sudo and os.geteuid() != 0),
                               macos.SAMPLE_SECONDS + 30)
-    _register_tool_output(cap, rec, "native/spindump.txt", out, result)
+    _register_tool_output(cap, rec, "native/spindump.txt", result)
 
 
-def _register_tool_output(cap: _Capture, rec: _Step, relname: str, path: Path, result) -> None:
-    """Tools that write their own file: hash it into the manifest (or record why there is none)."""
-    import hashlib
-
-    if path.exists():
-        os.chmod(path, 0o600)
-        data = path.read_bytes()
-        cap.writer.files[relname] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+def _register_tool_output(cap: _Capture, rec: _Step, relname: str, result) -> None:
+    """Tools that write their own file: list it in the manifest (or record why there is none)."""
+    cap.writer.adopt(relname)
     if not result.ok:
         rec.outcome, rec.error = "failed", result.error
 
@@ -318,15 +311,11 @@ async def _versions(cap: _Capture, rec: _Step) -> None:
 
 
 def _evidence(cap: _Capture) -> Evidence:
-    import psutil
-
     ev = Evidence()
     ev.process_alive = "process" not in cap.process.get("errors", {}) and cap.window.gone_at is None
-    if ev.process_alive and cap.req.pid is not None:
-        try:
-            ev.process_alive = psutil.pid_exists(cap.req.pid) and psutil.Process(cap.req.pid).status() != psutil.STATUS_ZOMBIE
-        except psutil.Error:
-            ev.process_alive = False
+    if ev.process_alive and cap.req.pid is not None and cap.process.get("create_time"):
+        # Still the same process now (same PID and create time, not a zombie)?
+        ev.process_alive = ProcessIdentity(cap.req.pid, cap.process["create_time"], ()).alive()
     ev.process_statuses = cap.window.statuses()
     ev.snapshots = [threads for _, threads in cap.snapshots]
     ev.stacks_error = cap.stacks_error
@@ -354,9 +343,8 @@ def _evidence(cap: _Capture) -> Evidence:
 
 def _finish(cap: _Capture) -> Bundle:
     req = cap.req
-    classification = classify(_evidence(cap))
-    gens = [pyspy.generation_thread(t) for _, t in cap.snapshots]
-    tid = next((g.os_thread_id for g in gens if g is not None), None)
+    evidence = _evidence(cap)
+    classification = classify(evidence)
     manifest = {
         "created_at": datetime.now(timezone.utc).isoformat(),
         "host": socket.gethostname(),
@@ -367,12 +355,12 @@ def _finish(cap: _Capture) -> Bundle:
         "settings": {"snapshots": req.snapshots, "spacing": req.spacing, "ceiling": req.ceiling, "sudo": req.sudo},
         "duration": round(cap.now(), 3),
         "steps": [s.to_dict() for s in cap.steps],
-        "cpu": {"process": cap.window.cpu_percent(), "generation_thread": cap.window.thread_cpu_percent(tid),
-                "statuses": cap.window.statuses()},
+        "cpu": {"process": evidence.process_cpu, "generation_thread": evidence.generation_cpu,
+                "statuses": evidence.process_statuses},
         "versions": cap.versions,
         "classification": classification.to_dict(),
     }
     summary = render_summary(manifest, cap.snapshots, cap.markers.to_dict() if cap.markers else None)
     path = cap.writer.finish(manifest, summary)
     prune(req.out_dir, req.keep, req.max_bytes, protect=path)
-    return Bundle(path, classification, json.loads((path / "manifest.json").read_text()))
+    return Bundle(path, classification, cap.writer.manifest)

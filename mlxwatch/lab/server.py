@@ -28,6 +28,8 @@ from pathlib import Path
 import httpx
 import psutil
 
+from mlxwatch.process import ProcessIdentity
+
 LAB_DIR = Path(__file__).parent
 TINY_MODEL_SCRIPT = LAB_DIR / "tiny_model.py"
 FAULT_SERVER_SCRIPT = LAB_DIR / "fault_server.py"
@@ -175,13 +177,10 @@ class LabServer:
 
     def owned_process(self) -> psutil.Process | None:
         """Our server process, or None if it is gone or the PID now belongs to someone else."""
-        if not self.pid:
+        if not self.pid or not ProcessIdentity(self.pid, self.create_time, ()).alive():
             return None
         try:
-            proc = psutil.Process(self.pid)
-            if abs(proc.create_time() - self.create_time) > 0.01 or proc.status() == psutil.STATUS_ZOMBIE:
-                return None
-            return proc
+            return psutil.Process(self.pid)
         except psutil.Error:
             return None
 

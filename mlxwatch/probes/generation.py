@@ -28,6 +28,7 @@ from mlxwatch.probes.sse import LineTooLong, SSEParser
 # probe, which never pushes a user's long cached prompt out.
 PROBE_PROMPT = "mlxwatch liveness probe. Reply with OK."
 
+THREAD_DIED_TEXT = "generation thread died"  # mlx-lm >= 0.32's error once its generation thread is gone
 MAX_BODY_BYTES = 256 * 1024  # a 4-token stream is ~2 KB; anything near this is broken
 MAX_TRANSCRIPT_EVENTS = 200
 MAX_EVENT_TEXT = 500
@@ -232,7 +233,7 @@ async def _stream(
         run.note("headers", f"HTTP {response.status_code} {response.headers.get('content-type', '')}")
         if response.status_code != 200:
             text = await _read_bounded(response, run)
-            if "generation thread died" in text:
+            if THREAD_DIED_TEXT in text:
                 raise run.fail(Failure.THREAD_DIED, f"HTTP {response.status_code}: {text[:200]}")
             raise run.fail(Failure.HTTP_ERROR, f"HTTP {response.status_code}: {text[:200]}")
         parser = SSEParser()
@@ -287,11 +288,7 @@ def _handle_event(kind: str, text: str, run: _Run, deadline: asyncio.Timeout, to
     if not isinstance(payload, dict):
         raise run.fail(Failure.MALFORMED, f"data is not a JSON object: {text[:80]!r}")
     if "error" in payload:
-        message = json.dumps(payload["error"])[:200]
-        run.note("error", message)
-        if "generation thread died" in message:
-            raise run.fail(Failure.THREAD_DIED, message)
-        raise run.fail(Failure.SERVER_ERROR, message)
+        raise _server_error(run, payload["error"])
     usage = payload.get("usage")
     if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
         res.completion_tokens = usage["completion_tokens"]
@@ -321,10 +318,15 @@ def _handle_plain_line(text: str, run: _Run) -> None:
     except ValueError:
         raise run.fail(Failure.MALFORMED, f"not an SSE line: {text[:80]!r}") from None
     if isinstance(payload, dict) and "error" in payload:
-        message = json.dumps(payload["error"])[:200]
-        failure = Failure.THREAD_DIED if "generation thread died" in message else Failure.SERVER_ERROR
-        raise run.fail(failure, message)
+        raise _server_error(run, payload["error"])
     raise run.fail(Failure.MALFORMED, f"not an SSE line: {text[:80]!r}")
+
+
+def _server_error(run: _Run, error: object) -> _Done:
+    """An error object the server sent instead of tokens; mlx-lm >= 0.32 says its thread died."""
+    message = json.dumps(error)[:200]
+    run.note("error", message)
+    return run.fail(Failure.THREAD_DIED if THREAD_DIED_TEXT in message else Failure.SERVER_ERROR, message)
 
 
 def _was_refused(exc: BaseException) -> bool:

@@ -14,15 +14,11 @@ can look busy: that is why the grace these signals buy has a ceiling.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from mlxwatch.probes import CheckReport
-from mlxwatch.serverlog import read_recent, since_last_start
-
-_PROGRESS = re.compile(r"Prompt processing progress: (\d+)/(\d+)")
-_POST_200 = re.compile(r'"POST /v1/(?:chat/)?completions HTTP/1\.[01]" 200')
+from mlxwatch.serverlog import completions_ok, progress_lines, read_recent, since_last_start
 
 
 @dataclass
@@ -35,8 +31,7 @@ class ProgressTracker:
 
     def _read(self) -> tuple[list[tuple[int, int]], int]:
         text = since_last_start(read_recent(self.log)) if self.log else ""
-        progress = [(int(a), int(b)) for a, b in _PROGRESS.findall(text)]
-        return progress, len(_POST_200.findall(text))
+        return progress_lines(text), completions_ok(text)
 
     def prime(self) -> None:
         """Remember where the log is now; later calls report only what came after."""
