@@ -216,3 +216,5 @@ async def test_after_giving_up_a_server_that_returns_is_recorded_as_recovered(se
     records = incident_records(journal)
     assert [r["event"] for r in records][-2:] == ["gave_up", "recovered"]
     assert records[-1]["id"] == records[-2]["id"] and records[-1]["how"] == "recovered without a restart"
+    saved = json.loads((tmp_path / "state.json").read_text())["instances"]["lab"]
+    assert saved["gave_up_at"] is None and saved["state"] == "healthy"  # a daemon restart must not give up again

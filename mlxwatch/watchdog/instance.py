@@ -132,15 +132,21 @@ class InstanceWatcher:
     def _healthy(self, report: CheckReport, now: float) -> None:
         if self.incident is not None:  # came back by itself (restart none, or after giving up)
             self._recovered(now, "recovered without a restart")
-        elif self.detect.state != policy.HEALTHY:
+            return
+        if self.detect.state != policy.HEALTHY:
             log.info("%s: healthy again (first token after %.2fs)", self.inst.name, report.generation.ttft or 0)
+        self._back_to_healthy()
+
+    def _back_to_healthy(self, **fields: object) -> None:
+        """Every way back to healthy: a given-up instance may restart again, the failure count
+        and log position start over, and the (maybe new) server process is looked up."""
         if self.detect.state == policy.GAVE_UP:
             self.guard.resume()
         self.detect.success()
         self.failed_reports.clear()
         self.tracker.prime()
         self._refresh_identity()
-        self._save()
+        self._save(**fields)
 
     # --- verdict -> capture -> restart -> recover
 
@@ -238,11 +244,7 @@ class InstanceWatcher:
         self.shared.journal.record("recovered", inc, how=how)
         self.shared.notifier.fire("recovered", inc.to_dict())
         self.incident = None
-        self.detect.success()
-        self.failed_reports.clear()
-        self.tracker.prime()
-        self._refresh_identity()
-        self._save(last_incident=_incident_summary(inc))
+        self._back_to_healthy(last_incident=_incident_summary(inc))
 
     def _give_up(self, now: float) -> None:
         inc = self.incident
