@@ -1,8 +1,9 @@
 """Start a real ``mlx_lm.server`` with a switchable fault, for tests, benchmarks and the demo.
 
-The server runs under ``python`` (any interpreter with mlx-lm installed, so one test run can
-cover several mlx-lm versions) through ``fault_server.py``; a tiny random model is made in
-``workdir``. Everything stays on 127.0.0.1 and only the PID started here is ever signalled::
+The server is the stock ``mlx_lm.server`` console script of ``python``'s environment (any
+interpreter with mlx-lm installed, so one test run can cover several mlx-lm versions), with
+``fault_server.py`` patched in at start by ``inject/sitecustomize.py``; its command line is a
+real server's. A tiny random model is made in ``workdir``. Everything stays on 127.0.0.1 and only the PID started here is ever signalled::
 
     server = LabServer.start(sys.executable, Path("/tmp/lab"))
     server.set_fault("spin")   # the next batch step livelocks
@@ -32,7 +33,7 @@ from mlxwatch.process import ProcessIdentity
 
 LAB_DIR = Path(__file__).parent
 TINY_MODEL_SCRIPT = LAB_DIR / "tiny_model.py"
-FAULT_SERVER_SCRIPT = LAB_DIR / "fault_server.py"
+INJECT_DIR = LAB_DIR / "inject"  # holds the sitecustomize that installs the fault
 SPEC_NAME = "lab.json"
 
 
@@ -103,7 +104,7 @@ class LabServer:
     ) -> "LabServer":
         """Make the model if needed, launch, and wait until a real completion succeeds."""
         workdir.mkdir(parents=True, exist_ok=True)
-        server = cls(workdir, python, port or free_port(), tuple(extra_args))
+        server = cls(workdir, os.path.abspath(python), port or free_port(), tuple(extra_args))  # not resolved: a venv python is a symlink
         make_tiny_model(python, server.model_dir)
         server._save_spec()
         server.launch(ready_timeout)
@@ -124,8 +125,9 @@ class LabServer:
         os.replace(tmp, self.workdir / SPEC_NAME)
 
     def command(self) -> list[str]:
+        script = Path(self.python).parent / "mlx_lm.server"  # the console script a user runs
         return [
-            self.python, str(FAULT_SERVER_SCRIPT), "--fault-file", str(self.fault_file), "--",
+            self.python, str(script),
             "--model", str(self.model_dir), "--host", "127.0.0.1", "--port", str(self.port),
             *self.extra_args,
         ]
@@ -140,6 +142,8 @@ class LabServer:
             "HF_HUB_OFFLINE": "1",
             "HF_HUB_CACHE": str(hf_cache),  # /v1/models scans it and errors if it is missing
             "PYTHONUNBUFFERED": "1",
+            "PYTHONPATH": str(INJECT_DIR),
+            "MLXWATCH_FAULT_FILE": str(self.fault_file),
         }
         with open(self.log_path, "ab") as log:
             proc = subprocess.Popen(
