@@ -21,6 +21,9 @@ _MISSING_PARAMS = re.compile(r"Missing (\d+) parameters")
 # can land inside it and must not end it.
 _INTERLEAVED = re.compile(r"^(\d{1,3}(\.\d{1,3}){3} - - \[|\d{4}-\d{2}-\d{2} \d{2}:\d{2}:\d{2})")
 _EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt|Warning)?(: .*)?$")
+# A client that went away (a probe that gave up, a user who closed the tab): mlx-lm's next write
+# to the closed socket prints one of these. mlxwatch's own probes cause them; they are never evidence.
+_DISCONNECT = re.compile(r"^(?:[\w.]+\.)?(BrokenPipeError|ConnectionResetError|ConnectionAbortedError)\b")
 
 
 @dataclass
@@ -39,6 +42,7 @@ class LogMarkers:
     insufficient_memory: list[str] = field(default_factory=list)
     missing_parameters: list[str] = field(default_factory=list)
     generation_thread_died: list[str] = field(default_factory=list)  # mlx-lm >= 0.32 logs this
+    client_disconnects: int = 0  # BrokenPipe/ConnectionReset tracebacks skipped: a client left, not evidence
 
     @property
     def generation_thread_exception(self) -> bool:
@@ -90,10 +94,17 @@ def since_last_start(text: str) -> str:
 
 
 def scan(text: str) -> LogMarkers:
-    """Find the markers in ``text`` (typically ``since_last_start(read_recent(path))``)."""
+    """Find the markers in ``text`` (typically ``since_last_start(read_recent(path))``).
+
+    A traceback block whose exception line is ``BrokenPipeError``, ``ConnectionResetError`` or
+    ``ConnectionAbortedError`` is a client disconnect (mlx-lm writing to a socket whose client
+    gave up, often mlxwatch's own probe): it is counted in ``client_disconnects`` and otherwise
+    skipped, so ``last_traceback`` keeps the previous real one and no thread exception is counted.
+    """
     markers = LogMarkers()
     traceback: list[str] = []
     in_traceback = False
+    block_thread_exc = False  # the open block began with "Exception in thread" (counted already)
     for line in text.splitlines():
         markers.lines_scanned += 1
         if (m := PROGRESS.search(line)):
@@ -113,13 +124,23 @@ def scan(text: str) -> LogMarkers:
             markers.missing_parameters.append(line.strip())
         if "generation thread died" in line:
             markers.generation_thread_died.append(line.strip())
-        if line.startswith("Traceback (most recent call last)") or line.startswith("Exception in thread"):
+        if line.startswith("Exception in thread"):
+            traceback, in_traceback, block_thread_exc = [line], True, True
+        elif line.startswith("Traceback (most recent call last)"):
+            # Right after "Exception in thread ...:" this is the same block; otherwise a new one.
+            block_thread_exc = in_traceback and block_thread_exc and len(traceback) == 1
             traceback, in_traceback = [line], True
         elif in_traceback and not _INTERLEAVED.match(line):
             traceback.append(line)
             if line and not line.startswith((" ", "\t", "Traceback")) and _EXCEPTION_LINE.match(line):
-                markers.last_traceback = traceback[-60:]  # the exception line ends the block
-                in_traceback = False
+                in_traceback = False  # the exception line ends the block
+                if _DISCONNECT.match(line):
+                    markers.client_disconnects += 1
+                    if block_thread_exc and markers.thread_exceptions:
+                        markers.thread_exceptions.pop()
+                else:
+                    markers.last_traceback = traceback[-60:]
+                block_thread_exc = False
     for name in ("thread_exceptions", "metal_malloc", "insufficient_memory", "missing_parameters",
                  "generation_thread_died"):
         setattr(markers, name, getattr(markers, name)[-5:])  # the latest few are the evidence

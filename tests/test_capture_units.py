@@ -4,20 +4,25 @@ crash reports shaped like real ones (tests/data); they cannot run on Linux CI.""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
+import subprocess
+import sys
 import tarfile
+import threading
 import time
 from pathlib import Path
 
 import pytest
 
-from mlxwatch.capture import macos, pyspy
-from mlxwatch.capture.bundle import BundleWriter, adopt_partials, list_bundles, prune
+from mlxwatch.capture import CaptureRequest, capture_bundle, collector, macos, procstats, pyspy
+from mlxwatch.capture.bundle import WRITER, BundleWriter, adopt_partials, list_bundles, prune
 from mlxwatch.capture.classify import Evidence, classify
-from mlxwatch.capture.commands import run_command
+from mlxwatch.capture.commands import CommandResult, run_command
 from mlxwatch.capture.export import export_bundle, redact_log
 from mlxwatch.capture.procstats import redact_environment
+from mlxwatch.capture.summary import render_summary
 from mlxwatch.serverlog import scan, since_last_start
 
 DATA = Path(__file__).parent / "data"
@@ -164,15 +169,61 @@ def test_bundle_is_invisible_until_finished_and_never_overwritten(tmp_path):
     assert set(manifest["files"]) == {"a.txt", "summary.md"}
 
 
+def dead_pid() -> int:
+    """The PID of a process that has exited (and been reaped)."""
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def as_if_written_by(writer: BundleWriter, pid: int, create_time: float) -> None:
+    (writer.partial / WRITER).unlink()
+    (writer.partial / WRITER).write_text(json.dumps({"pid": pid, "create_time": create_time}))
+
+
 def test_partial_bundle_of_a_killed_capture_is_kept(tmp_path):
-    """A partial dir left by a killed capture is renamed '-incomplete', not deleted."""
+    """A partial dir whose writer is gone is renamed '-incomplete' (not deleted), however young;
+    one whose writer is alive (this process: a capture in progress) is left alone."""
+    killed = BundleWriter(tmp_path, "gemma")
+    killed.write("stacks/pyspy-1.txt", "stack")
+    as_if_written_by(killed, dead_pid(), time.time() - 10)
+    running = BundleWriter(tmp_path, "other")
+    running.write("stacks/pyspy-1.txt", "stack")
+    one_second_ago = time.time() - 1
+    for partial in (killed.partial, running.partial):
+        os.utime(partial, (one_second_ago, one_second_ago))
+    adopted = adopt_partials(tmp_path)
+    assert [p.name for p in adopted] == [killed.name + "-incomplete"]
+    assert (adopted[0] / "stacks/pyspy-1.txt").read_text() == "stack"
+    assert running.partial.is_dir()
+    old = time.time() - 3600  # its writer still alive: old age does not make it abandoned
+    os.utime(running.partial, (old, old))
+    assert adopt_partials(tmp_path) == [] and running.partial.is_dir()
+
+
+def test_partial_of_a_reused_pid_is_adopted(tmp_path):
+    """A live PID with another create time is not the writer (the PID was reused)."""
     writer = BundleWriter(tmp_path, "gemma")
-    writer.write("stacks/pyspy-1.txt", "stack")
+    as_if_written_by(writer, os.getpid(), time.time() - 10**6)
+    assert [p.name for p in adopt_partials(tmp_path)] == [writer.name + "-incomplete"]
+
+
+def test_partial_without_writer_file_falls_back_to_age(tmp_path):
+    """No .writer file (killed before writing it, or an older mlxwatch): adopted once old enough."""
+    writer = BundleWriter(tmp_path, "gemma")
+    (writer.partial / WRITER).unlink()
+    assert adopt_partials(tmp_path) == []
     old = time.time() - 3600
     os.utime(writer.partial, (old, old))
-    adopted = adopt_partials(tmp_path)
-    assert [p.name for p in adopted] == [writer.name + "-incomplete"]
-    assert (adopted[0] / "stacks/pyspy-1.txt").read_text() == "stack"
+    assert [p.name for p in adopt_partials(tmp_path)] == [writer.name + "-incomplete"]
+
+
+def test_finished_bundle_has_no_writer_file(tmp_path):
+    """The writer record exists only while the bundle is partial and is never in the manifest."""
+    writer = BundleWriter(tmp_path, "gemma")
+    assert json.loads((writer.partial / WRITER).read_text())["pid"] == os.getpid()
+    path = writer.finish({"classification": {}}, "# s\n")
+    assert not (path / WRITER).exists() and WRITER not in json.loads((path / "manifest.json").read_text())["files"]
 
 
 def test_retention_keeps_newest_and_the_protected_one(tmp_path):
@@ -230,3 +281,267 @@ async def test_command_runner_missing_tool():
     """A missing tool is an error naming it, not an exception."""
     result = await run_command(["mlxwatch-no-such-tool"], timeout=1)
     assert result.error == "mlxwatch-no-such-tool: not found"
+
+
+DISCONNECT_LOG = """\
+2026-07-05 08:19:00,000 - INFO - Starting httpd at 127.0.0.1 on port 8082...
+Exception in thread Thread-1 (_generate):
+Traceback (most recent call last):
+  File "/x/mlx_lm/generate.py", line 1369, in _step
+RuntimeError: [metal::malloc] Resource limit (499000) exceeded.
+----------------------------------------
+Exception occurred during processing of request from ('127.0.0.1', 51234)
+Traceback (most recent call last):
+  File "/usr/lib/python3.11/socketserver.py", line 691, in process_request_thread
+    self.finish_request(request, client_address)
+  File "/x/mlx_lm/server.py", line 1566, in keepalive_callback
+    self.wfile.write(msg)
+BrokenPipeError: [Errno 32] Broken pipe
+----------------------------------------
+Exception in thread Thread-7 (process_request_thread):
+Traceback (most recent call last):
+  File "/x/mlx_lm/server.py", line 1580, in handle_completion
+127.0.0.1 - - [05/Jul/2026 08:19:41] "GET /v1/models HTTP/1.1" 200 -
+    self.wfile.flush()
+ConnectionResetError: [Errno 104] Connection reset by peer
+"""
+
+
+def test_client_disconnect_tracebacks_are_not_evidence():
+    """A BrokenPipe / ConnectionReset traceback (a probe that gave up) never replaces the real
+    traceback before it and is not counted as a thread exception."""
+    markers = scan(since_last_start(DISCONNECT_LOG))
+    assert markers.last_traceback[-1] == "RuntimeError: [metal::malloc] Resource limit (499000) exceeded."
+    assert markers.thread_exceptions == ["Exception in thread Thread-1 (_generate):"]
+    assert markers.client_disconnects == 2
+    only_disconnects = scan(DISCONNECT_LOG.split("----------------------------------------\n", 1)[1])
+    assert only_disconnects.last_traceback == [] and only_disconnects.thread_exceptions == []
+    assert not only_disconnects.generation_thread_exception
+
+
+def test_admissions_are_not_progress():
+    """mlx-lm logs 'POST ... 200' when it admits a request: a livelocked server admitting a
+    retrying client is still a livelock; the admissions are an informational line."""
+    result = classify(Evidence(**PROBE_FAILED, snapshots=MOVING, process_cpu=98.0, log_admissions=5))
+    assert result.kind == "livelock", result
+    assert any("5 other request(s) admitted" in line and "not progress" in line for line in result.evidence)
+
+
+def test_log_window_counts_other_prompts_progress_only():
+    """Progress = another prompt's X growing; the probes' own prompt (its Y from their
+    keepalives), a repeated last chunk and admission lines are not progress."""
+    probe_only = ('127.0.0.1 - - [05/Jul/2026 08:19:41] "POST /v1/chat/completions HTTP/1.1" 200 -\n'
+                  "2026-07-05 08:19:41,000 - INFO - Prompt processing progress: 29/29\n") * 3
+    window = collector.log_window({29: 29}, probe_only, probe_totals={29})
+    assert window.advances == [] and window.admissions == 3
+    repeated = collector.log_window({25660: 25660}, "Prompt processing progress: 25660/25660\n", probe_totals=set())
+    assert repeated.advances == []
+    prefill = collector.log_window({25660: 2048}, "Prompt processing progress: 4096/25660\n"
+                                                  "Prompt processing progress: 6144/25660\n", probe_totals={29})
+    assert prefill.advances == [(4096, 25660), (6144, 25660)]
+    restarted = collector.log_window({100: 100}, "x Starting httpd at 127.0.0.1 on port 8082...\n"
+                                                 "Prompt processing progress: 100/100\n", probe_totals=set())
+    assert restarted.advances == [(100, 100)]
+
+
+VERDICT = "2 failed probes: no token delivered within the first-token timeout: 45s passed (headers received)"
+
+
+@pytest.mark.parametrize("fields, kind", [
+    ({**PROBE_FAILED, "snapshots": SAME, "process_cpu": 98.0, "log_progress_advanced": True}, "busy"),
+    ({"probe_ran": True, "probe_ok": True, "probe_tokens": 4, "snapshots": SAME}, "healthy"),
+])
+def test_evidence_contradicting_the_verdict_says_so(fields, kind):
+    """A verdict was filed (and acted on) but the capture saw 'not hung': the classification
+    says so explicitly, lowers its confidence, and summary.md says it in its first lines."""
+    result = classify(Evidence(**fields, verdict=VERDICT))
+    assert result.kind == kind
+    assert result.to_dict()["contradicts_verdict"] is True
+    assert result.competing[0].startswith(f"the watchdog judged this server hung ({VERDICT}); the capture saw {kind}: ")
+    assert result.confidence == {"busy": "low", "healthy": "medium"}[kind]
+    manifest = {"classification": result.to_dict(), "verdict": VERDICT, "target": {"pid": 1}, "created_at": "t",
+                "host": "h", "steps": []}
+    first = render_summary(manifest, [], None).splitlines()[:4]
+    assert any(f"The watchdog judged this server hung ({VERDICT}); the capture saw {kind}" in line for line in first)
+
+
+def test_agreeing_evidence_or_no_verdict_is_no_contradiction():
+    """A livelock after a verdict agrees with it; a manual capture has no verdict to contradict."""
+    agreeing = classify(Evidence(**PROBE_FAILED, snapshots=MOVING, process_cpu=98.0, verdict=VERDICT))
+    assert agreeing.kind == "livelock" and agreeing.to_dict()["contradicts_verdict"] is False
+    manual = classify(Evidence(probe_ran=True, probe_ok=True, probe_tokens=4, snapshots=SAME))
+    assert manual.to_dict()["contradicts_verdict"] is False and manual.confidence == "high"
+
+
+def test_redacted_export_cuts_the_verdict_details(tmp_path):
+    """The verdict can quote a server body: the redacted export keeps its failure phrase only."""
+    verdict = '2 failed probes: HTTP error: HTTP 500: {"error": "my diary says hello"}'
+    manifest = {"classification": {"competing": [f"the watchdog judged this server hung ({verdict})"]},
+                "target": {}, "verdict": verdict}
+    bundle = BundleWriter(tmp_path, "b").finish(manifest, f"# x\n\n**The watchdog judged this server hung ({verdict})**\n")
+    with tarfile.open(export_bundle(bundle, redact=True)) as tar:
+        data = b"".join(tar.extractfile(m).read() for m in tar.getmembers())
+    assert b"diary" not in data and b"2 failed probes: HTTP error [details redacted]" in data
+
+
+# --- capture_bundle offline: a real (sleeping) process, fake py-spy output, a fake probe
+
+
+def _spy_json(pid_thread: int = 4242) -> bytes:
+    return json.dumps([
+        {"thread_name": "MainThread", "os_thread_id": 1, "active": False, "owns_gil": False,
+         "frames": [{"name": "serve_forever", "filename": "socketserver.py", "line": 233}]},
+        {"thread_name": "Thread-1 (_generate)", "os_thread_id": pid_thread, "active": True, "owns_gil": False,
+         "frames": [{"name": "next", "filename": "/x/mlx_lm/generate.py", "line": 1415},
+                    {"name": "_generate", "filename": "/x/mlx_lm/server.py", "line": 853}]},
+    ]).encode()
+
+
+async def _fake_runner(argv, timeout):
+    out = _spy_json() if "--json" in argv else b"Thread 4242 (active): \"Thread-1 (_generate)\"\n"
+    return CommandResult(list(argv), 0, out, b"", 0.01)
+
+
+class _FakeProbe:
+    """Stands in for run_check (with the ``linger`` parameter another change adds): appends what
+    a retrying client and the probe itself make mlx-lm log, and leaves a lingering drain."""
+
+    def __init__(self, log: Path, healthy: bool) -> None:
+        self.log, self.healthy = log, healthy
+        self.calls: list[dict] = []
+        self.client = None
+        self.release = asyncio.Event()
+
+    async def __call__(self, client, url, *, first_token_timeout, timeout, endpoint_timeout, linger=0.0):
+        from mlxwatch.probes import CheckReport, EndpointResult, GenerationProbeResult
+        from mlxwatch.probes.generation import Keepalive
+
+        self.calls.append({"first_token_timeout": first_token_timeout, "linger": linger})
+        self.client = client
+        post = '127.0.0.1 - - [05/Jul/2026 08:19:41] "POST /v1/chat/completions HTTP/1.1" 200 -\n'
+        with open(self.log, "a") as fh:  # the probe's own admission, 5 retries of another client,
+            fh.write(post * 6 + "Prompt processing progress: 29/29\n")  # the probe's own prompt
+            fh.write(DISCONNECT_LOG.split("----------------------------------------\n")[2])  # a client gave up
+        gen = GenerationProbeResult(url, time.time(), ok=self.healthy, status=200,
+                                    tokens=4 if self.healthy else 0, keepalives=[Keepalive(0.1, 29, 29)])
+        if not self.healthy:
+            gen.failure, gen.detail = "no_first_token", f"{first_token_timeout:g}s passed (headers received)"
+        class Report(CheckReport):
+            lingering = None  # a plain attribute here, whatever CheckReport makes of it
+
+        report = Report(url, gen, EndpointResult("/health", 200, "ok"), EndpointResult("/v1/models", 200, "{}"))
+        report.lingering = None if self.healthy else asyncio.ensure_future(self.release.wait())
+        return report
+
+
+@pytest.fixture
+def sleeper():
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    yield proc.pid
+    proc.kill()
+    proc.wait()
+
+
+@pytest.fixture
+def offline(tmp_path, monkeypatch, sleeper):
+    """A capture request against a sleeping process, with fake py-spy and a fake probe; every
+    blocking function the capture uses records whether it ran on the event loop's thread."""
+    import mlxwatch.probes
+
+    log = tmp_path / "server.log"
+    log.write_text("2026-07-05 08:19:00,000 - INFO - Starting httpd at 127.0.0.1 on port 8082...\n"
+                   "Traceback (most recent call last):\n"
+                   '  File "/x/mlx_lm/server.py", line 1266, in handle_completion\nValueError: an older real error\n')
+    on_loop: list[str] = []
+    loop_thread = threading.get_ident()
+
+    def watch(owner, name):
+        original = getattr(owner, name, None)
+        if original is None:
+            return
+
+        def wrapper(*args, **kwargs):
+            if threading.get_ident() == loop_thread:
+                on_loop.append(name)
+            return original(*args, **kwargs)
+
+        monkeypatch.setattr(owner, name, wrapper)
+
+    for owner, name in [(collector, "describe_process"), (collector, "read_recent"), (collector, "scan"),
+                        (collector, "server_versions"), (collector, "prune"), (collector, "_read_range"),
+                        (procstats, "_sample"), (BundleWriter, "write"), (BundleWriter, "finish"),
+                        (BundleWriter, "__init__")]:
+        watch(owner, name)
+    monkeypatch.setattr(pyspy, "find_py_spy", lambda: "py-spy")
+
+    def make(healthy=False, **kw):
+        probe = _FakeProbe(log, healthy)
+        monkeypatch.setattr(mlxwatch.probes, "run_check", probe)
+        req = CaptureRequest(pid=sleeper, out_dir=tmp_path / "bundles", url="http://127.0.0.1:9", log=log,
+                             label="offline", snapshots=3, spacing=0.2, probe_first_token_timeout=30.0, **kw)
+        return req, probe
+
+    return make, on_loop
+
+
+async def test_capture_does_not_block_the_event_loop(offline):
+    """psutil reads, log reads and scans, bundle writes, versions and pruning all run in worker
+    threads: the capture shares the daemon's loop with other instances' probes."""
+    make, on_loop = offline
+    req, probe = make()
+    bundle = await capture_bundle(req, runner=_fake_runner)
+    _end_drain(bundle)
+    assert on_loop == []
+    steps = {s["name"]: s["outcome"] for s in bundle.manifest["steps"]}
+    assert steps["process"] == steps["cpu"] == steps["stacks"] == steps["log"] == steps["versions"] == "ok", steps
+
+
+def _end_drain(bundle) -> None:
+    if getattr(bundle, "lingering", None) is not None:
+        bundle.lingering.cancel()
+
+
+async def test_capture_probe_gives_up_with_the_window_and_hands_back_its_drain(offline):
+    """The capture's probe waits for a first token about as long as the stack/CPU window, not
+    its full limit; its lingering drain is not waited for but handed back, and cancelling it
+    closes the probe's client."""
+    make, _ = offline
+    req, probe = make()
+    bundle = await capture_bundle(req, runner=_fake_runner)
+    assert probe.calls[0]["first_token_timeout"] <= collector.PROBE_FLOOR < req.probe_first_token_timeout
+    assert probe.calls[0]["linger"] == req.probe_linger > 0
+    assert bundle.lingering is not None and not bundle.lingering.done()
+    assert not probe.client.is_closed
+    bundle.lingering.cancel()
+    await asyncio.gather(bundle.lingering, return_exceptions=True)
+    assert probe.client.is_closed
+    assert bundle.manifest["settings"]["probe_first_token_timeout"] == probe.calls[0]["first_token_timeout"]
+
+
+async def test_capture_admissions_and_disconnects_are_not_evidence(offline):
+    """During the window another client was admitted 5 times and a client disconnected: the
+    bundle is not 'busy', says 5 admissions, and keeps the older real traceback."""
+    make, _ = offline
+    req, _ = make()
+    bundle = await capture_bundle(req, runner=_fake_runner)
+    _end_drain(bundle)
+    c = bundle.classification
+    assert c.kind == "blocked", c  # 0% CPU (a sleeping process), the same stack each time
+    assert any("5 other request(s) admitted" in line for line in c.evidence), c
+    assert bundle.manifest["log_window"] == {"prompt_progress_advances": 0, "last_advance": None, "admissions": 6}
+    markers = json.loads((bundle.path / "log-markers.json").read_text())
+    assert markers["last_traceback"][-1] == "ValueError: an older real error"
+    assert markers["client_disconnects"] == 1
+
+
+async def test_capture_healthy_after_a_verdict_states_the_contradiction(offline):
+    """The watchdog filed a verdict, the capture's probe got tokens: manifest and summary say so."""
+    make, _ = offline
+    req, _ = make(healthy=True, verdict=VERDICT)
+    bundle = await capture_bundle(req, runner=_fake_runner)
+    assert bundle.lingering is None
+    assert bundle.classification.kind == "healthy"
+    assert bundle.manifest["verdict"] == VERDICT
+    assert bundle.manifest["classification"]["contradicts_verdict"] is True
+    head = (bundle.path / "summary.md").read_text().splitlines()[:4]
+    assert any(f"The watchdog judged this server hung ({VERDICT}); the capture saw healthy" in line for line in head)

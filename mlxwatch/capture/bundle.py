@@ -5,7 +5,13 @@ A bundle is a directory ``<label>-<UTC time>-<id>`` (label = instance name or ``
 evidence files. Directories are 0700 and files 0600: logs and stacks can hold private prompts.
 Names are never reused and nothing is overwritten; a capture killed midway leaves a
 ``.<name>.partial`` dir that ``adopt_partials`` renames to ``<name>-incomplete`` so it is kept
-and visible. ``prune`` keeps the newest ``keep`` bundles within ``max_bytes``.
+and visible. A partial dir holds a ``.writer`` file (PID, process create time, host) naming the
+process that writes it: a partial whose writer is gone is adopted at once, one whose writer is
+alive is another capture in progress and is left alone. ``prune`` keeps the newest ``keep``
+bundles within ``max_bytes``.
+
+The writer's methods are plain blocking file I/O (every file is fsynced): the async collector
+calls them through ``asyncio.to_thread``, possibly several at once, so they are thread-safe.
 """
 
 from __future__ import annotations
@@ -15,17 +21,23 @@ import json
 import os
 import re
 import shutil
+import socket
+import threading
 import time
 import uuid
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+import psutil
+
+from mlxwatch.process import ProcessIdentity
 from mlxwatch.storage import fsync_dir, private_dir, write_new
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 SUMMARY = "summary.md"
+WRITER = ".writer"  # in a partial dir only: who is writing it (never listed, removed on finish)
 _SAFE = re.compile(r"[^A-Za-z0-9_.-]+")
 
 
@@ -42,17 +54,37 @@ class BundleWriter:
         self.name = bundle_name(label)
         self.partial = self.root / f".{self.name}.partial"
         self.partial.mkdir(mode=0o700)
+        write_new(self.partial / WRITER, json.dumps(_this_writer()).encode())
         self.files: dict[str, dict[str, Any]] = {}
         self.manifest: dict[str, Any] = {}
+        self._lock = threading.Condition()
+        self._busy = 0  # writes in progress (worker threads)
+        self._closed = False
+
+    def _begin(self, relname: str) -> None:
+        with self._lock:
+            if self._closed:
+                raise RuntimeError(f"bundle {self.name} is finished; {relname} not written")
+            self._busy += 1
+
+    def _end(self) -> None:
+        with self._lock:
+            self._busy -= 1
+            self._lock.notify_all()
 
     def write(self, relname: str, data: bytes | str) -> Path:
         if isinstance(data, str):
             data = data.encode("utf-8")
-        path = self.partial / relname
-        private_dir(path.parent)
-        write_new(path, data)
-        self.files[relname] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
-        return path
+        self._begin(relname)
+        try:
+            path = self.partial / relname
+            private_dir(path.parent)
+            write_new(path, data)
+            with self._lock:
+                self.files[relname] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+            return path
+        finally:
+            self._end()
 
     def write_json(self, relname: str, value: Any) -> Path:
         return self.write(relname, json.dumps(value, indent=2, sort_keys=True, default=str))
@@ -64,7 +96,8 @@ class BundleWriter:
         if path.exists():
             os.chmod(path, 0o600)
             data = path.read_bytes()
-            self.files[relname] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+            with self._lock:
+                self.files[relname] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
 
     def tool_output(self, relname: str) -> Path:
         """Where a tool should write ``relname`` (its directory made private)."""
@@ -76,13 +109,24 @@ class BundleWriter:
         with open(source, "rb") as fh:
             return self.write(relname, fh.read(max_bytes))
 
-    def finish(self, manifest: dict[str, Any], summary: str) -> Path:
+    def finish(self, manifest: dict[str, Any], summary: str, drain: float = 5.0) -> Path:
         """Write summary and manifest (which lists every file), then rename into place.
-        The manifest as written stays in ``self.manifest``."""
+        The manifest as written stays in ``self.manifest``. Writes still running in other
+        threads (a step cut off at the ceiling) get ``drain`` seconds to end; later ones are refused."""
         self.write(SUMMARY, summary)
-        manifest = {**manifest, "format_version": FORMAT_VERSION, "name": self.name, "files": dict(sorted(self.files.items()))}
-        self.write(MANIFEST, json.dumps(manifest, indent=2, sort_keys=True, default=str))
+        with self._lock:
+            self._lock.wait_for(lambda: self._busy == 0, timeout=drain)
+            self._closed = True
+            files = dict(sorted(self.files.items()))
+        manifest = {**manifest, "format_version": FORMAT_VERSION, "name": self.name, "files": files}
+        data = json.dumps(manifest, indent=2, sort_keys=True, default=str).encode()
+        write_new(self.partial / MANIFEST, data)
+        self.files[MANIFEST] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
         self.manifest = manifest
+        try:
+            os.unlink(self.partial / WRITER)
+        except FileNotFoundError:
+            pass
         fsync_dir(self.partial)
         final = self.root / self.name
         if final.exists():  # names carry a random id; this would be a bug, and we never overwrite
@@ -125,14 +169,38 @@ def prune(root: Path, keep: int, max_bytes: int, protect: Path | None = None) ->
     return removed
 
 
+def _this_writer() -> dict[str, Any]:
+    return {"pid": os.getpid(), "create_time": psutil.Process().create_time(), "host": socket.gethostname()}
+
+
+def partial_writer_alive(partial: Path) -> bool | None:
+    """Is the process that writes this partial bundle still running? None when it cannot be
+    told: no readable ``.writer`` file (a capture from before this rule, or killed before it
+    wrote one), or a writer on another host (a shared directory)."""
+    try:
+        writer = json.loads((partial / WRITER).read_text())
+        pid, create_time, host = int(writer["pid"]), float(writer["create_time"]), writer.get("host")
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if host is not None and host != socket.gethostname():
+        return None
+    return ProcessIdentity(pid, create_time, ()).alive()
+
+
 def adopt_partials(root: Path, older_than: float = 300.0) -> list[Path]:
-    """Rename partial bundles left by a killed capture to ``<name>-incomplete``; never delete them."""
+    """Rename partial bundles left by a killed capture to ``<name>-incomplete``; never delete them.
+
+    A partial whose writer (PID and create time from its ``.writer`` file) is no longer running
+    is adopted whatever its age; one whose writer is alive is another capture in progress and is
+    left alone. Without a usable ``.writer`` file, a partial is adopted once it is ``older_than``
+    seconds old."""
     adopted = []
     if not root.is_dir():
         return adopted
     for partial in root.glob(".*.partial"):
         try:
-            if time.time() - partial.stat().st_mtime < older_than:
+            alive = partial_writer_alive(partial)
+            if alive or (alive is None and time.time() - partial.stat().st_mtime < older_than):
                 continue  # another capture may still be writing it
             target = root / (partial.name[1:-len(".partial")] + "-incomplete")
             os.rename(partial, target)

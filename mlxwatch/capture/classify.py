@@ -6,12 +6,20 @@ The kinds, and the evidence that leads to each (first match wins, ambiguity is r
     healthy      the probe got tokens
     wedged       the probe failed and /health and /v1/models did not answer either
     dead_thread  no generation thread in the stacks, its traceback in the log, or /health 503
-    busy         no token, but prompt processing or other completions advanced in the window
+    busy         no token, but prompt processing advanced in the window (another prompt's
+                 ``Prompt processing progress: X/Y`` X grew, or the probe's own keepalives moved)
     blocked      generation thread present, ~0% CPU, its stack the same in every snapshot
     livelock     generation thread present and burning CPU while no token was delivered
     unknown      the evidence does not decide; the competing lines say why
 
 CPU alone never makes a server healthy or busy: a livelock burns CPU and delivers nothing.
+Neither do admissions: mlx-lm logs ``POST /v1/chat/completions ... 200`` when it *admits* a
+request, not when it answers it, so a livelocked server that keeps admitting a retrying client
+looks busy by that count. Admissions are reported as an informational line only.
+
+When the watchdog filed a verdict (``Evidence.verdict``) and the evidence says ``busy`` or
+``healthy``, the classification says so: ``contradicts_verdict`` is set, a competing line names
+the verdict and what the capture saw, and the confidence drops one step.
 """
 
 from __future__ import annotations
@@ -47,8 +55,10 @@ class Evidence:
     models_status: int | None = None
     endpoints_answered: bool = True
     log: LogMarkers | None = None
-    log_progress_advanced: bool = False
-    log_completions_advanced: bool = False
+    log_progress_advanced: bool = False  # another prompt's X in "Prompt processing progress: X/Y" grew
+    log_progress_now: tuple[int, int] | None = None  # its latest X/Y
+    log_admissions: int = 0  # other requests admitted (POST ... 200) during the window: not progress
+    verdict: str | None = None  # the watchdog's reason for its verdict; None for a manual capture
 
 
 @dataclass
@@ -57,12 +67,31 @@ class Classification:
     confidence: str  # high | medium | low
     evidence: list[str]
     competing: list[str] = field(default_factory=list)
+    contradicts_verdict: bool = False  # the watchdog judged the server hung; this evidence disagrees
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
 def classify(ev: Evidence) -> Classification:
+    result = _classify(ev)
+    if ev.log_admissions > 0 and result.kind not in ("crashed", "healthy"):
+        result.evidence.append(
+            f"log: {ev.log_admissions} other request(s) admitted during the window (mlx-lm logs "
+            "'POST ... 200' on admission, not on answer: informational, not progress)")
+    if ev.verdict and result.kind in CONTRADICTING_KINDS:
+        result.contradicts_verdict = True
+        result.competing.insert(0, f"the watchdog judged this server hung ({ev.verdict}); "
+                                   f"the capture saw {result.kind}: {(result.evidence or ['?'])[0]}")
+        result.confidence = _LOWER[result.confidence]
+    return result
+
+
+CONTRADICTING_KINDS = ("busy", "healthy")  # kinds that say "not hung": they contradict a verdict
+_LOWER = {"high": "medium", "medium": "low", "low": "low"}
+
+
+def _classify(ev: Evidence) -> Classification:
     lines: list[str] = []
     competing: list[str] = []
 
@@ -160,9 +189,8 @@ def _progress_signals(ev: Evidence) -> list[str]:
     if ev.probe_keepalive_advanced:
         found.append("the probe's keepalive progress advanced (prompt processing)")
     if ev.log_progress_advanced:
-        found.append("log: 'Prompt processing progress' advanced during the window")
-    if ev.log_completions_advanced:
-        found.append("log: other clients' completions returned during the window")
+        now = f" (now {ev.log_progress_now[0]}/{ev.log_progress_now[1]})" if ev.log_progress_now else ""
+        found.append(f"log: 'Prompt processing progress' of another prompt advanced during the window{now}")
     return found
 
 

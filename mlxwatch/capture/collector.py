@@ -1,21 +1,37 @@
 """Capture an evidence bundle from a live (possibly hung) server, within a hard time ceiling.
 
 Steps, each with its own timeout, none able to abort another (a failed step is recorded with
-its error and the bundle is still written)::
+its error and the bundle is still written). They run side by side::
 
-    phase 1, together:  stack snapshots (py-spy, spaced in time) | CPU sampling | one probe
-    phase 2:            macOS sample / spindump / crash reports | log tail and markers | versions
-    then:               classification, summary.md, manifest.json, rename into place
+    the window:       stack snapshots (py-spy, at 0, spacing, 2*spacing, ...) | CPU sampling | one probe
+    beside it:        macOS sample / spindump / crash reports | versions
+    after the window: log tail and markers (what the log says happened *during* the window)
+    then:             classification, summary.md, manifest.json, rename into place
+
+The capture's own probe stops waiting for a first token shortly after the stack/CPU window ends
+(``PROBE_MARGIN``, never sooner than ``PROBE_FLOOR``): by then its verdict is clear, and a hung
+server would otherwise hold the bundle for the whole first-token limit. When the probe supports
+lingering, a probe that gave up with its stream still open keeps draining it in the background
+so the server can finish (and drop) the generation it started; the capture does not wait for
+it and hands it back as ``Bundle.lingering``: the caller awaits or cancels it (``asyncio.run``
+cancels it when a CLI capture returns).
+
+Nothing here blocks the event loop it shares with the daemon's other instances: psutil reads,
+log reads and scans, bundle writes (each fsynced), crash-report copies and pruning run in worker
+threads (``asyncio.to_thread``).
 
 Usage::
 
     bundle = await capture_bundle(CaptureRequest(pid=1234, out_dir=Path("bundles"), url=url))
     print(bundle.path, bundle.classification.kind)
+    if bundle.lingering:
+        bundle.lingering.cancel()
 """
 
 from __future__ import annotations
 
 import asyncio
+import inspect
 import os
 import platform
 import socket
@@ -35,10 +51,17 @@ from mlxwatch.capture.procstats import ProcessWindow, describe_process, sample_p
 from mlxwatch.capture.summary import render_summary
 from mlxwatch.capture.versions import server_versions
 from mlxwatch.process import ProcessIdentity
-from mlxwatch.serverlog import read_recent, scan, since_last_start, tail_lines
+from mlxwatch.serverlog import (
+    RECENT_BYTES, SERVER_START, LogMarkers, completions_ok, progress_lines, read_recent, scan, since_last_start,
+    tail_lines,
+)
 
 DUMP_TIMEOUT = 10.0
 FINISH_RESERVE = 2.0  # seconds of the ceiling kept for classifying and writing
+LOG_RESERVE = 2.0  # the log is read at the latest this long before the steps are cut off
+PROBE_MARGIN = 1.0  # the capture's probe waits for a first token this long past the window's end
+PROBE_FLOOR = 5.0  # ...and never less than this
+PROBE_LINGER = 30.0  # how long a given-up probe keeps draining its stream in the background
 
 StepCallback = Callable[[str, str], None]  # (step name, "start" | outcome)
 
@@ -55,11 +78,13 @@ class CaptureRequest:
     ceiling: float = 60.0
     sudo: bool = False
     log_tail_lines: int = 400
-    probe_first_token_timeout: float = 10.0
+    probe_first_token_timeout: float = 10.0  # an upper bound: the window's end (+ margin) cuts it
     probe_timeout: float = 20.0
     prior_probes: list[dict] = field(default_factory=list)  # the watchdog's failed probes
     keep: int = 50
     max_bytes: int = 2 * 1024**3
+    verdict: str | None = None  # the watchdog's reason for judging the server hung; None: manual capture
+    probe_linger: float = PROBE_LINGER  # 0: a given-up probe closes its stream at once
 
 
 @dataclass
@@ -67,6 +92,9 @@ class Bundle:
     path: Path
     classification: Classification
     manifest: dict[str, Any]
+    # The capture probe's background drain (see the module docstring), or None. The caller owns
+    # it: await it or cancel it before its event loop ends.
+    lingering: asyncio.Task | None = None
 
 
 @dataclass
@@ -91,19 +119,30 @@ class _Capture:
         self.on_step = on_step or (lambda name, state: None)
         self.t0 = time.monotonic()
         self.deadline = self.t0 + req.ceiling
-        self.writer = BundleWriter(req.out_dir, req.label or f"pid-{req.pid}")
+        self.writer: BundleWriter = None  # type: ignore[assignment]  # made in a worker thread
         self.steps: list[_Step] = []
         self.snapshots: list[tuple[float, list[pyspy.ThreadStack]]] = []
         self.stacks_error: str | None = None
         self.window = ProcessWindow()
+        self.window_seconds = max(0.5, (req.snapshots - 1) * req.spacing + 0.5)
+        self.probe_first_token = min(req.probe_first_token_timeout, max(PROBE_FLOOR, self.window_seconds + PROBE_MARGIN))
         self.report: Any = None
-        self.markers_before = None
-        self.markers = None
+        self.lingering: asyncio.Task | None = None
+        self.log_offset: int | None = None  # the log's size when the window began
+        self.log_before: dict[int, int] = {}  # per prompt total Y, the last X logged before the window
+        self.log_window_text: str | None = None  # what the log gained during the window
+        self.markers: LogMarkers | None = None
         self.process: dict = {}
         self.versions: dict = {}
 
     def now(self) -> float:
         return time.monotonic() - self.t0
+
+    async def write(self, relname: str, data: bytes | str) -> None:
+        await asyncio.to_thread(self.writer.write, relname, data)
+
+    async def write_json(self, relname: str, value: Any) -> None:
+        await asyncio.to_thread(self.writer.write_json, relname, value)
 
     async def step(self, name: str, work: Callable[[_Step], Awaitable[None]]) -> None:
         """Run one step; record its outcome whatever happens. Cancellation (the ceiling) propagates."""
@@ -136,26 +175,51 @@ class _Capture:
                 task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
 
+    async def after(self, tasks: list[asyncio.Future], name: str, work: Callable[[_Step], Awaitable[None]]) -> None:
+        """Run a step once ``tasks`` are done, or ``LOG_RESERVE`` before the steps are cut off."""
+        budget = self.deadline - FINISH_RESERVE - LOG_RESERVE - time.monotonic()
+        if budget > 0:
+            await asyncio.wait(tasks, timeout=budget)
+        await self.step(name, work)
+
 
 async def capture_bundle(req: CaptureRequest, *, runner: Runner = run_command, on_step: StepCallback | None = None) -> Bundle:
-    """Capture, classify and write one bundle. Raises only if the bundle itself cannot be written."""
+    """Capture, classify and write one bundle. Raises only if the bundle itself cannot be written.
+
+    The returned ``Bundle.lingering`` (if not None) is a task still draining the capture probe's
+    stream; the caller awaits or cancels it."""
     cap = _Capture(req, runner, on_step)
-    cap.markers_before = scan(since_last_start(read_recent(req.log))) if req.log else None
-    await cap.step("process", lambda rec: _process(cap, rec))
-    window_seconds = max(0.5, (req.snapshots - 1) * req.spacing + 0.5)
-    await cap.phase(
-        cap.step("stacks", lambda rec: _stacks(cap, rec)),
-        cap.step("cpu", lambda rec: _cpu(cap, rec, window_seconds)),
-        cap.step("probe", lambda rec: _probe(cap, rec)),
-    )
-    await cap.phase(
-        cap.step("sample", lambda rec: _sample(cap, rec)),
-        cap.step("spindump", lambda rec: _spindump(cap, rec)),
-        cap.step("crash_reports", lambda rec: _crash_reports(cap, rec)),
-        cap.step("log", lambda rec: _log(cap, rec)),
-        cap.step("versions", lambda rec: _versions(cap, rec)),
-    )
-    return _finish(cap)
+    cap.writer = await asyncio.to_thread(BundleWriter, req.out_dir, req.label or f"pid-{req.pid}")
+    before: asyncio.Future | None = None
+    try:
+        if req.log is not None:
+            cap.log_offset = await asyncio.to_thread(_log_size, req.log)
+            if cap.log_offset is not None:  # what the log said before the window, read beside it
+                before = asyncio.ensure_future(asyncio.to_thread(_progress_before, req.log, cap.log_offset))
+        await cap.step("process", lambda rec: _process(cap, rec))
+        window = [
+            asyncio.ensure_future(cap.step("stacks", lambda rec: _stacks(cap, rec))),
+            asyncio.ensure_future(cap.step("cpu", lambda rec: _cpu(cap, rec))),
+            asyncio.ensure_future(cap.step("probe", lambda rec: _probe(cap, rec))),
+        ]
+        await cap.phase(
+            *window,
+            cap.step("sample", lambda rec: _sample(cap, rec)),
+            cap.step("spindump", lambda rec: _spindump(cap, rec)),
+            cap.step("crash_reports", lambda rec: _crash_reports(cap, rec)),
+            cap.step("versions", lambda rec: _versions(cap, rec)),
+            cap.after(window, "log", lambda rec: _log(cap, rec, before)),
+        )
+        bundle = await asyncio.to_thread(_finish, cap)
+    except BaseException:
+        if cap.lingering is not None:  # nobody will receive it: end it now
+            cap.lingering.cancel()
+        raise
+    finally:
+        if before is not None and not before.done():
+            before.cancel()
+    bundle.lingering = cap.lingering
+    return bundle
 
 
 async def _process(cap: _Capture, rec: _Step) -> None:
@@ -163,8 +227,8 @@ async def _process(cap: _Capture, rec: _Step) -> None:
         cap.process = {"pid": None, "errors": {"process": "no server process found"}}
         rec.outcome, rec.error = "failed", "no server process found (nothing listening on the port)"
         return
-    cap.process = describe_process(cap.req.pid)
-    cap.writer.write_json("process.json", cap.process)
+    cap.process = await asyncio.to_thread(describe_process, cap.req.pid)
+    await cap.write_json("process.json", cap.process)
     if "process" in cap.process["errors"]:
         rec.outcome, rec.error = "failed", f"no process with PID {cap.req.pid}"
 
@@ -175,7 +239,7 @@ async def _stacks(cap: _Capture, rec: _Step) -> None:
         rec.outcome, rec.error = "skipped", "no process to inspect"
         cap.stacks_error = rec.error
         return
-    exe = pyspy.find_py_spy()
+    exe = await asyncio.to_thread(pyspy.find_py_spy)
     if exe is None:
         rec.outcome, rec.error = "failed", "py-spy not found on PATH (pip install py-spy)"
         cap.stacks_error = rec.error
@@ -186,9 +250,13 @@ async def _stacks(cap: _Capture, rec: _Step) -> None:
         return
     native = pyspy.native_supported()
     errors = []
+    started = time.monotonic()
     for i in range(1, req.snapshots + 1):
-        if i > 1:
-            await asyncio.sleep(req.spacing)
+        # Snapshots on a fixed schedule (0, spacing, 2*spacing...): a slow dump does not push
+        # the next ones, and the window ends when the CPU window does.
+        wait = started + (i - 1) * req.spacing - time.monotonic()
+        if wait > 0:
+            await asyncio.sleep(wait)
         at = cap.now()
         result = await cap.runner(pyspy.dump_command(exe, req.pid, as_json=True, native=False, sudo=req.sudo), DUMP_TIMEOUT)
         nonblocking = False
@@ -206,12 +274,12 @@ async def _stacks(cap: _Capture, rec: _Step) -> None:
             errors.append(f"snapshot {i}: unreadable py-spy JSON: {exc}")
             continue
         cap.snapshots.append((at, threads))
-        cap.writer.write(f"stacks/pyspy-{i}.json", result.stdout)
+        await cap.write(f"stacks/pyspy-{i}.json", result.stdout)
         text = await cap.runner(pyspy.dump_command(exe, req.pid, as_json=False, native=native and not nonblocking,
                                                    nonblocking=nonblocking, sudo=req.sudo), DUMP_TIMEOUT)
         header = f"# py-spy dump {i} at +{at:.2f}s ({datetime.now(timezone.utc).isoformat()})" \
                  f"{' --native' if native and not nonblocking else ''}{' --nonblocking' if nonblocking else ''}\n"
-        cap.writer.write(f"stacks/pyspy-{i}.txt", header + (text.stdout.decode("utf-8", "replace") if text.ok else f"# failed: {text.error}\n"))
+        await cap.write(f"stacks/pyspy-{i}.txt", header + (text.stdout.decode("utf-8", "replace") if text.ok else f"# failed: {text.error}\n"))
     if errors:
         cap.stacks_error = "; ".join(errors)
         rec.error = cap.stacks_error
@@ -223,12 +291,12 @@ def _missing_or_denied(error: str | None) -> bool:
     return any(w in text for w in ("not found", "no such process", "permission denied", "operation not permitted"))
 
 
-async def _cpu(cap: _Capture, rec: _Step, seconds: float) -> None:
+async def _cpu(cap: _Capture, rec: _Step) -> None:
     if cap.req.pid is None:
         rec.outcome, rec.error = "skipped", "no process to inspect"
         return
-    cap.window = await sample_process(cap.req.pid, seconds)
-    cap.writer.write_json("procstats.json", cap.window.to_dict())
+    cap.window = await sample_process(cap.req.pid, cap.window_seconds)
+    await cap.write_json("procstats.json", cap.window.to_dict())
     if cap.window.errors:
         rec.error = "; ".join(cap.window.errors)
 
@@ -237,28 +305,50 @@ async def _probe(cap: _Capture, rec: _Step) -> None:
     from mlxwatch.probes import make_client, run_check
 
     if cap.req.prior_probes:
-        cap.writer.write_json("probes-before.json", cap.req.prior_probes)
+        await cap.write_json("probes-before.json", cap.req.prior_probes)
     if not cap.req.url:
         rec.outcome, rec.error = "skipped", "no URL given (--url or --instance)"
         return
-    async with make_client() as client:
-        cap.report = await run_check(client, cap.req.url, first_token_timeout=cap.req.probe_first_token_timeout,
-                                     timeout=cap.req.probe_timeout, endpoint_timeout=5.0)
-    cap.writer.write_json("probe.json", cap.report.to_dict())
+    extra: dict[str, Any] = {}
+    if cap.req.probe_linger > 0 and "linger" in inspect.signature(run_check).parameters:
+        extra["linger"] = cap.req.probe_linger
+    client = make_client()
+    try:
+        cap.report = await run_check(client, cap.req.url, first_token_timeout=cap.probe_first_token,
+                                     timeout=cap.req.probe_timeout, endpoint_timeout=5.0, **extra)
+    except BaseException:
+        await client.aclose()
+        raise
+    lingering = getattr(cap.report, "lingering", None)
+    if lingering is not None:  # the stream stays open: so must the client, until the drain ends
+        cap.lingering = asyncio.ensure_future(_drain_then_close(lingering, client))
+    else:
+        await client.aclose()
+    await cap.write_json("probe.json", cap.report.to_dict())
     if not cap.report.healthy:
         rec.error = f"probe: {cap.report.reason}"  # evidence, not a step failure
+
+
+async def _drain_then_close(lingering: Awaitable[Any], client: Any) -> Any:
+    """Own the probe's client while its background drain runs; cancelling this cancels the drain."""
+    try:
+        return await lingering
+    except Exception:  # the drain's outcome is nobody's evidence: the bundle is already written
+        return None
+    finally:
+        await client.aclose()
 
 
 async def _sample(cap: _Capture, rec: _Step) -> None:
     if not macos.is_macos():
         rec.outcome, rec.error = "skipped", "sample: not available on this OS (macOS only)"
         return
-    if not macos.tool_available("sample"):
+    if not await asyncio.to_thread(macos.tool_available, "sample"):
         rec.outcome, rec.error = "skipped", "sample: not found"
         return
-    out = cap.writer.tool_output("native/sample.txt")
+    out = await asyncio.to_thread(cap.writer.tool_output, "native/sample.txt")
     result = await cap.runner(macos.sample_command(cap.req.pid, out), macos.SAMPLE_SECONDS + 15)
-    _register_tool_output(cap, rec, "native/sample.txt", result)
+    await _register_tool_output(cap, rec, "native/sample.txt", result)
 
 
 async def _spindump(cap: _Capture, rec: _Step) -> None:
@@ -268,15 +358,15 @@ async def _spindump(cap: _Capture, rec: _Step) -> None:
     if os.geteuid() != 0 and not cap.req.sudo:
         rec.outcome, rec.error = "skipped", "spindump needs root: run as root or set capture.sudo"
         return
-    out = cap.writer.tool_output("native/spindump.txt")
+    out = await asyncio.to_thread(cap.writer.tool_output, "native/spindump.txt")
     result = await cap.runner(macos.spindump_command(cap.req.pid, out, sudo=cap.req.sudo and os.geteuid() != 0),
                               macos.SAMPLE_SECONDS + 30)
-    _register_tool_output(cap, rec, "native/spindump.txt", result)
+    await _register_tool_output(cap, rec, "native/spindump.txt", result)
 
 
-def _register_tool_output(cap: _Capture, rec: _Step, relname: str, result) -> None:
+async def _register_tool_output(cap: _Capture, rec: _Step, relname: str, result) -> None:
     """Tools that write their own file: list it in the manifest (or record why there is none)."""
-    cap.writer.adopt(relname)
+    await asyncio.to_thread(cap.writer.adopt, relname)
     if not result.ok:
         rec.outcome, rec.error = "failed", result.error
 
@@ -286,32 +376,125 @@ async def _crash_reports(cap: _Capture, rec: _Step) -> None:
         rec.outcome, rec.error = "skipped", "crash reports: macOS only"
         return
     since = cap.process.get("create_time") or macos.since_default()
-    for path in macos.recent_crash_reports(cap.req.pid, since):
-        cap.writer.copy(f"crash/{path.name}", path)
+
+    def collect() -> None:
+        for path in macos.recent_crash_reports(cap.req.pid, since):
+            cap.writer.copy(f"crash/{path.name}", path)
+
+    await asyncio.to_thread(collect)
 
 
-async def _log(cap: _Capture, rec: _Step) -> None:
+def _log_size(path: Path) -> int | None:
+    try:
+        return os.stat(path).st_size
+    except OSError:
+        return None
+
+
+def _read_range(path: Path, start: int, end: int) -> str:
+    """Bytes ``start`` to ``end`` of the log as text, beginning at a whole line; "" if unreadable."""
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(max(0, start - 1))
+            data = fh.read(max(0, end - max(0, start - 1)))
+    except OSError:
+        return ""
+    if start > 0:  # keep the first line only if ``start`` is where it begins
+        data = data[1:] if data[:1] == b"\n" else data[data.find(b"\n") + 1:] if b"\n" in data else b""
+    return data.decode("utf-8", errors="replace")
+
+
+def _progress_before(path: Path, offset: int) -> dict[int, int]:
+    """Per prompt total Y, the last processed X the log showed before the window (current process)."""
+    text = _read_range(path, max(0, offset - RECENT_BYTES), offset)
+    text = since_last_start(text[:text.rfind("\n") + 1])  # a line still being written is not read
+    return {y: x for x, y in progress_lines(text)}
+
+
+def _read_log(path: Path, offset: int | None, tail: int) -> tuple[LogMarkers, str, str | None] | None:
+    """Markers and tail of the recent log, and what it gained since ``offset`` (the window;
+    None when the log could not be measured before the window)."""
+    if not path.exists():
+        return None
+    text = read_recent(path)
+    size = _log_size(path)
+    if offset is None or size is None:
+        gained = None
+    elif size < offset:  # rotated or truncated during the window: all of it is new
+        gained = since_last_start(text)
+    else:
+        gained = _read_range(path, max(offset, size - RECENT_BYTES), size)
+    return scan(since_last_start(text)), "\n".join(tail_lines(text, tail)) + "\n", gained
+
+
+async def _log(cap: _Capture, rec: _Step, before: Awaitable[dict[int, int]] | None) -> None:
     if cap.req.log is None:
         rec.outcome, rec.error = "skipped", "no server log given (--log or the instance's log)"
         return
-    if not cap.req.log.exists():
+    read = await asyncio.to_thread(_read_log, cap.req.log, cap.log_offset, cap.req.log_tail_lines)
+    if read is None:
         rec.outcome, rec.error = "failed", f"log not found: {cap.req.log}"
         return
-    text = read_recent(cap.req.log)
-    cap.markers = scan(since_last_start(text))
-    cap.writer.write("log-tail.txt", "\n".join(tail_lines(text, cap.req.log_tail_lines)) + "\n")
-    cap.writer.write_json("log-markers.json", cap.markers.to_dict())
+    cap.markers, tail, gained = read
+    await cap.write("log-tail.txt", tail)
+    await cap.write_json("log-markers.json", cap.markers.to_dict())
+    if before is not None:
+        cap.log_before = await before
+    cap.log_window_text = gained
 
 
 async def _versions(cap: _Capture, rec: _Step) -> None:
-    cap.versions = server_versions(cap.process.get("cmdline") or [], cap.process.get("exe"))
+    cap.versions = await asyncio.to_thread(server_versions, cap.process.get("cmdline") or [], cap.process.get("exe"))
     cap.versions["mlxwatch"] = __version__
     cap.versions["watcher_python"] = platform.python_version()
-    cap.writer.write_json("versions.json", cap.versions)
+    await cap.write_json("versions.json", cap.versions)
 
 
-def _evidence(cap: _Capture) -> Evidence:
-    ev = Evidence()
+@dataclass
+class LogWindow:
+    """What the log says happened during the window."""
+
+    advances: list[tuple[int, int]] = field(default_factory=list)  # other prompts' progress, X grown
+    admissions: int = 0  # POST .../completions 200 lines: requests *admitted*, not answered
+
+    def to_dict(self) -> dict:
+        return {"prompt_progress_advances": len(self.advances),
+                "last_advance": list(self.advances[-1]) if self.advances else None,
+                "admissions": self.admissions}
+
+
+def log_window(before: dict[int, int], gained: str, probe_totals: set[int]) -> LogWindow:
+    """Read the log text written during the window.
+
+    Progress counts only for prompts other than the probes' own (their total Y is known from
+    the probes' keepalives), and only when X grows past the last X logged for that Y (mlx-lm
+    logs the last chunk of a prompt twice). ``before`` maps Y to the last X seen before the
+    window. Admission lines are counted separately: they are not progress."""
+    last = dict(before)
+    if SERVER_START in gained:  # the server restarted during the window: its history is gone
+        gained, last = since_last_start(gained), {}
+    found = LogWindow(admissions=completions_ok(gained))
+    for x, y in progress_lines(gained):
+        if y in probe_totals:
+            continue
+        if x > last.get(y, 0):
+            found.advances.append((x, y))
+        last[y] = x
+    return found
+
+
+def _probe_totals(cap: _Capture) -> set[int]:
+    """The prompt sizes (Y of X/Y) the capture's and the watchdog's probes were seen to have."""
+    totals = {k.total for k in cap.report.generation.keepalives} if cap.report is not None else set()
+    for prior in cap.req.prior_probes:
+        for k in (prior.get("generation") or {}).get("keepalives") or []:
+            if isinstance(k, dict) and isinstance(k.get("total"), int):
+                totals.add(k["total"])
+    return totals
+
+
+def _evidence(cap: _Capture) -> tuple[Evidence, LogWindow | None]:
+    ev = Evidence(verdict=cap.req.verdict)
     ev.process_alive = "process" not in cap.process.get("errors", {}) and cap.window.gone_at is None
     if ev.process_alive and cap.req.pid is not None and cap.process.get("create_time"):
         # Still the same process now (same PID and create time, not a zombie)?
@@ -335,15 +518,20 @@ def _evidence(cap: _Capture) -> Evidence:
         ev.models_status = cap.report.models.status
         ev.endpoints_answered = cap.report.health.answered or cap.report.models.answered
     ev.log = cap.markers
-    if cap.markers and cap.markers_before:
-        ev.log_progress_advanced = cap.markers.progress_count > cap.markers_before.progress_count
-        ev.log_completions_advanced = cap.markers.completion_count > cap.markers_before.completion_count + (1 if ev.probe_ran else 0)
-    return ev
+    window = None
+    if cap.markers is not None and cap.log_window_text is not None:
+        window = log_window(cap.log_before, cap.log_window_text, _probe_totals(cap))
+        ev.log_progress_advanced = bool(window.advances)
+        ev.log_progress_now = window.advances[-1] if window.advances else None
+        ours = 1 if cap.report is not None and cap.report.generation.status == 200 else 0
+        ev.log_admissions = max(0, window.admissions - ours)
+    return ev, window
 
 
 def _finish(cap: _Capture) -> Bundle:
+    """Classify and write the bundle (blocking: run in a worker thread)."""
     req = cap.req
-    evidence = _evidence(cap)
+    evidence, window = _evidence(cap)
     classification = classify(evidence)
     manifest = {
         "created_at": datetime.now(timezone.utc).isoformat(),
@@ -352,11 +540,14 @@ def _finish(cap: _Capture) -> Bundle:
         "platform": sys.platform,
         "target": {"pid": req.pid, "label": req.label, "url": req.url, "log": str(req.log) if req.log else None,
                    "create_time": cap.process.get("create_time"), "cmdline": cap.process.get("cmdline")},
-        "settings": {"snapshots": req.snapshots, "spacing": req.spacing, "ceiling": req.ceiling, "sudo": req.sudo},
+        "verdict": req.verdict,
+        "settings": {"snapshots": req.snapshots, "spacing": req.spacing, "ceiling": req.ceiling, "sudo": req.sudo,
+                     "probe_first_token_timeout": cap.probe_first_token, "probe_linger": req.probe_linger},
         "duration": round(cap.now(), 3),
         "steps": [s.to_dict() for s in cap.steps],
         "cpu": {"process": evidence.process_cpu, "generation_thread": evidence.generation_cpu,
                 "statuses": evidence.process_statuses},
+        "log_window": window.to_dict() if window else None,
         "versions": cap.versions,
         "classification": classification.to_dict(),
     }

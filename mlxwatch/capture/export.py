@@ -3,7 +3,8 @@
 Redaction is by allowlist where content can hide: a log line is kept only if it has a known
 server shape (progress, prompt-cache stats, HTTP access lines, traceback frames and exception
 lines, startup); any other line becomes ``[redacted N chars]``. Probe transcripts keep event
-kinds and timings but not texts. Environment values are dropped. Home-directory paths become
+kinds and timings but not texts. The watchdog's verdict keeps its known failure phrase only
+(its details can quote the server). Environment values are dropped. Home-directory paths become
 ``~``. The manifest is rewritten to list the redacted files' new hashes and ``"redacted": true``.
 """
 
@@ -19,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from mlxwatch.capture.bundle import MANIFEST, load_manifest
+from mlxwatch.probes.generation import DESCRIPTIONS
 
 _KEEP_LOG_LINE = [
     re.compile(r"Prompt processing progress: \d+/\d+\s*$"),
@@ -82,6 +84,26 @@ def _redact_free_text(text: str) -> str:
     return re.sub(r"(: ).*$", r"\1[redacted]", text) if ": " in text else text
 
 
+def redact_verdict(text: str) -> str:
+    """The watchdog's verdict (``2 failed probes: HTTP error: HTTP 500: <server body>``) up to
+    the end of the first known failure phrase; what follows can quote the server."""
+    found = [(text.find(d) + len(d)) for d in DESCRIPTIONS.values() if d in text]
+    if not found:
+        return f"[redacted {len(text)} chars]"
+    end = min(found)
+    return text[:end] + (" [details redacted]" if text[end:].strip() else "")
+
+
+def _replace_strings(value: Any, old: str, new: str) -> Any:
+    if isinstance(value, str):
+        return value.replace(old, new)
+    if isinstance(value, list):
+        return [_replace_strings(v, old, new) for v in value]
+    if isinstance(value, dict):
+        return {k: _replace_strings(v, old, new) for k, v in value.items()}
+    return value
+
+
 def _redact_process(info: dict) -> dict:
     info = dict(info)
     if isinstance(info.get("environment"), dict):
@@ -101,9 +123,11 @@ def _redact_markers(markers: dict) -> dict:
     return out
 
 
-def redact_file(relname: str, data: bytes) -> bytes:
-    """The redacted form of one bundle file."""
+def redact_file(relname: str, data: bytes, verdict: str | None = None) -> bytes:
+    """The redacted form of one bundle file (``verdict``: the manifest's, to be cut where it is quoted)."""
     text = data.decode("utf-8", errors="replace")
+    if verdict:
+        text = text.replace(verdict, redact_verdict(verdict))
     name = Path(relname).name
     if name == "log-tail.txt":
         return redact_log(text).encode()
@@ -140,10 +164,12 @@ def export_bundle(bundle: Path, out: Path | None = None, redact: bool = False) -
             continue
         data = path.read_bytes()
         if redact:
-            data = redact_file(relname, data)
+            data = redact_file(relname, data, manifest.get("verdict"))
         files[relname] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
         members.append((relname, data))
     if redact:
+        if manifest.get("verdict"):
+            manifest = _replace_strings(manifest, manifest["verdict"], redact_verdict(manifest["verdict"]))
         manifest = json.loads(redact_home(json.dumps({**manifest, "files": files, "redacted": True,
                                                        "redaction": REDACTED_FILES_NOTE})))
         manifest["target"]["cmdline"] = [redact_home(a) for a in manifest["target"].get("cmdline") or []]

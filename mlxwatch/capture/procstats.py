@@ -126,21 +126,34 @@ def _sample(proc: psutil.Process, t: float) -> CpuSample:
                          proc.num_threads(), threads)
 
 
+def _sample_now(proc: psutil.Process, started: float) -> CpuSample:
+    """One sample, timed when it is read (in a worker thread: the time is the reading's own)."""
+    return _sample(proc, time.monotonic() - started)
+
+
 async def sample_process(pid: int, duration: float, interval: float = 0.5) -> ProcessWindow:
-    """Sample ``pid`` every ``interval`` s for ``duration`` s (cancellation keeps what was read)."""
+    """Sample ``pid`` every ``interval`` s for ``duration`` s (cancellation keeps what was read).
+
+    Every psutil read runs in a worker thread: the capture shares the daemon's event loop with
+    other instances' probes, and reading a process's threads is file I/O under /proc (or a
+    Mach call on macOS) that can be slow on a loaded machine."""
     window = ProcessWindow()
     started = time.monotonic()
     try:
-        proc = psutil.Process(pid)
+        proc = await asyncio.to_thread(psutil.Process, pid)
     except psutil.NoSuchProcess:
         window.gone_at = 0.0
         window.errors.append("no such process")
+        return window
+    except asyncio.CancelledError:
         return window
     try:
         while True:
             t = time.monotonic() - started
             try:
-                window.samples.append(_sample(proc, t))
+                sample = await asyncio.to_thread(_sample_now, proc, started)
+                window.samples.append(sample)
+                t = sample.t
             except psutil.NoSuchProcess:
                 window.gone_at = t
                 window.errors.append(f"process exited {t:.1f}s into the window")

@@ -1,7 +1,9 @@
 """``summary.md``: what a maintainer reads in one minute.
 
-The verdict and its evidence first, then the generation thread's stack across snapshots, CPU
-over the window, the last log markers, and what could not be captured and why.
+The verdict and its evidence first (and, when the watchdog judged the server hung but the
+evidence says otherwise, that contradiction in the first lines), then the generation thread's
+stack across snapshots, CPU over the window, the last log markers, and what could not be
+captured and why.
 """
 
 from __future__ import annotations
@@ -13,9 +15,15 @@ from mlxwatch.capture.pyspy import ThreadStack, generation_thread
 
 def render_summary(manifest: dict[str, Any], snapshots: list[tuple[float, list[ThreadStack]]], markers: dict | None) -> str:
     c = manifest["classification"]
-    out = [
-        f"# mlxwatch bundle: {c['kind']} ({c['confidence']} confidence)",
-        "",
+    out = [f"# mlxwatch bundle: {c['kind']} ({c['confidence']} confidence)", ""]
+    verdict = manifest.get("verdict")
+    if verdict and c.get("contradicts_verdict"):
+        seen = (c.get("evidence") or ["?"])[0]
+        out += [f"**The watchdog judged this server hung ({verdict}); the capture saw {c['kind']}: {seen}.** "
+                "The evidence contradicts the verdict the restart was based on: weigh both.", ""]
+    elif verdict:
+        out.append(f"- watchdog verdict: hung ({verdict})")
+    out += [
         f"- target: PID {manifest['target']['pid']} {manifest['target'].get('label', '')}".rstrip(),
         f"- created: {manifest['created_at']} on {manifest['host']}",
     ]
