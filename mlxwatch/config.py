@@ -15,20 +15,35 @@ five minutes and more for a cron job probing every five minutes.
 
 from __future__ import annotations
 
+import ipaddress
 import os
+import re
+import stat
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 from urllib.parse import urlsplit
 
 import yaml
+from yaml.constructor import ConstructorError
 
-from mlxwatch.durations import parse_duration
+from mlxwatch.durations import NOT_A_DURATION, parse_duration
 from mlxwatch.errors import ConfigError
 
 CONFIG_ENV = "MLXWATCH_CONFIG"
 DEFAULT_CONFIG_PATH = Path("~/.config/mlxwatch/config.yaml")
+
+# Bounds on what a config file may be. A real one is a few kilobytes, a few levels deep, with
+# perhaps a handful of aliases; these stop a wrong path (a FIFO, /dev/zero, a log file) or a
+# hostile file (billion laughs) from hanging or exhausting the loader.
+MAX_CONFIG_BYTES = 1024 * 1024
+MAX_ALIASES = 100
+MAX_DEPTH = 32  # nesting of mappings and lists, aliases followed
+MAX_NODES = 10_000  # values in the document, each alias counted as everything it stands for
+MIN_DURATION = 0.001
+MAX_COUNT = 1_000_000  # any whole-number setting
+MAX_SIZE = 1024**4  # capture.max_bytes
 
 
 @dataclass(frozen=True)
@@ -133,21 +148,226 @@ def default_state_dir() -> Path:
 
 def load_config(path: Path) -> Config:
     """Read and validate ``path``. Raises ``ConfigError`` with one line on any problem."""
-    file = str(path)
+    file = _display(str(path))
+    raw = _read_bounded(path, file)
     try:
-        text = path.read_text(encoding="utf-8")
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(file, "", f"not UTF-8 text at byte {exc.start}") from None
+    return parse_config(_parse_yaml(text, file), file, path)
+
+
+def _read_bounded(path: Path, file: str) -> bytes:
+    """The file's bytes: a regular file of at most ``MAX_CONFIG_BYTES``, else ConfigError.
+
+    The type is checked before opening (opening a FIFO would wait for a writer) and again on the
+    open descriptor, opened non-blocking in case the path was swapped in between; at most one
+    byte more than the limit is ever read, whatever the file claims its size is.
+    """
+    try:
+        mode = os.stat(path).st_mode
+        if not stat.S_ISREG(mode):
+            raise ConfigError(file, "", f"not a regular file ({_file_kind(mode)})")
+        flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOCTTY", 0) | getattr(os, "O_CLOEXEC", 0)
+        fd = os.open(path, flags)
     except FileNotFoundError:
         raise ConfigError(file, "", "file not found") from None
     except OSError as exc:
         raise ConfigError(file, "", f"cannot read: {exc.strerror or exc}") from None
+    except ValueError as exc:  # a NUL in the path
+        raise ConfigError(file, "", f"cannot read: {exc}") from None
     try:
-        data = yaml.safe_load(text)
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise ConfigError(file, "", f"not a regular file ({_file_kind(mode)})")
+        chunks: list[bytes] = []
+        left = MAX_CONFIG_BYTES + 1
+        while left > 0:
+            chunk = os.read(fd, min(left, 65536))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            left -= len(chunk)
+    except OSError as exc:
+        raise ConfigError(file, "", f"cannot read: {exc.strerror or exc}") from None
+    finally:
+        os.close(fd)
+    if left <= 0:
+        raise ConfigError(file, "", f"too large (more than {MAX_CONFIG_BYTES} bytes)")
+    return b"".join(chunks)
+
+
+def _file_kind(mode: int) -> str:
+    kinds = [(stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+             (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket")]
+    return next((name for test, name in kinds if test(mode)), "not a file")
+
+
+def _display(file: str) -> str:
+    """A file name fit for a one-line message (a newline in a name would break the line)."""
+    return file if file.isprintable() else repr(file)
+
+
+class _Refused(Exception):
+    """The document is valid YAML but over one of the bounds."""
+
+    def __init__(self, message: str, mark: Any) -> None:
+        super().__init__(f"{message} at line {mark.line + 1}, column {mark.column + 1}")
+
+
+class _Duplicate(Exception):
+    def __init__(self, key_path: str, message: str) -> None:
+        super().__init__(message)
+        self.key_path = key_path
+        self.message = message
+
+
+class _BoundedLoader(yaml.SafeLoader):
+    """SafeLoader that counts while composing: aliases, nesting, and values with aliases expanded.
+
+    PyYAML builds one shared object per anchor, so loading a billion-laughs document is cheap;
+    what explodes is anything that then walks the result (a repr in an error message, a check
+    that visits every value). Composition sees every alias before any Python object exists, so
+    the limits are enforced there. Each node's expanded size and height are recorded once, so a
+    node reached through many aliases costs nothing more to measure.
+    """
+
+    def __init__(self, stream: str) -> None:
+        super().__init__(stream)
+        self.aliases = 0
+        self.depth = 0
+        self.composed = 0
+        self.measure: dict[int, tuple[int, int]] = {}  # id(node) -> (expanded size, height)
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        event = self.peek_event()
+        if isinstance(event, yaml.AliasEvent):
+            self.aliases += 1
+            if self.aliases > MAX_ALIASES:
+                raise _Refused(f"more than {MAX_ALIASES} YAML aliases", event.start_mark)
+            node = super().compose_node(parent, index)
+            if id(node) not in self.measure:  # an alias to a node still being composed
+                raise _Refused(f"YAML alias *{event.anchor} refers to a value that contains it", event.start_mark)
+            return node
+        self.depth += 1
+        self.composed += 1
+        if self.depth > MAX_DEPTH:
+            raise _Refused(f"nested deeper than {MAX_DEPTH} levels", event.start_mark)
+        if self.composed > MAX_NODES:
+            raise _Refused(f"more than {MAX_NODES} values", event.start_mark)
+        node = super().compose_node(parent, index)
+        self.depth -= 1
+        children = _children(node)
+        size = 1 + sum(self.measure[id(c)][0] for c in children)
+        height = 1 + max((self.measure[id(c)][1] for c in children), default=0)
+        self.measure[id(node)] = (size, height)
+        if size > MAX_NODES:
+            raise _Refused(f"more than {MAX_NODES} values with aliases expanded", node.start_mark)
+        if height > MAX_DEPTH:
+            raise _Refused(f"nested deeper than {MAX_DEPTH} levels with aliases expanded", node.start_mark)
+        return node
+
+    def construct_object(self, node: Any, deep: bool = False) -> Any:
+        try:
+            return super().construct_object(node, deep)
+        except (ValueError, OverflowError) as exc:  # int("9" * 5000), a date such as 2024-13-45
+            if node.tag.endswith(":int"):
+                problem = "integer too long"
+            elif node.tag.endswith(":timestamp"):
+                problem = f"not a valid date ({exc})"
+            else:
+                problem = str(exc).split(";")[0]
+            value = _show(node.value) if isinstance(node, yaml.ScalarNode) else node.tag
+            raise ConstructorError(None, None, f"cannot read {value}: {problem}", node.start_mark) from None
+
+
+def _children(node: Any) -> list[Any]:
+    if isinstance(node, yaml.SequenceNode):
+        return list(node.value)
+    if isinstance(node, yaml.MappingNode):
+        return [n for pair in node.value for n in pair]
+    return []
+
+
+def _parse_yaml(text: str, file: str) -> Any:
+    loader = None
+    try:
+        loader = _BoundedLoader(text)  # the reader rejects control characters right here
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        _reject_duplicate_keys(loader, node)
+        return loader.construct_document(node)
+    except _Refused as exc:
+        raise ConfigError(file, "", str(exc)) from None
+    except _Duplicate as exc:
+        raise ConfigError(file, exc.key_path, exc.message) from None
     except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        problem = getattr(exc, "problem", None) or "syntax error"
-        raise ConfigError(file, "", f"invalid YAML{where}: {problem}") from None
-    return parse_config(data, file, path)
+        raise ConfigError(file, "", _yaml_problem(exc, text)) from None
+    finally:
+        if loader is not None:
+            loader.dispose()
+
+
+def _yaml_problem(exc: yaml.YAMLError, text: str) -> str:
+    if isinstance(exc, yaml.reader.ReaderError):  # a control character: no problem_mark of its own
+        pos = exc.position
+        line = text.count("\n", 0, pos) + 1
+        column = pos - (text.rfind("\n", 0, pos) + 1) + 1
+        char = exc.character if isinstance(exc.character, int) else ord(exc.character)
+        return f"invalid YAML at line {line}, column {column}: {exc.reason} (#x{char:04x})"
+    mark = getattr(exc, "problem_mark", None)
+    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+    problem = getattr(exc, "problem", None) or "syntax error"
+    context = getattr(exc, "context", None) or ""
+    if context.startswith("found duplicate anchor"):  # its problem is just "second occurrence"
+        problem = context.split(";")[0]
+    elif str(problem).startswith("but "):  # "expected a single document ..., but found another document"
+        problem = f"{context}, {problem}"
+    return f"invalid YAML{where}: {' '.join(str(problem).split())}"
+
+
+def _reject_duplicate_keys(loader: _BoundedLoader, root: Any) -> None:
+    """PyYAML keeps the last of two equal keys; a config that says a thing twice is an error.
+
+    Each mapping node is checked once, under the first key path that reaches it.
+    """
+    seen_nodes: set[int] = set()
+    stack: list[tuple[Any, str]] = [(root, "")]
+    while stack:
+        node, path = stack.pop()
+        if id(node) in seen_nodes:
+            continue
+        seen_nodes.add(id(node))
+        if isinstance(node, yaml.SequenceNode):
+            stack.extend((child, f"{path}[{i}]") for i, child in reversed(list(enumerate(node.value))))
+        elif isinstance(node, yaml.MappingNode):
+            keys: dict[Any, Any] = {}
+            children = []
+            for key_node, value_node in node.value:
+                if not isinstance(key_node, yaml.ScalarNode) or key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key = loader.construct_object(key_node)
+                key_path = _join(path, key)
+                if key in keys:
+                    first, again = keys[key].start_mark.line + 1, key_node.start_mark.line + 1
+                    where = f"lines {first} and {again}" if first != again else f"twice on line {first}"
+                    raise _Duplicate(key_path, f"duplicate key ({where})")
+                keys[key] = key_node
+                children.append((value_node, key_path))
+            stack.extend(reversed(children))
+
+
+def _join(path: str, key: Any) -> str:
+    name = _key_name(key)
+    return f"{path}.{name}" if path else name
+
+
+def _key_name(key: Any) -> str:
+    """A key as it appears in a key path: bare if it is a plain word, else quoted."""
+    if isinstance(key, str) and re.fullmatch(r"[A-Za-z0-9_-]{1,60}", key):
+        return key
+    return _show(key)
 
 
 def parse_config(data: Any, file: str, path: Path | None = None) -> Config:
@@ -161,7 +381,7 @@ def parse_config(data: Any, file: str, path: Path | None = None) -> Config:
     capture = _capture(top.section("capture"), base)
     raw_instances = top.take("instances", _list, [])
     top.done()
-    instances = []
+    instances: list[InstanceConfig] = []
     seen: dict[str, int] = {}
     for i, raw in enumerate(raw_instances):
         inst = _instance(_Section(raw, f"instances[{i}]", file), base)
@@ -171,21 +391,69 @@ def parse_config(data: Any, file: str, path: Path | None = None) -> Config:
                 f"instances[{i}].name",
                 f"duplicate name {inst.name!r} (also instances[{seen[inst.name]}])",
             )
+        for j, other in enumerate(instances):
+            if same_address(inst.url, other.url):
+                raise ConfigError(
+                    file,
+                    f"instances[{i}].url",
+                    f"same address as instances[{j}] ({other.name!r} at {other.url}) (got {_show(inst.url)})",
+                )
         seen[inst.name] = i
         instances.append(inst)
     return Config(path, tuple(instances), state_dir, notify, capture)
 
 
-# --- field readers: each takes (value, describe) and returns the typed value or raises ValueError
+_LOOPBACKS = frozenset({"127.0.0.1", "::1"})
+
+
+def same_address(a: str, b: str) -> bool:
+    """Whether two base URLs reach the same listening socket: same host and port.
+
+    The scheme only decides the default port (a server listens on a port, and a watcher finds
+    the server's process by that port). Hosts compare as written after normalising case, a
+    trailing dot and IP notation (``[0:0::1]`` is ``[::1]``, ``::ffff:127.0.0.1`` is
+    ``127.0.0.1``); ``localhost`` may resolve to either loopback, so it matches both
+    ``127.0.0.1`` and ``::1``, while those two are different sockets.
+    """
+    pa, pb = urlsplit(a), urlsplit(b)
+    if _port(pa) != _port(pb):
+        return False
+    ha, hb = _host(pa.hostname or ""), _host(pb.hostname or "")
+    if ha == hb:
+        return True
+    return (ha == "localhost" and hb in _LOOPBACKS) or (hb == "localhost" and ha in _LOOPBACKS)
+
+
+def _port(parts: Any) -> int:
+    return parts.port or (443 if parts.scheme == "https" else 80)
+
+
+def _host(host: str) -> str:
+    host = host.lower().rstrip(".")
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return host
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped:
+        return str(ip.ipv4_mapped)
+    return str(ip)
+
+
+# --- field readers: each takes the value and returns the typed value or raises ValueError
+
+
+_DURATION_FORM = "must be a duration such as 30, 30s, 5m or 1h"
 
 
 def _positive_duration(value: Any) -> float:
     try:
         seconds = parse_duration(value)
-    except ValueError:
-        raise ValueError("must be a duration such as 30, 30s, 5m or 1h") from None
+    except ValueError as exc:
+        raise ValueError(_DURATION_FORM if str(exc) == NOT_A_DURATION else str(exc)) from None
     if seconds <= 0:
         raise ValueError("must be a positive duration")
+    if seconds < MIN_DURATION:
+        raise ValueError("must be at least 1ms")
     return seconds
 
 
@@ -194,21 +462,33 @@ def _positive_int(value: Any) -> int:
         raise ValueError("must be a whole number")
     if value <= 0:
         raise ValueError("must be a positive whole number")
+    if value > MAX_COUNT:
+        raise ValueError(f"must be at most {MAX_COUNT}")
     return value
 
 
+_SIZE_UNITS = {"b": 1, "kb": 1024, "mb": 1024**2, "gb": 1024**3}
+_SIZE = re.compile(r"\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*(b|kb|mb|gb)\s*", re.ASCII)
+_SIZE_FORM = "must be a positive size such as 500MB or 2GB"
+
+
 def _size(value: Any) -> int:
-    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-        return value
-    if isinstance(value, str):
-        units = {"kb": 1024, "mb": 1024**2, "gb": 1024**3, "b": 1}
-        low = value.strip().lower()
-        for unit, factor in units.items():
-            if low.endswith(unit) and low[: -len(unit)].strip().replace(".", "", 1).isdigit():
-                size = int(float(low[: -len(unit)]) * factor)
-                if size > 0:
-                    return size
-    raise ValueError("must be a positive size such as 500MB or 2GB")
+    if isinstance(value, bool):
+        raise ValueError(_SIZE_FORM)
+    if isinstance(value, int):
+        size = value
+    elif isinstance(value, str) and (match := _SIZE.fullmatch(value.lower())):
+        number = float(match.group(1))  # digits only: finite, or inf for hundreds of digits
+        if number * _SIZE_UNITS[match.group(2)] > MAX_SIZE:
+            raise ValueError(f"must be at most {MAX_SIZE // 1024**3}GB")
+        size = int(number * _SIZE_UNITS[match.group(2)])
+    else:
+        raise ValueError(_SIZE_FORM)
+    if size <= 0:
+        raise ValueError(_SIZE_FORM)
+    if size > MAX_SIZE:
+        raise ValueError(f"must be at most {MAX_SIZE // 1024**3}GB")
+    return size
 
 
 def _bool(value: Any) -> bool:
@@ -220,6 +500,18 @@ def _bool(value: Any) -> bool:
 def _string(value: Any) -> str:
     if not isinstance(value, str) or not value.strip():
         raise ValueError("must be a non-empty string")
+    if not value.isprintable():
+        raise ValueError("must not contain control characters")
+    return value
+
+
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}", re.ASCII)
+
+
+def _name(value: Any) -> str:
+    """An instance name: it names files (resume requests, bundles), so no '/', no leading dot."""
+    if not _NAME.fullmatch(_string(value)):
+        raise ValueError("must be letters, digits, '.', '_' or '-' (at most 64), starting with a letter or digit")
     return value
 
 
@@ -232,12 +524,19 @@ def _list(value: Any) -> list:
 def _argv(value: Any) -> tuple[str, ...]:
     if not isinstance(value, list) or not value or not all(isinstance(a, str) for a in value):
         raise ValueError("must be a non-empty list of strings (an argv, run without a shell)")
+    if not value[0].strip():
+        raise ValueError("must start with a program to run")
+    if any("\0" in a for a in value):
+        raise ValueError("must not contain NUL characters")
     return tuple(value)
 
 
 def _path(base: Path) -> Callable[[Any], Path]:
     def read(value: Any) -> Path:
-        p = Path(_string(value)).expanduser()
+        try:
+            p = Path(_string(value)).expanduser()
+        except RuntimeError:  # ~someone, and there is no such user
+            raise ValueError("names an unknown home directory") from None
         return p if p.is_absolute() else base / p
 
     return read
@@ -251,7 +550,7 @@ def parse_base_url(value: Any) -> str:
         parts.port  # noqa: B018 - reading it raises ValueError for a port out of range
     except ValueError:
         raise ValueError("must be a URL such as http://127.0.0.1:8080") from None
-    if parts.scheme not in ("http", "https") or not parts.hostname:
+    if parts.scheme not in ("http", "https") or not parts.hostname or any(c.isspace() for c in text):
         raise ValueError("must be a URL such as http://127.0.0.1:8080")
     if parts.path not in ("", "/") or parts.query or parts.fragment:
         raise ValueError("must be the server's base URL, without a path")
@@ -264,12 +563,15 @@ class _Section:
     def __init__(self, data: Any, path: str, file: str) -> None:
         if not isinstance(data, dict):
             raise ConfigError(file, path or "(top level)", f"must be a mapping (got {_show(data)})")
+        for key in data:
+            if not isinstance(key, str):
+                raise ConfigError(file, path or "(top level)", f"keys must be strings (got {_show(key)})")
         self.data = dict(data)
         self.path = path
         self.file = file
 
     def key_path(self, key: str) -> str:
-        return f"{self.path}.{key}" if self.path else key
+        return _join(self.path, key)
 
     def error(self, key: str, message: str) -> ConfigError:
         return ConfigError(self.file, self.key_path(key), message)
@@ -283,37 +585,78 @@ class _Section:
         except ValueError as exc:
             raise self.error(key, f"{exc} (got {_show(value)})") from None
 
+    def take_present(self, readers: dict[str, Callable[[Any], Any]]) -> dict[str, Any]:
+        """The keys of ``readers`` that the file sets, read; the dataclass supplies the rest."""
+        return {key: self.take(key, read, None) for key, read in readers.items() if key in self.data}
+
     def require(self, key: str, read: Callable[[Any], Any]) -> Any:
         if key not in self.data:
             raise self.error(key, "is required")
         return self.take(key, read, None)
 
     def section(self, key: str) -> "_Section":
-        return _Section(self.data.pop(key, {}) or {}, self.key_path(key), self.file)
+        value = self.data.pop(key, None)
+        return _Section({} if value is None else value, self.key_path(key), self.file)
 
     def done(self) -> None:
         for key in self.data:
-            raise self.error(str(key), f"unknown key (got {_show(self.data[key])})")
+            raise self.error(key, f"unknown key (got {_show(self.data[key])})")
 
 
 def _show(value: Any) -> str:
-    text = repr(value)
+    """``repr(value)`` cut to 60 characters, computed only that far.
+
+    The value may be anything parse_config was handed: a list that contains itself, a structure
+    built from shared references that would print as gigabytes, an int too long for ``repr``.
+    """
+    out: list[str] = []
+    length = 0
+    for piece in _repr_pieces(value, 0):
+        out.append(piece)
+        length += len(piece)
+        if length > 60:
+            break
+    text = "".join(out)
     return text if len(text) <= 60 else text[:57] + "..."
 
 
+def _repr_pieces(value: Any, depth: int) -> Iterator[str]:
+    if depth > 20:
+        yield "..."
+    elif isinstance(value, (list, tuple)):
+        yield "[" if isinstance(value, list) else "("
+        for i, item in enumerate(value):
+            yield ", " if i else ""
+            yield from _repr_pieces(item, depth + 1)
+        yield "]" if isinstance(value, list) else ",)" if len(value) == 1 else ")"
+    elif isinstance(value, dict):
+        yield "{"
+        for i, (key, item) in enumerate(value.items()):
+            yield ", " if i else ""
+            yield from _repr_pieces(key, depth + 1)
+            yield ": "
+            yield from _repr_pieces(item, depth + 1)
+        yield "}"
+    elif isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 256:
+        yield f"<a {value.bit_length()}-bit integer>"
+    elif isinstance(value, (str, bytes)):
+        yield repr(value if len(value) <= 1000 else value[:1000])
+    else:
+        yield repr(value)[:1000]
+
+
 def _probe(sec: _Section) -> ProbeConfig:
-    d = ProbeConfig()
-    probe = ProbeConfig(
-        interval=sec.take("interval", _positive_duration, d.interval),
-        suspect_interval=sec.take("suspect_interval", _positive_duration, d.suspect_interval),
-        first_token_timeout=sec.take("first_token_timeout", _positive_duration, d.first_token_timeout),
-        timeout=sec.take("timeout", _positive_duration, d.timeout),
-        max_tokens=sec.take("max_tokens", _positive_int, d.max_tokens),
-        failures=sec.take("failures", _positive_int, d.failures),
-        grace_ceiling=sec.take("grace_ceiling", _positive_duration, d.grace_ceiling),
-        endpoint_timeout=sec.take("endpoint_timeout", _positive_duration, d.endpoint_timeout),
-        startup_timeout=sec.take("startup_timeout", _positive_duration, d.startup_timeout),
-    )
+    probe = ProbeConfig(**sec.take_present({
+        "interval": _positive_duration,
+        "suspect_interval": _positive_duration,
+        "first_token_timeout": _positive_duration,
+        "timeout": _positive_duration,
+        "max_tokens": _positive_int,
+        "failures": _positive_int,
+        "grace_ceiling": _positive_duration,
+        "endpoint_timeout": _positive_duration,
+        "startup_timeout": _positive_duration,
+    }))
     sec.done()
     if probe.first_token_timeout > probe.timeout:
         raise sec.error(
@@ -339,31 +682,35 @@ def _restart(raw: Any, path: str, file: str) -> RestartConfig:
             f"must name exactly one method of {', '.join(RESTART_METHODS)} (got {_show(sorted(sec.data))})",
         )
     method = methods[0]
-    d = RestartConfig()
     kwargs: dict[str, Any] = {"method": method}
     if method == "launchd":
-        kwargs["target"] = sec.take("launchd", _string, "")
-        kwargs["domain"] = sec.take("domain", _choice(("gui", "user", "system")), d.domain)
+        kwargs["target"] = sec.require("launchd", _string)
+        kwargs.update(sec.take_present({"domain": _choice(("gui", "user", "system"))}))
     elif method == "systemd":
-        kwargs["target"] = sec.take("systemd", _string, "")
-        kwargs["user"] = sec.take("user", _bool, d.user)
+        kwargs["target"] = sec.require("systemd", _string)
+        kwargs.update(sec.take_present({"user": _bool}))
     elif method == "command":
-        kwargs["argv"] = sec.take("command", _argv, ())
+        kwargs["argv"] = sec.require("command", _argv)
     elif method == "signal":
-        kwargs["signal_name"] = sec.take("signal", _signal_name, d.signal_name)
-        kwargs["grace"] = sec.take("grace", _positive_duration, d.grace)
+        kwargs["signal_name"] = sec.require("signal", _signal_name)
+        kwargs.update(sec.take_present({"grace": _positive_duration}))
     else:
         sec.take("none", lambda v: v, None)
-    for key in ("timeout", "backoff", "max_backoff", "window", "cooldown"):
-        kwargs[key] = sec.take(key, _positive_duration, getattr(d, key))
-    kwargs["budget"] = sec.take("budget", _positive_int, d.budget)
+    kwargs.update(sec.take_present({
+        "timeout": _positive_duration,
+        "backoff": _positive_duration,
+        "max_backoff": _positive_duration,
+        "window": _positive_duration,
+        "cooldown": _positive_duration,
+        "budget": _positive_int,
+    }))
     sec.done()
     return RestartConfig(**kwargs)
 
 
 def _choice(options: tuple[str, ...]) -> Callable[[Any], str]:
     def read(value: Any) -> str:
-        if value not in options:
+        if not isinstance(value, str) or value not in options:
             raise ValueError(f"must be one of {', '.join(options)}")
         return value
 
@@ -372,8 +719,8 @@ def _choice(options: tuple[str, ...]) -> Callable[[Any], str]:
 
 def _signal_name(value: Any) -> str:
     if value is True:
-        return "SIGTERM"
-    name = str(value).upper()
+        return RestartConfig.signal_name
+    name = value.upper() if isinstance(value, str) else ""
     name = name if name.startswith("SIG") else "SIG" + name
     if name not in _SIGNALS:
         raise ValueError(f"must be true or one of {', '.join(_SIGNALS)}")
@@ -381,7 +728,7 @@ def _signal_name(value: Any) -> str:
 
 
 def _instance(sec: _Section, base: Path) -> InstanceConfig:
-    name = sec.require("name", _string)
+    name = sec.require("name", _name)
     url = sec.require("url", parse_base_url)
     log = sec.take("log", _path(base), None)
     pid_file = sec.take("pid_file", _path(base), None)
@@ -392,16 +739,15 @@ def _instance(sec: _Section, base: Path) -> InstanceConfig:
 
 
 def _capture(sec: _Section, base: Path) -> CaptureConfig:
-    d = CaptureConfig()
-    cap = CaptureConfig(
-        dir=sec.take("dir", _path(base), None),
-        snapshots=sec.take("snapshots", _positive_int, d.snapshots),
-        spacing=sec.take("spacing", _positive_duration, d.spacing),
-        ceiling=sec.take("ceiling", _positive_duration, d.ceiling),
-        sudo=sec.take("sudo", _bool, d.sudo),
-        log_tail_lines=sec.take("log_tail_lines", _positive_int, d.log_tail_lines),
-        keep=sec.take("keep", _positive_int, d.keep),
-        max_bytes=sec.take("max_bytes", _size, d.max_bytes),
-    )
+    cap = CaptureConfig(**sec.take_present({
+        "dir": _path(base),
+        "snapshots": _positive_int,
+        "spacing": _positive_duration,
+        "ceiling": _positive_duration,
+        "sudo": _bool,
+        "log_tail_lines": _positive_int,
+        "keep": _positive_int,
+        "max_bytes": _size,
+    }))
     sec.done()
     return cap
