@@ -287,3 +287,129 @@ async def test_real_socket_that_accepts_and_never_answers():
         for writer in hold:
             writer.close()
         server.close()
+
+
+def data(payload: str) -> bytes:
+    return f"data: {payload}\n\n".encode()
+
+
+# Reply chunks of every wrong shape a broken server or proxy might send. Each must end the probe at
+# once as malformed, naming what was wrong; before issue 11 several of these raised out of the probe
+# (AttributeError, RecursionError) and killed the daemon's watcher task, others passed as tokens.
+HOSTILE_CHUNKS = [
+    pytest.param(data('{"choices": [{"delta": "hi"}]}'), "delta is a string, not an object", id="delta-string"),
+    pytest.param(data('{"choices": [{"delta": ["hi"]}]}'), "delta is a list, not an object", id="delta-list"),
+    pytest.param(data('{"choices": [{"delta": 7}]}'), "delta is a number, not an object", id="delta-number"),
+    pytest.param(data('{"choices": [{"delta": {"content": 5}}]}'), "delta.content is a number", id="content-number"),
+    pytest.param(data('{"choices": [{"delta": {"content": {"text": "hi"}}}]}'), "delta.content is an object",
+                 id="content-object"),
+    pytest.param(data('{"choices": [{"delta": {"reasoning": ["x"]}}]}'), "delta.reasoning is a list",
+                 id="reasoning-list"),
+    pytest.param(data('{"choices": [{"delta": {"tool_calls": "call"}}]}'), "delta.tool_calls is a string",
+                 id="tool-calls-string"),
+    pytest.param(data('{"choices": ["hi"]}'), "choice is a string, not an object", id="choice-string"),
+    pytest.param(data('{"choices": [null]}'), "choice is null, not an object", id="choice-null"),
+    pytest.param(data('{"choices": {"0": {"delta": {"content": "hi"}}}}'), "choices is an object, not a list",
+                 id="choices-object"),
+    pytest.param(data('{"choices": "hi"}'), "choices is a string, not a list", id="choices-string"),
+    pytest.param(data('{"choices": [], "usage": "lots"}'), "usage is a string, not an object", id="usage-string"),
+    pytest.param(data('{"choices": [], "usage": {"completion_tokens": "4"}}'),
+                 "usage.completion_tokens is a string", id="usage-count-string"),
+    pytest.param(data('{"choices": [], "usage": {"completion_tokens": true}}'),
+                 "usage.completion_tokens is a boolean", id="usage-count-bool"),
+    pytest.param(data('{"choices": [{"delta": {}, "finish_reason": 1}]}'), "finish_reason is a number",
+                 id="finish-number"),
+    pytest.param(data('{"choices": [{"delta": {}, "finish_reason": {"type": "stop"}}]}'),
+                 "finish_reason is an object", id="finish-object"),
+    pytest.param(data('{"error": 42}'), "error is a number, not a message or an object", id="error-number"),
+    pytest.param(data('{"error": ["generation thread died"]}'), "error is a list", id="error-list"),
+    pytest.param(data('{"error": true}'), "error is a boolean", id="error-bool"),
+    pytest.param(data("[" * 50_000), "nested too deeply", id="json-nested-50k-deep"),
+    pytest.param(b'{"error": 7}\n', "error is a number", id="plain-line-error-number"),
+]
+
+
+@pytest.mark.parametrize("body, detail", HOSTILE_CHUNKS)
+@respx.mock
+async def test_hostile_chunk_shapes_are_malformed(body, detail):
+    """Each wrong shape is a malformed verdict at once, never an exception, never a token."""
+    mock(sse(Stream(body, then_hang=True)))
+    result, elapsed = await probe()
+    assert result.failure == Failure.MALFORMED, result.reason
+    assert detail in result.detail
+    assert result.tokens == 0 and result.ttft is None
+    assert elapsed < FIRST
+
+
+@pytest.mark.parametrize("body, failure, detail", [
+    pytest.param(data('{"error": {"message": "generation thread died", "type": "x"}}'), Failure.THREAD_DIED,
+                 "generation thread died", id="object-thread-died"),
+    pytest.param(data('{"error": {"message": "boom", "code": 500}}'), Failure.SERVER_ERROR, "boom", id="object"),
+    pytest.param(data('{"error": "' + "x" * 5000 + '"}'), Failure.SERVER_ERROR, "xxxx", id="long-string"),
+])
+@respx.mock
+async def test_error_objects_are_server_errors(body, failure, detail):
+    """An error as a message or an object is the server's error, with a bounded detail."""
+    mock(sse(Stream(body, then_hang=True)))
+    result, _ = await probe()
+    assert result.failure == failure and detail in result.detail
+    assert len(result.detail) <= 200
+
+
+@respx.mock
+async def test_tolerated_shapes_still_deliver():
+    """Null fields (error, delta, content, finish_reason) and list content are not malformed."""
+    mock(sse(Stream(
+        data('{"error": null, "choices": [{"delta": null, "finish_reason": null}]}'),
+        data('{"choices": [{"delta": {"content": null, "reasoning": "hm"}}]}'),
+        data('{"choices": [{"delta": {"content": [{"type": "text", "text": "OK"}]}}]}'),
+        data('{"choices": [{"delta": {}, "finish_reason": "stop"}], "usage": null}'),
+        data('{"choices": [], "usage": {"completion_tokens": 2}}'),
+        b"data: [DONE]\n\n",
+    )))
+    result, _ = await probe()
+    assert result.ok, result.reason
+    assert result.tokens == 2 and result.completion_tokens == 2 and result.finish_reason == "stop"
+
+
+@pytest.mark.parametrize("comment", [
+    pytest.param(": keepalive \u00b2/3", id="superscript-digit"),
+    pytest.param(": keepalive " + "9" * 5000 + "/1", id="5000-digits"),
+])
+@respx.mock
+async def test_odd_keepalive_numbers_are_not_progress(comment):
+    """isdigit() accepts what int() refuses; such a keepalive is noted, not counted, and never raises."""
+    mock(sse(Stream(f"{comment}\n\n".encode(), then_hang=True)))
+    result, elapsed = await probe()
+    assert result.failure == Failure.NO_FIRST_TOKEN and result.keepalives == []
+    assert elapsed < FIRST + SLACK
+
+
+@respx.mock
+async def test_unexpected_parser_exception_is_malformed(monkeypatch):
+    """Last-resort guard: whatever the parsing raises becomes a malformed verdict naming the exception."""
+    from mlxwatch.probes.sse import SSEParser
+
+    def boom(self, chunk):
+        raise ZeroDivisionError("parser bug")
+
+    monkeypatch.setattr(SSEParser, "feed", boom)
+    mock(sse(Stream(chunk("a"), then_hang=True)))
+    result, elapsed = await probe()
+    assert result.failure == Failure.MALFORMED
+    assert "ZeroDivisionError" in result.detail and "parser bug" in result.detail
+    assert elapsed < FIRST
+
+
+@respx.mock
+async def test_cancellation_from_parsing_still_propagates(monkeypatch):
+    """The guard catches Exception only: a CancelledError is not turned into a verdict."""
+    from mlxwatch.probes.sse import SSEParser
+
+    def cancelled(self, chunk):
+        raise asyncio.CancelledError()
+
+    monkeypatch.setattr(SSEParser, "feed", cancelled)
+    mock(sse(Stream(chunk("a"), then_hang=True)))
+    with pytest.raises(asyncio.CancelledError):
+        await probe()

@@ -31,6 +31,11 @@ class CheckReport:
         return self.generation.ok
 
     @property
+    def lingering(self) -> asyncio.Task[None] | None:
+        """The generation probe's lingering reader, if it gave up at a deadline (see ``run_check``)."""
+        return self.generation.lingering
+
+    @property
     def failure(self) -> str | None:
         if self.generation.ok:
             return None
@@ -66,18 +71,23 @@ async def run_check(
     timeout: float = 120.0,
     max_tokens: int = 4,
     endpoint_timeout: float = 5.0,
+    linger: float = 0.0,
 ) -> CheckReport:
     """Probe generation and the endpoints concurrently; never raises for the server's behaviour.
 
     A generation probe that fails fast (0.32 closes the in-flight stream as its generation
     thread dies) is followed by a second ``/health`` read: the first one raced the death.
     The whole check still ends within ``timeout`` plus at most ``endpoint_timeout``.
+
+    ``linger`` is the generation probe's (see ``probe_generation``): after a deadline verdict
+    its stream is read on in ``report.lingering`` rather than dropped on a struggling server.
     """
     loop = asyncio.get_running_loop()
     started = loop.time()
     generation, health, models = await asyncio.gather(
         probe_generation(
-            client, url, first_token_timeout=first_token_timeout, timeout=timeout, max_tokens=max_tokens
+            client, url, first_token_timeout=first_token_timeout, timeout=timeout, max_tokens=max_tokens,
+            linger=linger,
         ),
         probe_endpoint(client, url, "/health", endpoint_timeout),
         probe_endpoint(client, url, "/v1/models", endpoint_timeout),

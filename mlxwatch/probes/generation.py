@@ -10,12 +10,19 @@ server's behaviour and its memory stays bounded::
     async with httpx.AsyncClient() as client:
         result = await probe_generation(client, "http://127.0.0.1:8080")
         print(result.ok, result.failure, result.ttft)
+
+The request is sent and read by a reader task of its own, so that the stream can outlive the
+verdict: mlx-lm notices a closed stream only when it next writes to it, so a probe that gives up
+and closes does not take its work back; the server still generates the abandoned reply, ahead of
+the next probe, and then logs a BrokenPipeError. With ``linger`` the probe instead keeps reading
+(and discarding) what the server still sends after a deadline verdict, for a bounded time.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,6 +37,7 @@ PROBE_PROMPT = "mlxwatch liveness probe. Reply with OK."
 
 THREAD_DIED_TEXT = "generation thread died"  # mlx-lm >= 0.32's error once its generation thread is gone
 MAX_BODY_BYTES = 256 * 1024  # a 4-token stream is ~2 KB; anything near this is broken
+LINGER_MAX_BYTES = MAX_BODY_BYTES  # a late reply is the same reply, only late: same bound
 MAX_TRANSCRIPT_EVENTS = 200
 MAX_EVENT_TEXT = 500
 
@@ -74,7 +82,12 @@ class Keepalive:
 
 @dataclass
 class GenerationProbeResult:
-    """Everything one generation probe saw. ``failure`` is None exactly when ``ok``."""
+    """Everything one generation probe saw. ``failure`` is None exactly when ``ok``.
+
+    The verdict fields are final when the probe returns. Only a lingering probe (see
+    ``probe_generation``'s ``linger``) changes the result afterwards, and only its ``late_*``
+    fields and the transcript, from the ``lingering`` task.
+    """
 
     url: str
     started_at: float  # wall clock, for journals and bundles
@@ -92,6 +105,10 @@ class GenerationProbeResult:
     keepalives: list[Keepalive] = field(default_factory=list)
     transcript: list[dict[str, Any]] = field(default_factory=list)
     body_bytes: int = 0
+    late_tokens: int = 0  # deliveries read after the verdict, while lingering
+    late_bytes: int = 0  # bytes read (and discarded) after the verdict, while lingering
+    late_finished: bool | None = None  # did the server end the stream while we lingered? None: no linger yet/at all
+    lingering: asyncio.Task[None] | None = field(default=None, compare=False, repr=False)
 
     @property
     def reason(self) -> str:
@@ -123,47 +140,15 @@ class GenerationProbeResult:
             "finish_reason": self.finish_reason,
             "keepalives": [vars(k) for k in self.keepalives],
             "body_bytes": self.body_bytes,
+            "late_tokens": self.late_tokens,
+            "late_bytes": self.late_bytes,
+            "late_finished": self.late_finished,
             "transcript": self.transcript,
         }
 
 
-class _Done(Exception):
-    """Internal: the probe has its verdict; leave the stream."""
-
-
-class _Run:
-    """The mutable state of one probe run; kept apart so the coroutine reads top to bottom."""
-
-    def __init__(self, url: str, loop: asyncio.AbstractEventLoop) -> None:
-        self.loop = loop
-        self.t0 = loop.time()
-        self.result = GenerationProbeResult(url=url, started_at=time.time())
-        self.last_delivery: float | None = None
-        self.done = False
-
-    def now(self) -> float:
-        return self.loop.time() - self.t0
-
-    def note(self, kind: str, text: str = "") -> None:
-        transcript = self.result.transcript
-        if len(transcript) < MAX_TRANSCRIPT_EVENTS:
-            transcript.append({"t": round(self.now(), 4), "kind": kind, "text": text[:MAX_EVENT_TEXT]})
-
-    def fail(self, failure: str, detail: str = "") -> _Done:
-        self.result.ok = False
-        self.result.failure = failure
-        self.result.detail = detail
-        self.note("fail", f"{failure}: {detail}")
-        return _Done()
-
-    def deliver(self, deadline: asyncio.Timeout, total_deadline: float) -> None:
-        t = self.now()
-        if self.result.ttft is None:
-            self.result.ttft = t
-            deadline.reschedule(total_deadline)  # first token in: now the whole-stream limit applies
-        elif self.last_delivery is not None:
-            self.result.gaps.append(round(t - self.last_delivery, 4))
-        self.last_delivery = t
+# Lingering tasks outlive the call that made them; the event loop keeps only weak references.
+_LINGERING: set[asyncio.Task[None]] = set()
 
 
 async def probe_generation(
@@ -174,10 +159,20 @@ async def probe_generation(
     timeout: float = 120.0,
     max_tokens: int = 4,
     prompt: str = PROBE_PROMPT,
+    linger: float = 0.0,
 ) -> GenerationProbeResult:
-    """Send one streaming generation request and judge it by delivery. Never raises for the server."""
+    """Send one streaming generation request and judge it by delivery. Never raises for the server.
+
+    The result comes back the moment there is a verdict. A deadline verdict (``no_first_token``,
+    ``stalled``) leaves the server still holding the stream. With ``linger`` 0 the stream is
+    closed before returning. With ``linger > 0`` a background task keeps reading it, counting and
+    discarding (``late_tokens``, ``late_bytes``, at most ``LINGER_MAX_BYTES``), until the server
+    ends it (``late_finished`` True) or ``linger`` seconds pass (False); so a struggling server
+    finishes the probe's reply cleanly instead of serving an orphan and hitting a broken pipe.
+    That task is ``result.lingering``: it never raises, and cancelling it closes the stream.
+    """
     loop = asyncio.get_running_loop()
-    run = _Run(url, loop)
+    run = _Run(url, loop, first_token_timeout=first_token_timeout, timeout=timeout, linger=linger)
     body = {
         "messages": [{"role": "user", "content": prompt}],
         "max_tokens": max_tokens,
@@ -185,84 +180,266 @@ async def probe_generation(
         "stream": True,
         "stream_options": {"include_usage": True},
     }
-    total_deadline = run.t0 + timeout
+    reader = asyncio.create_task(_read(client, url, body, run), name=f"mlxwatch probe reader {url}")
     try:
-        async with asyncio.timeout_at(run.t0 + min(first_token_timeout, timeout)) as deadline:
-            await _stream(client, url, body, run, deadline, total_deadline)
+        await run.ready.wait()  # the reader's verdict, or a deadline's
+        if run.lingering:
+            run.result.lingering = reader
+            _LINGERING.add(reader)
+            reader.add_done_callback(_LINGERING.discard)
+        else:
+            await reader  # the stream is closed (at once, after a deadline) before the probe returns
+    except BaseException:  # our caller cancelled us: the stream goes too
+        run.disarm()
+        reader.cancel()
+        raise
+    if run.result.total is None:
+        run.result.total = round(run.now(), 4)
+    return run.result
+
+
+class _Done(Exception):
+    """Internal: the probe has its verdict; leave the stream."""
+
+
+class _Run:
+    """The state one probe run shares between the caller, its deadline timer and its reader task.
+
+    The verdict is given once: by the reader (a token stream that ends, an error, garbage) or by
+    the deadline timer, whichever comes first; nothing overwrites it. After a deadline verdict
+    the reader only counts late arrivals (``gave_up``) until it is cut off.
+    """
+
+    def __init__(
+        self, url: str, loop: asyncio.AbstractEventLoop, *, first_token_timeout: float, timeout: float, linger: float
+    ) -> None:
+        self.loop = loop
+        self.t0 = loop.time()
+        self.result = GenerationProbeResult(url=url, started_at=time.time())
+        self.first_token_timeout = first_token_timeout
+        self.timeout = timeout
+        self.linger = linger
+        self.last_delivery: float | None = None
+        self.done = False  # [DONE] seen
+        self.judged = False  # the verdict is in
+        self.gave_up = False  # ... and it was a deadline's: the stream is still open
+        self.lingering = False  # ... and it is being read on
+        self.ready = asyncio.Event()  # the caller may return
+        self.cutoff: asyncio.Timeout | None = None  # the reader's, while it reads
+        self.cutoff_at: float | None = None  # loop time at which the reader stops reading
+        # The deadline timer, armed from the moment the request goes out: first-token limit now,
+        # moved to the whole-stream limit at the first delivery (``deliver``).
+        self.timer: asyncio.TimerHandle | None = loop.call_at(
+            self.t0 + min(first_token_timeout, timeout), self._deadline_passed
+        )
+
+    def now(self) -> float:
+        return self.loop.time() - self.t0
+
+    def note(self, kind: str, text: str = "", *, force: bool = False) -> None:
+        transcript = self.result.transcript
+        if force or len(transcript) < MAX_TRANSCRIPT_EVENTS:
+            transcript.append({"t": round(self.now(), 4), "kind": kind, "text": text[:MAX_EVENT_TEXT]})
+
+    def fail(self, failure: str, detail: str = "") -> _Done:
+        if not self.judged:
+            self.judged = True
+            self.disarm()
+            self.result.ok = False
+            self.result.failure = failure
+            self.result.detail = detail
+            self.note("fail", f"{failure}: {detail}")
+        return _Done()
+
+    def succeed(self) -> None:
+        if not self.judged:
+            self.judged = True
+            self.disarm()
+            self.result.ok = True
+            self.result.failure = None
+
+    def disarm(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+
+    def deliver(self) -> None:
+        t = self.now()
+        if self.result.ttft is None:
+            self.result.ttft = t
+            self.disarm()  # first token in: now the whole-stream limit applies
+            self.timer = self.loop.call_at(self.t0 + self.timeout, self._deadline_passed)
+        elif self.last_delivery is not None:
+            self.result.gaps.append(round(t - self.last_delivery, 4))
+        self.last_delivery = t
+
+    def _deadline_passed(self) -> None:
+        """The timer: a deadline passed before the reader had a verdict. Give it now."""
+        self.timer = None
+        res = self.result
+        if res.ttft is None:
+            where = "no response headers" if res.status is None else "headers received"
+            extra = f", {len(res.keepalives)} keepalives" if res.keepalives else ""
+            self.fail(Failure.NO_FIRST_TOKEN, f"{self.first_token_timeout:g}s passed ({where}{extra})")
+        else:
+            self.fail(Failure.STALLED, f"{res.tokens} tokens, then nothing; stream unfinished after {self.timeout:g}s")
+        res.total = round(self.now(), 4)
+        self.gave_up = True
+        self.lingering = self.linger > 0
+        self.cut_off(after=self.linger)
+        self.ready.set()
+
+    def cut_off(self, after: float) -> None:
+        """Have the reader stop reading ``after`` seconds from now (0: at once)."""
+        self.cutoff_at = self.loop.time() + after
+        if self.cutoff is not None:
+            self.cutoff.reschedule(self.cutoff_at)
+
+    def end_linger(self, finished: bool, why: str) -> None:
+        """Record how lingering ended, once (the transcript may be full: this line always goes in)."""
+        res = self.result
+        if self.lingering and res.late_finished is None:
+            res.late_finished = finished
+            self.note("linger_end", f"{why}; {res.late_tokens} late tokens, {res.late_bytes} late bytes", force=True)
+
+
+async def _read(client: httpx.AsyncClient, url: str, body: dict[str, Any], run: _Run) -> None:
+    """The reader task: send the request and read the reply, to judge it, then (lingering) to drain it.
+
+    Never raises but for cancellation: whatever goes wrong is the verdict (while judging) or how
+    lingering ended (after). The cutoff is how the probe ends the reading when it gave up.
+    """
+    try:
+        async with asyncio.timeout_at(run.cutoff_at) as cutoff:  # None: until the probe gives up
+            run.cutoff = cutoff
+            try:
+                await _stream(client, url, body, run)
+            finally:
+                run.cutoff = None
     except _Done:
         pass
-    except TimeoutError:
-        if run.result.ttft is None:
-            where = "no response headers" if run.result.status is None else "headers received"
-            extra = f", {len(run.result.keepalives)} keepalives" if run.result.keepalives else ""
-            run.fail(Failure.NO_FIRST_TOKEN, f"{first_token_timeout:g}s passed ({where}{extra})")
+    except asyncio.CancelledError:
+        run.end_linger(False, "cancelled")
+        raise
+    except Exception as exc:  # noqa: BLE001 - the last-resort guard: never raise for a server's behaviour
+        if not run.gave_up:
+            _judge_exception(run, exc)
+        elif isinstance(exc, TimeoutError):  # httpx's own timeouts are off: this is the cutoff
+            run.end_linger(False, f"{run.linger:g}s of lingering passed")
         else:
-            run.fail(
-                Failure.STALLED,
-                f"{run.result.tokens} tokens, then nothing; stream unfinished after {timeout:g}s",
-            )
-    except httpx.ConnectError as exc:
+            run.end_linger(False, _describe(exc))
+    finally:
+        run.end_linger(False, "stopped")
+        run.ready.set()
+
+
+def _judge_exception(run: _Run, exc: Exception) -> None:
+    """What an exception while sending or reading says about the server.
+
+    Anything that is not httpx's is a reply the parser could not cope with: malformed, named by
+    its type, rather than a crash of whatever runs the probe (the daemon's watcher task).
+    """
+    if isinstance(exc, httpx.ConnectError):
         if _was_refused(exc):
             run.fail(Failure.CONNECT_REFUSED, "nothing is listening at this address")
         else:
             run.fail(Failure.CONNECT_FAILED, str(exc) or type(exc).__name__)
-    except (httpx.RemoteProtocolError, httpx.ReadError) as exc:
-        run.fail(Failure.DISCONNECTED, f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__)
-    except httpx.HTTPError as exc:
+    elif isinstance(exc, (httpx.RemoteProtocolError, httpx.ReadError)):
+        run.fail(Failure.DISCONNECTED, _describe(exc))
+    elif isinstance(exc, httpx.HTTPError):
         run.fail(Failure.CONNECT_FAILED, f"{type(exc).__name__}: {exc}")
-    run.result.total = round(run.now(), 4)
-    return run.result
+    else:
+        run.fail(Failure.MALFORMED, f"the probe could not read the reply ({_describe(exc)})")
 
 
-async def _stream(
-    client: httpx.AsyncClient,
-    url: str,
-    body: dict[str, Any],
-    run: _Run,
-    deadline: asyncio.Timeout,
-    total_deadline: float,
-) -> None:
+async def _stream(client: httpx.AsyncClient, url: str, body: dict[str, Any], run: _Run) -> None:
     res = run.result
     run.note("request", f"POST {url}/v1/chat/completions max_tokens={body['max_tokens']}")
-    # httpx's own timeouts are off: the asyncio deadline above is the single source of truth.
+    # httpx's own timeouts are off: the deadline timer and the cutoff are the single source of truth.
     async with client.stream(
         "POST", f"{url}/v1/chat/completions", json=body, timeout=httpx.Timeout(None)
     ) as response:
-        res.status = response.status_code
-        res.connect = round(run.now(), 4)
         run.note("headers", f"HTTP {response.status_code} {response.headers.get('content-type', '')}")
-        if response.status_code != 200:
-            text = await _read_bounded(response, run)
-            if THREAD_DIED_TEXT in text:
-                raise run.fail(Failure.THREAD_DIED, f"HTTP {response.status_code}: {text[:200]}")
-            raise run.fail(Failure.HTTP_ERROR, f"HTTP {response.status_code}: {text[:200]}")
+        if not run.gave_up:
+            res.status = response.status_code
+            res.connect = round(run.now(), 4)
+            if response.status_code != 200:
+                text = await _read_bounded(response, run)
+                if THREAD_DIED_TEXT in text:
+                    raise run.fail(Failure.THREAD_DIED, f"HTTP {response.status_code}: {text[:200]}")
+                raise run.fail(Failure.HTTP_ERROR, f"HTTP {response.status_code}: {text[:200]}")
         parser = SSEParser()
         async for chunk in response.aiter_raw():
-            res.body_bytes += len(chunk)
-            if res.body_bytes > MAX_BODY_BYTES:
-                raise run.fail(Failure.TOO_LARGE, f"more than {MAX_BODY_BYTES} bytes")
-            try:
-                events = parser.feed(chunk)
-            except LineTooLong as exc:
-                raise run.fail(Failure.MALFORMED, str(exc)) from None
-            for event in events:
-                _handle_event(event.kind, event.text, run, deadline, total_deadline)
-                if run.done:
-                    break
+            if run.gave_up:
+                if _read_late(chunk, parser, run):
+                    continue
+                return
+            _judge_chunk(chunk, parser, run)
             if run.done:
-                break
-        if not run.done:
-            for event in parser.close():
-                _handle_event(event.kind, event.text, run, deadline, total_deadline)
-    if not run.done:
+                run.succeed()
+                return
+        # The server ended the stream.
+        if run.gave_up:
+            run.end_linger(True, "the server ended the stream")
+            return
+        for event in parser.close():
+            _handle_event(event.kind, event.text, run)
+            if run.done:
+                run.succeed()
+                return
         if res.ttft is None:
             raise run.fail(Failure.DISCONNECTED, "stream ended before any token")
         raise run.fail(Failure.DISCONNECTED, f"stream ended after {res.tokens} tokens without [DONE]")
-    res.ok = True
-    res.failure = None
 
 
-def _handle_event(kind: str, text: str, run: _Run, deadline: asyncio.Timeout, total_deadline: float) -> None:
+def _judge_chunk(chunk: bytes, parser: SSEParser, run: _Run) -> None:
+    res = run.result
+    res.body_bytes += len(chunk)
+    if res.body_bytes > MAX_BODY_BYTES:
+        raise run.fail(Failure.TOO_LARGE, f"more than {MAX_BODY_BYTES} bytes")
+    try:
+        events = parser.feed(chunk)
+    except LineTooLong as exc:
+        raise run.fail(Failure.MALFORMED, str(exc)) from None
+    for event in events:
+        _handle_event(event.kind, event.text, run)
+        if run.done:
+            return
+
+
+def _read_late(chunk: bytes, parser: SSEParser, run: _Run) -> bool:
+    """A chunk after a deadline verdict: count it, keep nothing. False: stop reading now."""
+    res = run.result
+    if not run.lingering:
+        return False  # linger 0: the cutoff is on its way; read nothing more
+    res.late_bytes += len(chunk)
+    if res.late_bytes > LINGER_MAX_BYTES:
+        run.end_linger(False, f"stopped reading after {LINGER_MAX_BYTES} late bytes")
+        return False
+    try:
+        events = parser.feed(chunk)
+    except LineTooLong:
+        return True  # the parser dropped the line; nothing late depends on it
+    for event in events:
+        if event.kind != "data":
+            continue
+        if event.text.strip() == "[DONE]":
+            run.note("late_done")
+            continue
+        try:
+            parsed = _parse_chunk(event.text)
+        except Malformed:
+            continue
+        if parsed.error is not None:
+            run.note("late_error", parsed.error)
+        for delivered, _ in parsed.choices:
+            if delivered:
+                res.late_tokens += 1
+                run.note("late_token", delivered)
+    return True
+
+
+def _handle_event(kind: str, text: str, run: _Run) -> None:
     res = run.result
     if kind == "comment":
         run.note("comment", text)
@@ -281,52 +458,161 @@ def _handle_event(kind: str, text: str, run: _Run, deadline: asyncio.Timeout, to
         run.done = True
         return
     try:
-        payload = json.loads(text)
-    except ValueError:
+        chunk = _parse_chunk(text)
+    except Malformed as exc:
         run.note("data", text)
-        raise run.fail(Failure.MALFORMED, f"data is not JSON: {text[:80]!r}") from None
+        raise run.fail(Failure.MALFORMED, str(exc)) from None
+    if chunk.error is not None:
+        raise _server_error(run, chunk.error)
+    if chunk.completion_tokens is not None:
+        res.completion_tokens = chunk.completion_tokens
+    for delivered, finish_reason in chunk.choices:
+        if delivered:
+            res.tokens += 1
+            run.note("token", delivered)
+            run.deliver()
+        if finish_reason:
+            res.finish_reason = finish_reason
+            run.note("finish", finish_reason)
+            if res.ttft is None:  # the model chose to stop at once: still a delivery
+                run.deliver()
+
+
+class Malformed(Exception):
+    """A reply chunk of a shape no OpenAI-compatible server sends; the message says what was wrong."""
+
+
+@dataclass
+class _Chunk:
+    """What one ``data:`` payload carries, once its shape has been checked."""
+
+    error: str | None = None  # the server's error, as JSON text
+    completion_tokens: int | None = None
+    choices: list[tuple[str, str | None]] = field(default_factory=list)  # (delivered text or "", finish_reason)
+
+
+def _parse_chunk(text: str) -> _Chunk:
+    """Check one chat-completion chunk field by field; raise ``Malformed`` at the first odd shape.
+
+    A field may be missing or null (servers differ in what they leave out), but a field that is
+    there must have its type: a server that sends ``"delta": "hi"`` is broken, and saying so
+    beats guessing what it meant.
+    """
+    payload = _load_json(text)
     if not isinstance(payload, dict):
-        raise run.fail(Failure.MALFORMED, f"data is not a JSON object: {text[:80]!r}")
-    if "error" in payload:
-        raise _server_error(run, payload["error"])
+        raise Malformed(f"data is not a JSON object: {text[:80]!r}")
+    chunk = _Chunk()
+    error = payload.get("error")
+    if error is not None:
+        if not isinstance(error, str | dict):
+            raise Malformed(f"error is {_kind(error)}, not a message or an object: {_brief(error)}")
+        chunk.error = _brief(error, 200)
+        return chunk
     usage = payload.get("usage")
-    if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
-        res.completion_tokens = usage["completion_tokens"]
+    if usage is not None:
+        if not isinstance(usage, dict):
+            raise Malformed(f"usage is {_kind(usage)}, not an object: {_brief(usage)}")
+        count = usage.get("completion_tokens")
+        if count is not None and (not isinstance(count, int) or isinstance(count, bool)):
+            raise Malformed(f"usage.completion_tokens is {_kind(count)}, not an integer: {_brief(count)}")
+        chunk.completion_tokens = count
     choices = payload.get("choices")
+    if choices is None:
+        raise Malformed(f"chunk without a choices list: {text[:80]!r}")
     if not isinstance(choices, list):
-        raise run.fail(Failure.MALFORMED, "chunk without a choices list")
+        raise Malformed(f"choices is {_kind(choices)}, not a list: {_brief(choices)}")
     for choice in choices:
         if not isinstance(choice, dict):
-            raise run.fail(Failure.MALFORMED, "choice is not an object")
-        delta = choice.get("delta") or {}
-        content = delta.get("content") or delta.get("reasoning") or delta.get("tool_calls")
-        if content:
-            res.tokens += 1
-            run.note("token", str(content))
-            run.deliver(deadline, total_deadline)
-        if choice.get("finish_reason"):
-            res.finish_reason = str(choice["finish_reason"])
-            run.note("finish", res.finish_reason)
-            if res.ttft is None:  # the model chose to stop at once: still a delivery
-                run.deliver(deadline, total_deadline)
+            raise Malformed(f"choice is {_kind(choice)}, not an object: {_brief(choice)}")
+        delta = choice.get("delta")
+        if delta is None:
+            delta = {}
+        if not isinstance(delta, dict):
+            raise Malformed(f"delta is {_kind(delta)}, not an object: {_brief(delta)}")
+        finish_reason = choice.get("finish_reason")
+        if finish_reason is not None and not isinstance(finish_reason, str):
+            raise Malformed(f"finish_reason is {_kind(finish_reason)}, not a string: {_brief(finish_reason)}")
+        chunk.choices.append((_delivered(delta), finish_reason or None))
+    return chunk
+
+
+# What a delta may deliver, in the order we look: the answer, the model's reasoning, tool calls.
+_DELTA_FIELDS = (("content", (str, list), "a string or a list"), ("reasoning", (str,), "a string"),
+                 ("tool_calls", (list,), "a list"))
+
+
+def _delivered(delta: dict[str, Any]) -> str:
+    """The text a delta delivers, for the transcript; "" when it delivers nothing."""
+    delivered = ""
+    for name, types, wanted in _DELTA_FIELDS:
+        value = delta.get(name)
+        if value is None:
+            continue
+        if not isinstance(value, types):
+            raise Malformed(f"delta.{name} is {_kind(value)}, not {wanted}: {_brief(value)}")
+        if value and not delivered:
+            delivered = value if isinstance(value, str) else _brief(value, MAX_EVENT_TEXT)
+    return delivered
+
+
+def _load_json(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except RecursionError:  # "[[[[..." 50,000 deep fits in one line
+        raise Malformed(f"data is not JSON (nested too deeply): {text[:80]!r}") from None
+    except ValueError:
+        raise Malformed(f"data is not JSON: {text[:80]!r}") from None
+
+
+def _kind(value: object) -> str:
+    """A JSON value's type, as a detail line says it."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int | float):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, list):
+        return "a list"
+    if isinstance(value, dict):
+        return "an object"
+    return type(value).__name__
+
+
+def _brief(value: object, limit: int = 80) -> str:
+    """A JSON value as short text for a detail line; never raises, however odd the value."""
+    try:
+        return json.dumps(value)[:limit]
+    except (ValueError, TypeError, RecursionError):
+        return f"<{_kind(value)}>"
 
 
 def _handle_plain_line(text: str, run: _Run) -> None:
     """A line that is not SSE: a JSON error sent without ``data:`` framing, or garbage."""
     try:
         payload = json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):
         raise run.fail(Failure.MALFORMED, f"not an SSE line: {text[:80]!r}") from None
-    if isinstance(payload, dict) and "error" in payload:
-        raise _server_error(run, payload["error"])
+    if isinstance(payload, dict) and payload.get("error") is not None:
+        try:
+            chunk = _parse_chunk(text)
+        except Malformed as exc:
+            raise run.fail(Failure.MALFORMED, f"not an SSE line: {exc}") from None
+        if chunk.error is not None:
+            raise _server_error(run, chunk.error)
     raise run.fail(Failure.MALFORMED, f"not an SSE line: {text[:80]!r}")
 
 
-def _server_error(run: _Run, error: object) -> _Done:
-    """An error object the server sent instead of tokens; mlx-lm >= 0.32 says its thread died."""
-    message = json.dumps(error)[:200]
+def _server_error(run: _Run, message: str) -> _Done:
+    """An error the server sent instead of tokens; mlx-lm >= 0.32 says its thread died."""
     run.note("error", message)
     return run.fail(Failure.THREAD_DIED if THREAD_DIED_TEXT in message else Failure.SERVER_ERROR, message)
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
 
 def _was_refused(exc: BaseException) -> bool:
@@ -344,13 +630,17 @@ def _was_refused(exc: BaseException) -> bool:
     return False
 
 
+# mlx_lm.server streams ": keepalive 1024/25660" while it processes the prompt. ASCII digits
+# only, and not too many: int() refuses "²" and 5,000-digit numbers, both of which isdigit() allows.
+_PROGRESS = re.compile(r"(\d{1,18})/(\d{1,18})", re.ASCII)
+
+
 def _keepalive_progress(text: str) -> tuple[int, int] | None:
-    # mlx_lm.server streams ": keepalive 1024/25660" while it processes the prompt.
     parts = text.split()
     if len(parts) == 2 and parts[0] == "keepalive":
-        done, _, total = parts[1].partition("/")
-        if done.isdigit() and total.isdigit():
-            return int(done), int(total)
+        match = _PROGRESS.fullmatch(parts[1])
+        if match:
+            return int(match[1]), int(match[2])
     return None
 
 
