@@ -18,7 +18,7 @@ from rich.console import Console
 from mlxwatch import __version__
 from mlxwatch.config import Config, InstanceConfig, ProbeConfig, load_config, resolve_config_path
 from mlxwatch.durations import parse_duration
-from mlxwatch.errors import ConfigError, MlxwatchError, ProcessGoneError, UsageError
+from mlxwatch.errors import ConfigError, MlxwatchError, ProcessGoneError, StateError, UsageError
 
 EXIT_OK, EXIT_UNHEALTHY, EXIT_USAGE = 0, 1, 2
 
@@ -330,7 +330,7 @@ def run(argv: Sequence[str] | None = None, out: Console | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
         return COMMANDS[args.command](args, out)
-    except (ConfigError, UsageError) as exc:
+    except (ConfigError, UsageError, StateError) as exc:
         err.print(f"mlxwatch: {exc}", markup=False)
         return EXIT_USAGE
     except ProcessGoneError as exc:

@@ -4,7 +4,8 @@
     ├── ConfigError        a config file or value is wrong (CLI exit 2)
     ├── UsageError         a command-line value is wrong (CLI exit 2)
     ├── ProcessGoneError   the target PID does not exist (CLI exit 1)
-    └── RestartError       a restart method could not run or failed
+    ├── RestartError       a restart method could not run or failed
+    └── StateError         the state dir is held by another daemon or unusable (CLI exit 2)
 
 Library code raises these; only ``mlxwatch.cli`` turns them into messages and exit codes.
 Probe failures are not exceptions: a probe always returns a result that says what went wrong.
@@ -38,3 +39,7 @@ class ProcessGoneError(MlxwatchError):
 
 class RestartError(MlxwatchError):
     """A restart method failed to run, timed out, or exited non-zero."""
+
+
+class StateError(MlxwatchError):
+    """The state directory cannot be used: another daemon holds it, or a file there is not a file."""

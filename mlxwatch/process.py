@@ -1,52 +1,95 @@
-"""Finding a server's process and making sure it is still the same one.
+"""Which process is the server? Found once, recorded, and proven again before every action.
 
-A PID alone is not an identity: after a restart the number can belong to anything. Every
-signal mlxwatch sends is preceded by ``ProcessIdentity.still_ours()``: same PID, same create
-time, and still listening on the instance's port.
+A PID alone is not an identity: after a crash the number, or the port, can belong to anything.
+mlxwatch acts on (captures, signals, hands to a hook as ``{pid}``) only
+
+- the process it recorded when the instance was first seen healthy (same PID and create time),
+  or
+- a process whose command line is an mlx-lm server (or the one named by ``pid_file``) and
+  which listens on the instance's exact address: the URL's IP and port, not the port alone.
+
+Anything else on the port is a stranger: reported, never touched::
+
+    found = lookup_server("http://127.0.0.1:8080")
+    if found.identity: ...            # proven: safe to capture and signal
+    elif found.stranger: print(found.stranger)
+
+Every function here blocks (psutil, /proc): the daemon calls them through ``asyncio.to_thread``
+and only when an instance's state changes, never on a healthy probe.
 """
 
 from __future__ import annotations
 
+import ipaddress
+import os
+import socket
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import psutil
 
 from mlxwatch.errors import ProcessGoneError
 
+MLX_SERVER_DEFAULT_PORT = 8080  # mlx_lm.server's --port default
+
 
 @dataclass(frozen=True)
 class ProcessIdentity:
+    """A process as recorded: PID + create time (PID reuse), its command line, and the
+    ``(ip, port)`` it was seen listening on when it was proven to be the server."""
+
     pid: int
     create_time: float
     cmdline: tuple[str, ...]
+    address: tuple[str, int] | None = None
 
     @classmethod
-    def of(cls, pid: int) -> "ProcessIdentity":
+    def of(cls, pid: int, address: tuple[str, int] | None = None) -> "ProcessIdentity":
         try:
             proc = psutil.Process(pid)
             with proc.oneshot():
                 if proc.status() == psutil.STATUS_ZOMBIE:
                     raise ProcessGoneError(f"process {pid} has exited (zombie)")
-                return cls(pid, proc.create_time(), tuple(_cmdline(proc)))
+                return cls(pid, proc.create_time(), tuple(_cmdline(proc)), address)
         except psutil.NoSuchProcess:
             raise ProcessGoneError(f"no process with PID {pid}") from None
 
     def alive(self) -> bool:
+        """Still the very process recorded (same PID and create time, not a zombie)."""
         try:
             proc = psutil.Process(self.pid)
             return abs(proc.create_time() - self.create_time) < 0.01 and proc.status() != psutil.STATUS_ZOMBIE
         except psutil.Error:
             return False
 
-    def still_ours(self, port: int | None) -> bool:
-        """Same process as recorded and (when a port is given) still listening on it."""
-        if not self.alive():
-            return False
-        return port is None or self.pid in listening_pids(port)
+    def still_ours(self, url: str) -> bool:
+        """The recorded process, and still listening on ``url``'s exact address."""
+        return self.alive() and serves(own_listeners(self.pid, url_port(url)), url)
+
+    def describe(self) -> str:
+        return f"PID {self.pid}: {short_cmdline(self.cmdline)}"
 
     def to_dict(self) -> dict:
-        return {"pid": self.pid, "create_time": self.create_time, "cmdline": list(self.cmdline)}
+        return {"pid": self.pid, "create_time": self.create_time, "cmdline": list(self.cmdline),
+                "address": list(self.address) if self.address else None}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "ProcessIdentity":
+        address = data.get("address")
+        return cls(int(data["pid"]), float(data["create_time"]), tuple(str(a) for a in data.get("cmdline") or ()),
+                   (str(address[0]), int(address[1])) if address else None)
+
+
+@dataclass(frozen=True)
+class ServerLookup:
+    """What a search for an instance's server found; at most one of the first two is set."""
+
+    identity: ProcessIdentity | None = None  # proven: an mlx-lm server listening on the exact address
+    loading: ProcessIdentity | None = None  # an mlx-lm server for this port, not listening yet
+    stranger: str | None = None  # "port 8082 taken by PID N: python3 -m http.server"
+    detail: str = ""  # why nothing was proven, for logs
 
 
 def _cmdline(proc: psutil.Process) -> list[str]:
@@ -56,33 +99,202 @@ def _cmdline(proc: psutil.Process) -> list[str]:
         return []
 
 
-def listening_pids(port: int) -> set[int]:
-    """PIDs with a TCP socket listening on ``port``.
+def short_cmdline(cmdline: tuple[str, ...] | list[str], limit: int = 80) -> str:
+    text = " ".join([os.path.basename(cmdline[0]), *cmdline[1:]]) if cmdline else "(command line unreadable)"
+    return text if len(text) <= limit else text[: limit - 1] + "…"
 
-    ``net_connections`` needs root on macOS; then each process we may inspect is asked itself.
-    """
+
+def is_mlx_server(cmdline: tuple[str, ...] | list[str]) -> bool:
+    """An mlx-lm server, however it was started: ``mlx_lm.server`` (console script or
+    ``python -m``), ``mlx_lm server`` (the newer subcommand), or ``python .../mlx_lm/server.py``."""
+    args = list(cmdline[:6])
+    for i, arg in enumerate(args):
+        base = os.path.basename(arg)
+        following = args[i + 1] if i + 1 < len(args) else ""
+        if base == "mlx_lm.server" or arg.replace("\\", "/").endswith("mlx_lm/server.py"):
+            return True
+        if arg == "-m" and following == "mlx_lm.server":
+            return True
+        if (base == "mlx_lm" or (arg == "-m" and following == "mlx_lm")) and "server" in args[i + 1: i + 3]:
+            return True
+    return False
+
+
+def server_port(cmdline: tuple[str, ...] | list[str]) -> int:
+    """The port an mlx-lm server command line asks for (``--port N``), else the default."""
+    for i, arg in enumerate(cmdline):
+        value = None
+        if arg == "--port" and i + 1 < len(cmdline):
+            value = cmdline[i + 1]
+        elif arg.startswith("--port="):
+            value = arg.split("=", 1)[1]
+        if value is not None:
+            try:
+                return int(value)
+            except ValueError:
+                return -1
+    return MLX_SERVER_DEFAULT_PORT
+
+
+def url_port(url: str) -> int:
+    parts = urlsplit(url)
+    return parts.port or (443 if parts.scheme == "https" else 80)
+
+
+@lru_cache(maxsize=256)
+def url_ips(url: str) -> frozenset[str]:
+    """The IPs a client of ``url`` may connect to (``localhost`` is both loopbacks)."""
+    host = urlsplit(url).hostname or ""
     try:
-        return {c.pid for c in psutil.net_connections("tcp")
-                if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port and c.pid}
+        return frozenset({str(ipaddress.ip_address(host))})
+    except ValueError:
+        pass
+    try:
+        infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
+    except OSError:
+        return frozenset()
+    return frozenset(str(ipaddress.ip_address(info[4][0].split("%")[0])) for info in infos)
+
+
+def serves(listeners: list[tuple[str, int]], url: str) -> bool:
+    """Does one of the listening ``(ip, port)`` sockets accept connections made to ``url``?"""
+    port = url_port(url)
+    targets = [ipaddress.ip_address(ip) for ip in url_ips(url)]
+    for ip_text, lport in listeners:
+        if lport != port:
+            continue
+        ip = ipaddress.ip_address(ip_text.split("%")[0])
+        mapped = ip.ipv4_mapped if isinstance(ip, ipaddress.IPv6Address) else None
+        for target in targets:
+            if ip == target or mapped == target:
+                return True
+            if ip.is_unspecified and (ip.version == target.version or ip.version == 6):
+                return True  # 0.0.0.0 serves IPv4; :: serves IPv6 (and IPv4 where dual-stack)
+    return False
+
+
+def _listening(conns) -> list[tuple[str, int]]:
+    return [(c.laddr.ip, c.laddr.port) for c in conns if c.status == psutil.CONN_LISTEN and c.laddr]
+
+
+def own_listeners(pid: int, port: int | None = None) -> list[tuple[str, int]]:
+    """The TCP sockets one process listens on (asks that process only: cheap)."""
+    try:
+        found = _listening(psutil.Process(pid).net_connections("tcp"))
+    except psutil.Error:
+        return []
+    return [a for a in found if port is None or a[1] == port]
+
+
+def listeners_on(port: int) -> dict[int, list[tuple[str, int]]]:
+    """Every process listening on ``port``: PID -> its listening addresses on that port.
+
+    A system-wide socket scan: costly on a busy machine, so called only on state changes.
+    ``net_connections`` needs root on macOS; then each process we may inspect is asked.
+    """
+    out: dict[int, list[tuple[str, int]]] = {}
+    try:
+        for c in psutil.net_connections("tcp"):
+            if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port and c.pid:
+                out.setdefault(c.pid, []).append((c.laddr.ip, c.laddr.port))
+        return out
     except (psutil.AccessDenied, PermissionError):
         pass
-    found = set()
     for proc in psutil.process_iter():
+        found = own_listeners(proc.pid, port)
+        if found:
+            out[proc.pid] = found
+    return out
+
+
+def listening_pids(port: int) -> set[int]:
+    """PIDs with a TCP socket listening on ``port`` (any address)."""
+    return set(listeners_on(port))
+
+
+def _read_pid_file(pid_file: Path) -> int:
+    try:
+        with open(pid_file, "rb") as fh:  # a PID file is a line; never read a huge or endless one
+            return int(fh.read(64).split()[0])
+    except (OSError, ValueError, IndexError) as exc:
+        raise ProcessGoneError(f"cannot read a PID from {pid_file}: {exc}") from None
+
+
+def lookup_server(url: str, pid_file: Path | None = None) -> ServerLookup:
+    """Find this instance's server process, proven by command line (or ``pid_file``) and address."""
+    port = url_port(url)
+    if pid_file is not None:
         try:
-            if any(c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port for c in proc.net_connections("tcp")):
-                found.add(proc.pid)
-        except psutil.Error:
+            ident = ProcessIdentity.of(_read_pid_file(pid_file))
+            written = os.stat(pid_file).st_mtime
+        except (ProcessGoneError, OSError) as exc:
+            return ServerLookup(detail=str(exc))
+        if ident.create_time > written + 1.0:  # started after the file was written: a reused PID
+            return ServerLookup(stranger=_stranger(url, exclude=-1),
+                                detail=f"{pid_file} is stale: PID {ident.pid} is now {short_cmdline(ident.cmdline)}")
+        mine = [a for a in own_listeners(ident.pid, port)]
+        if serves(mine, url):
+            return ServerLookup(identity=_with_address(ident, mine, url))
+        stranger = _stranger(url, exclude=ident.pid)
+        return ServerLookup(loading=ident, stranger=stranger,
+                            detail=f"{ident.describe()} (from {pid_file}) does not listen on {url} yet")
+    strangers = []
+    for pid, addrs in sorted(listeners_on(port).items()):
+        if not serves(addrs, url):
             continue
-    return found
+        try:
+            ident = ProcessIdentity.of(pid)
+        except ProcessGoneError:
+            continue
+        if is_mlx_server(ident.cmdline):
+            return ServerLookup(identity=_with_address(ident, addrs, url))
+        strangers.append(ident)
+    stranger = _stranger_text(port, strangers[0]) if strangers else None
+    loading = None if stranger else _loading_server(port)
+    detail = stranger or (f"{loading.describe()} is starting" if loading else f"nothing listens on {url}")
+    return ServerLookup(loading=loading, stranger=stranger, detail=detail)
+
+
+def _with_address(ident: ProcessIdentity, addrs: list[tuple[str, int]], url: str) -> ProcessIdentity:
+    address = next(a for a in addrs if serves([a], url))
+    return ProcessIdentity(ident.pid, ident.create_time, ident.cmdline, address)
+
+
+def _stranger_text(port: int, ident: ProcessIdentity) -> str:
+    return f"port {port} taken by {ident.describe()}"
+
+
+def _stranger(url: str, exclude: int) -> str | None:
+    for pid, addrs in sorted(listeners_on(url_port(url)).items()):
+        if pid != exclude and serves(addrs, url):
+            try:
+                return _stranger_text(url_port(url), ProcessIdentity.of(pid))
+            except ProcessGoneError:
+                continue
+    return None
+
+
+def _loading_server(port: int) -> ProcessIdentity | None:
+    """An mlx-lm server process started for ``port`` that does not listen yet (loading weights)."""
+    for proc in psutil.process_iter(["pid", "cmdline", "create_time", "status"]):
+        try:
+            cmdline = proc.info["cmdline"] or []
+            if proc.info["status"] == psutil.STATUS_ZOMBIE or not is_mlx_server(cmdline):
+                continue
+            if server_port(cmdline) == port:
+                return ProcessIdentity(proc.info["pid"], proc.info["create_time"], tuple(cmdline))
+        except (psutil.Error, TypeError):
+            continue
+    return None
 
 
 def find_server_pid(port: int, pid_file: Path | None = None) -> int:
-    """The server's PID: from ``pid_file`` when given, else the one process listening on ``port``."""
+    """The one process listening on ``port`` (or named by ``pid_file``); for the CLI and tools.
+
+    The daemon uses ``lookup_server``, which also proves the process is an mlx-lm server.
+    """
     if pid_file is not None:
-        try:
-            return int(pid_file.read_text().split()[0])
-        except (OSError, ValueError, IndexError) as exc:
-            raise ProcessGoneError(f"cannot read a PID from {pid_file}: {exc}") from None
+        return _read_pid_file(pid_file)
     pids = listening_pids(port)
     if not pids:
         raise ProcessGoneError(f"no process is listening on port {port}")

@@ -7,7 +7,9 @@ large it has grown; a missing or unreadable log is "no evidence", never an error
 
 from __future__ import annotations
 
+import os
 import re
+import stat
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -52,12 +54,22 @@ class LogMarkers:
         return asdict(self)
 
 
+def open_regular(path: Path):
+    """Open a log for reading, refusing anything but a regular file: opening a FIFO without
+    O_NONBLOCK waits for a writer forever (measured: it hung the daemon)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise OSError(f"{path} is not a regular file")
+    return os.fdopen(fd, "rb")
+
+
 def read_recent(path: Path | None, max_bytes: int = RECENT_BYTES) -> str:
     """The last ``max_bytes`` of the log as text, starting at a whole line; "" if unreadable."""
     if path is None:
         return ""
     try:
-        with open(path, "rb") as fh:
+        with open_regular(path) as fh:
             fh.seek(0, 2)
             size = fh.tell()
             fh.seek(max(0, size - max_bytes))

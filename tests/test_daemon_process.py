@@ -134,7 +134,7 @@ def test_sigkill_mid_incident_leaves_a_journal_status_reports(tmp_path):
         wait_for(lambda: "closed" in events(tmp_path), 30, "closed")
     finally:
         _, err = stop(again)
-    assert "was left open by a stopped daemon at 'restarting'" in err
+    assert "was left open by a killed daemon at 'restarting'" in err
 
 
 def test_sigterm_stops_cleanly_and_sighup_keeps_old_config_when_new_is_bad(tmp_path):

@@ -45,6 +45,8 @@ async def run_daemon_until(config: Config, predicate, timeout: float, after_heal
     journal = Journal(config.state_dir)
     try:
         deadline = time.monotonic() + timeout
+        while not hasattr(daemon, "state"):
+            await asyncio.sleep(0.05)
         if after_healthy is not None:
             while not (daemon.state.instance("lab").get("last_probe") or {}).get("ok"):
                 assert time.monotonic() < deadline, "never healthy"

@@ -101,18 +101,16 @@ async def test_command_restart_failure_and_timeout_raise():
 
 
 async def test_signal_restart_never_signals_a_reused_pid():
-    """A recorded identity whose create time differs (the PID was reused) is refused."""
+    """A recorded identity whose create time differs (the PID was reused) is never signalled:
+    the restart says it found nothing to restart."""
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         real = ProcessIdentity.of(child.pid)
         reused = ProcessIdentity(child.pid, real.create_time - 100, real.cmdline)
         cfg = RestartConfig("signal", signal_name="SIGTERM", grace=1)
-        with pytest.raises(RestartError, match="no longer the server"):
-            # same PID alive, other create time: alive() is False but the PID exists
-            await restart(RestartContext(inst(cfg), ProcessIdentity(child.pid, real.create_time, ()), None))
-        assert child.poll() is None  # not listening on the port: refused, untouched
-        result = await restart(RestartContext(inst(cfg), reused, None))
-        assert "already gone" in result and child.poll() is None  # treated as gone, never signalled
+        outcome = await restart(RestartContext(inst(cfg), reused, None))
+        assert outcome.result == "nothing_to_restart" and "already gone" in outcome.detail
+        assert child.poll() is None  # never signalled
     finally:
         child.kill()
         child.wait()
@@ -137,7 +135,7 @@ async def test_signal_restart_terminates_our_listening_server(tmp_path):
         cfg = RestartConfig("signal", signal_name="SIGTERM", grace=5)
         result = await restart(RestartContext(inst(cfg, f"http://127.0.0.1:{port}"), ident, None))
         child.wait(5)
-        assert "sent SIGTERM" in result and child.returncode == -15
+        assert result.result == "ok" and "sent SIGTERM" in result.detail and child.returncode == -15
     finally:
         if child.poll() is None:
             child.kill()
@@ -174,25 +172,73 @@ def report(status=200, keepalives=()):
     return CheckReport("u", gen, EndpointResult("/health"), EndpointResult("/v1/models"))
 
 
-def test_progress_tracker_reads_only_other_work(tmp_path):
-    """The probe's own prompt lines and POSTs do not count; another prompt's progress does."""
+def test_progress_tracker_counts_only_work_that_advanced(tmp_path):
+    """Another prompt's prompt processing advancing counts; our probe's own lines, admission
+    (POST ... 200) lines and lines written before the tracker was primed do not."""
     log = tmp_path / "server.log"
-    log.write_text("Starting httpd at 127.0.0.1 on port 1...\n")
+    log.write_text("Starting httpd at 127.0.0.1 on port 1...\n" + "Prompt processing progress: 512/9000\n" * 3)
     t = ProgressTracker(log)
     t.prime()
     with open(log, "a") as fh:  # our probe: admitted (POST 200), prefilled 25/25, then nothing
         fh.write('127.0.0.1 - - [x] "POST /v1/chat/completions HTTP/1.1" 200 -\n'
                  "Prompt processing progress: 24/25\nPrompt processing progress: 25/25\n")
-    assert t.observe([report(keepalives=[(24, 25), (25, 25)])]) == []
+    assert t.observe(report(keepalives=[(24, 25), (25, 25)])).signals == ()
     with open(log, "a") as fh:  # someone else's long prompt is advancing
         fh.write("Prompt processing progress: 1024/25660\nPrompt processing progress: 2048/25660\n")
-    signals = t.observe([report(status=None)])
-    assert signals == ["log: prompt processing advanced (2 progress line(s), now 2048/25660)"]
-    with open(log, "a") as fh:
+    assert t.observe(report(status=None)).signals == ("log: prompt processing advanced (2 step(s), now 2048/25660)",)
+    with open(log, "a") as fh:  # a client retrying against a livelocked server: admitted, never served
         fh.write('127.0.0.1 - - [x] "POST /v1/chat/completions HTTP/1.1" 200 -\n' * 3)
-    assert t.observe([report(status=200)]) == ["log: 2 other request(s) answered (POST ... 200)"]
-    assert t.observe([report(keepalives=[(64, 900)])]) == [
-        "the probe's own prompt was still being processed (64/900)"]
+    assert t.observe(report(status=200)).signals == ()
+    with open(log, "a") as fh:  # the same line again is not progress
+        fh.write("Prompt processing progress: 2048/25660\n")
+    assert t.observe(report(status=200)).signals == ()
+    assert t.observe(report(keepalives=[(64, 900), (128, 900)])).signals == (
+        "the probe's own prompt was being processed (128/900)",)
+
+
+def test_progress_in_a_log_of_many_megabytes_is_never_phantom(tmp_path):
+    """Measured: past 4 MB of log since the server's start, the sliding read window made every
+    failed probe look like progress (58,253 "new" lines), so a livelock waited 10 minutes.
+    The log is followed by offset: old lines are never new again, however large it grows."""
+    log = tmp_path / "server.log"
+    line = "Prompt processing progress: 4096/8192\n"
+    with open(log, "w") as fh:
+        fh.write("Starting httpd at 127.0.0.1 on port 1...\n")
+        fh.write(line * (6 * 1024 * 1024 // len(line)))  # 6 MB of old work
+    t = ProgressTracker(log)
+    t.prime()
+    for _ in range(5):
+        with open(log, "a") as fh:  # only admissions: a retrying client
+            fh.write('127.0.0.1 - - [x] "POST /v1/chat/completions HTTP/1.1" 200 -\n')
+        assert t.observe(report()).signals == ()
+
+
+def test_log_follower_handles_rotation_truncation_and_bursts(tmp_path):
+    """Rotation (new inode) and copy-truncate start over at the new start; a burst larger than
+    one read keeps its newest part; a partial last line waits for its newline."""
+    from mlxwatch.logfollow import LogFollower
+
+    log = tmp_path / "server.log"
+    log.write_text("old\n")
+    f = LogFollower(log, max_read=1000)
+    f.prime()
+    with open(log, "a") as fh:
+        fh.write("one\ntw")
+    assert f.read_new().lines == ["one"]
+    with open(log, "a") as fh:
+        fh.write("o\n")
+    assert f.read_new().lines == ["two"]
+    log.rename(tmp_path / "server.log.1")
+    log.write_text("new1\n")
+    chunk = f.read_new()
+    assert chunk.event == "rotated" and chunk.lines == ["new1"]
+    log.write_text("")  # copy-truncate
+    assert f.read_new().event == "truncated"
+    with open(log, "a") as fh:
+        fh.write("x" * 5000 + "\n" + "last\n")
+    chunk = f.read_new()
+    assert chunk.skipped_bytes > 0 and chunk.lines == ["last"]
+
 
 
 def test_suspect_server_is_probed_again_sooner(tmp_path):
@@ -202,7 +248,7 @@ def test_suspect_server_is_probed_again_sooner(tmp_path):
     from mlxwatch.watchdog.notify import Notifier
     from mlxwatch.watchdog.state import StateFile
 
-    shared = Shared(client=None, journal=Journal(tmp_path), state=StateFile(tmp_path), state_dir=tmp_path,
+    shared = Shared(journal=Journal(tmp_path), state=StateFile(tmp_path), state_dir=tmp_path,
                     notifier=Notifier(()), capture=CaptureConfig(), bundles_dir=tmp_path / "b")
     probe = ProbeConfig(interval=30.0, suspect_interval=10.0)
     watcher = InstanceWatcher(InstanceConfig("gemma", "http://127.0.0.1:1", probe=probe), shared, asyncio.Event())

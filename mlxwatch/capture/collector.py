@@ -52,7 +52,8 @@ from mlxwatch.capture.summary import render_summary
 from mlxwatch.capture.versions import server_versions
 from mlxwatch.process import ProcessIdentity
 from mlxwatch.serverlog import (
-    RECENT_BYTES, SERVER_START, LogMarkers, completions_ok, progress_lines, read_recent, scan, since_last_start,
+    RECENT_BYTES, SERVER_START, LogMarkers, completions_ok, open_regular, progress_lines, read_recent, scan,
+    since_last_start,
     tail_lines,
 )
 
@@ -394,7 +395,7 @@ def _log_size(path: Path) -> int | None:
 def _read_range(path: Path, start: int, end: int) -> str:
     """Bytes ``start`` to ``end`` of the log as text, beginning at a whole line; "" if unreadable."""
     try:
-        with open(path, "rb") as fh:
+        with open_regular(path) as fh:
             fh.seek(max(0, start - 1))
             data = fh.read(max(0, end - max(0, start - 1)))
     except OSError:

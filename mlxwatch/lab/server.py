@@ -132,8 +132,9 @@ class LabServer:
             *self.extra_args,
         ]
 
-    def launch(self, ready_timeout: float = 120.0) -> None:
-        """Start the server process (fault cleared) and wait until it generates."""
+    def launch(self, ready_timeout: float = 120.0, load_delay: float = 0.0) -> None:
+        """Start the server process (fault cleared) and wait until it generates (``ready_timeout``
+        0: do not wait). ``load_delay`` keeps it from listening that long, like a big model's load."""
         self.set_fault("")
         hf_cache = self.workdir / "hf-cache"
         hf_cache.mkdir(exist_ok=True)
@@ -144,6 +145,7 @@ class LabServer:
             "PYTHONUNBUFFERED": "1",
             "PYTHONPATH": str(INJECT_DIR),
             "MLXWATCH_FAULT_FILE": str(self.fault_file),
+            "MLXWATCH_LAB_LOAD_DELAY": str(load_delay),
         }
         with open(self.log_path, "ab") as log:
             proc = subprocess.Popen(
@@ -155,7 +157,8 @@ class LabServer:
         self.create_time = psutil.Process(proc.pid).create_time()
         self.pid_file.write_text(f"{proc.pid}\n")
         self._save_spec()
-        self.wait_ready(ready_timeout)
+        if ready_timeout > 0:
+            self.wait_ready(ready_timeout)
 
     def wait_ready(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout

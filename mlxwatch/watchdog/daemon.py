@@ -1,10 +1,21 @@
-"""The watchdog daemon: one asyncio process, one watcher task per configured instance.
+"""The watchdog daemon: one asyncio process, one supervised watcher task per instance.
 
 The loop is small on purpose (as uvicorn's supervisor is): signal handlers only set events;
-the loop waits on them. SIGTERM/SIGINT stop cleanly (watchers cancelled, open incidents marked
-interrupted, state written); SIGHUP reloads the config, and a bad new config is reported and
-the old one kept. At start, incidents a killed daemon left open are reported and closed, and
-partial bundles it left are kept as ``-incomplete``.
+the loop wakes on them or on its heartbeat, and does the work:
+
+- **Supervision.** Every task it creates it watches. A watcher that raises is logged with its
+  traceback (once per distinct error), journaled (``watcher_error``), counted in the daemon's
+  health, and started again after a backoff (1 s doubling to 60 s). A crashed watcher never
+  leaves its instance looking "healthy" in ``status``.
+- **One daemon per state dir** (``lock.py``): a second ``run`` is refused with the holder's PID.
+- **Lifecycle.** Any stop (SIGTERM, SIGINT, a crash, SIGKILL) leaves a journal the next start
+  reads: incidents left open are closed with where they stopped, partial bundles whose writer
+  is gone are kept as ``-incomplete``, restart budgets come back from the state file (or, if
+  it is unreadable, from the journal).
+- **Reload is a swap** (SIGHUP): the new config is built whole in a thread; if it is bad, or
+  moves ``state_dir``, it is refused and the old one kept. Otherwise top-level settings apply
+  at once, changed instances restart their watchers at once when idle and when their incident
+  ends otherwise, and the outcome is recorded (``last_reload`` in the state file).
 """
 
 from __future__ import annotations
@@ -17,15 +28,18 @@ from pathlib import Path
 from typing import Callable
 
 from mlxwatch.capture.bundle import adopt_partials
-from mlxwatch.config import Config, default_state_dir
+from mlxwatch.config import Config, InstanceConfig, default_state_dir
 from mlxwatch.errors import ConfigError
-from mlxwatch.probes import make_client
 from mlxwatch.watchdog.instance import InstanceWatcher, Shared
 from mlxwatch.watchdog.journal import Journal
+from mlxwatch.watchdog.lock import StateDirLock
 from mlxwatch.watchdog.notify import Notifier
 from mlxwatch.watchdog.state import StateFile
 
 log = logging.getLogger("mlxwatch.watchdog")
+
+HEARTBEAT = 30.0  # seconds between the daemon's own liveness writes (status reads `last_tick`)
+MAX_WATCHER_BACKOFF = 60.0
 
 
 def state_dir_for(config: Config, override: Path | None = None) -> Path:
@@ -37,95 +51,195 @@ def bundles_dir_for(config: Config, state_dir: Path) -> Path:
 
 
 class Daemon:
-    def __init__(self, config: Config, state_dir: Path, *, shared_overrides: dict | None = None) -> None:
+    def __init__(self, config: Config, state_dir: Path, *, shared_overrides: dict | None = None,
+                 heartbeat: float = HEARTBEAT) -> None:
         self.config = config
         self.state_dir = state_dir
-        self.journal = Journal(state_dir)
-        self.state = StateFile(state_dir)
         self.overrides = shared_overrides or {}
+        self.heartbeat = heartbeat
+        self.lock = StateDirLock(state_dir)
         self.watchers: dict[str, InstanceWatcher] = {}
         self.tasks: dict[str, asyncio.Task] = {}
-        self.pending: dict[str, object] = {}
+        self.pending: dict[str, InstanceConfig | None] = {}  # changes waiting for an incident to end
+        self.retired: set[asyncio.Task] = set()  # replaced watchers' tasks, awaited at shutdown
+        self.watcher_errors = 0
+        self._errors_logged: set[str] = set()
 
-    def report_interrupted(self) -> list[dict]:
-        """Close incidents a killed daemon left open, saying where each stopped."""
-        left = self.journal.open_incidents()
-        for rec in left:
-            log.warning("%s: incident %s was left open by a stopped daemon at '%s' (bundle: %s)",
-                        rec["instance"], rec["id"], rec["event"], rec.get("bundle") or "none")
-            fields = {k: v for k, v in rec.items() if k not in ("ts", "event")}
-            self.journal.note("closed", **fields, reason=f"daemon stopped mid-incident at '{rec['event']}'")
-        return left
+    # --- start and stop
 
     async def run(self, stop: asyncio.Event, reload: asyncio.Event | None = None,
                   load_config: Callable[[], Config] | None = None) -> None:
-        reload = reload or asyncio.Event()
+        """Run until ``stop`` is set. Raises ``StateError`` if another daemon holds the state dir."""
+        self.lock.acquire()
+        try:
+            await self._run(stop, reload or asyncio.Event(), load_config)
+        finally:
+            self.lock.release()
+
+    async def _run(self, stop: asyncio.Event, reload: asyncio.Event, load_config) -> None:
+        self.journal = Journal(self.state_dir)
+        self.state = StateFile(self.state_dir, self.journal.path)
         self.journal.note("daemon_start", pid=os.getpid(), instances=[i.name for i in self.config.instances])
-        self.report_interrupted()
-        for path in adopt_partials(bundles_dir_for(self.config, self.state_dir)):
+        self.close_left_open()
+        bundles = bundles_dir_for(self.config, self.state_dir)
+        for path in await asyncio.to_thread(adopt_partials, bundles):
             log.warning("kept an unfinished bundle from an interrupted capture: %s", path)
-        self.state.set_daemon(pid=os.getpid(), started_at=time.time(), running=True)
-        async with make_client() as client:
-            self.client = client
-            self.notifier = Notifier(self.config.notify)
-            for inst in self.config.instances:
-                self._start(inst)
-            log.info("watching %d instance(s): %s", len(self.tasks), ", ".join(self.tasks) or "none")
+        now = time.time()
+        self.state.set_daemon(pid=os.getpid(), started_at=now, running=True, stopped_at=None, last_tick=now,
+                              watcher_errors=0)
+        self.shared = Shared(journal=self.journal, state=self.state, state_dir=self.state_dir,
+                             notifier=Notifier(self.config.notify), capture=self.config.capture,
+                             bundles_dir=bundles, **self.overrides)
+        writer = asyncio.create_task(self.state.run_writer(), name="state-writer")
+        for inst in self.config.instances:
+            self._start(inst)
+        log.info("watching %d instance(s): %s", len(self.tasks), ", ".join(self.tasks) or "none")
+        try:
             while not stop.is_set():
-                waiters = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(reload.wait())]
-                await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
-                for w in waiters:
-                    w.cancel()
+                await _wait_any(stop, reload, timeout=min(self.heartbeat, 1.0) if self.pending else self.heartbeat)
+                if writer.done():  # the writer never returns; if it died, say so and start another
+                    log.error("state writer stopped: %r; starting it again", writer.exception())
+                    writer = asyncio.create_task(self.state.run_writer(), name="state-writer")
                 if reload.is_set() and not stop.is_set():
                     reload.clear()
-                    self._reload(load_config)
-            await self._shutdown(stop)
+                    await self._reload(load_config)
+                self._apply_pending()
+                self.state.set_daemon(last_tick=time.time(), watcher_errors=self.watcher_errors)
+        finally:
+            await self._shutdown(writer)
 
-    def _shared(self) -> Shared:
-        return Shared(client=self.client, journal=self.journal, state=self.state, state_dir=self.state_dir,
-                      notifier=self.notifier, capture=self.config.capture,
-                      bundles_dir=bundles_dir_for(self.config, self.state_dir), **self.overrides)
+    def close_left_open(self) -> list[dict]:
+        """Close incidents a stopped daemon left open, saying where each stopped."""
+        left = self.journal.open_incidents()
+        for rec in left:
+            how = "stopped" if rec["event"] == "interrupted" else "killed"
+            log.warning("%s: incident %s was left open by a %s daemon at '%s' (bundle: %s)",
+                        rec["instance"], rec["id"], how, rec.get("state") or rec["event"], rec.get("bundle") or "none")
+            self.journal.close_left_open(rec, reason=f"daemon {how} mid-incident at '{rec.get('state') or rec['event']}'")
+        return left
 
-    def _start(self, inst) -> None:
-        stop = asyncio.Event()
-        watcher = InstanceWatcher(inst, self._shared(), stop)
-        self.watchers[inst.name] = watcher
-        self.tasks[inst.name] = asyncio.create_task(watcher.run(), name=f"watch-{inst.name}")
+    async def _shutdown(self, writer: asyncio.Task) -> None:
+        for watcher in self.watchers.values():
+            watcher.stop.set()
+        for task in [*self.tasks.values(), *self.retired]:
+            task.cancel()
+        await asyncio.gather(*self.retired, return_exceptions=True)
+        for name, result in zip(list(self.tasks), await asyncio.gather(*self.tasks.values(), return_exceptions=True)):
+            if isinstance(result, Exception):
+                log.error("%s: watcher ended with %r during shutdown", name, result)
+        for watcher in self.watchers.values():
+            if watcher.incident is not None:
+                self.journal.record("interrupted", watcher.incident, state=watcher.detect.state, reason="daemon stopped")
+        await self.shared.notifier.drain()
+        writer.cancel()
+        await asyncio.gather(writer, return_exceptions=True)
+        self.state.set_daemon(running=False, stopped_at=time.time())
+        try:
+            await asyncio.to_thread(self.state.flush)
+        except OSError as exc:
+            log.error("cannot write the state file at stop: %s", exc)
+        log.info("stopped")
 
-    def _reload(self, load_config: Callable[[], Config] | None) -> None:
+    # --- supervision
+
+    def _start(self, inst: InstanceConfig) -> None:
+        self.watchers[inst.name] = InstanceWatcher(inst, self.shared, asyncio.Event())
+        self.tasks[inst.name] = asyncio.create_task(self._supervise(inst.name), name=f"watch-{inst.name}")
+
+    async def _supervise(self, name: str) -> None:
+        """Run one watcher; if it raises, record it and run it again after a backoff."""
+        delay = 1.0
+        watcher = self.watchers[name]
+        while not watcher.stop.is_set():
+            started = time.monotonic()
+            try:
+                await watcher.run()
+                return
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                if time.monotonic() - started > 10 * MAX_WATCHER_BACKOFF:
+                    delay = 1.0  # it ran well for a long while: this is a new problem
+                self._watcher_failed(watcher, exc, delay)
+            await watcher._sleep(delay)
+            delay = min(delay * 2, MAX_WATCHER_BACKOFF)
+
+    def _watcher_failed(self, watcher: InstanceWatcher, exc: Exception, delay: float) -> None:
+        self.watcher_errors += 1
+        error = f"{type(exc).__name__}: {exc}"
+        if error not in self._errors_logged:
+            self._errors_logged.add(error)
+            log.error("%s: watcher crashed; restarting it in %.0fs", watcher.name, delay, exc_info=exc)
+        else:
+            log.error("%s: watcher crashed again (%s); restarting it in %.0fs", watcher.name, error, delay)
+        self.state.update(watcher.name, watcher_error={"at": time.time(), "error": error})
+        self.state.set_daemon(watcher_errors=self.watcher_errors)
+        try:
+            self.journal.note("watcher_error", instance=watcher.name, error=error,
+                              incident=watcher.incident.id if watcher.incident else None)
+        except OSError as journal_exc:  # a full disk: the log line above is what we have
+            log.error("%s: cannot journal the watcher error: %s", watcher.name, journal_exc)
+
+    # --- reload
+
+    async def _reload(self, load_config: Callable[[], Config] | None) -> None:
         if load_config is None:
             return
         try:
-            new = load_config()
+            new = await asyncio.to_thread(load_config)
         except ConfigError as exc:
-            log.error("config reload failed, keeping the old config: %s", exc)
+            self._reloaded(False, f"config reload failed, keeping the old config: {exc}")
             return
-        old = {i.name: i for i in self.config.instances}
+        if new.state_dir != self.config.state_dir:
+            self._reloaded(False, f"config reload refused: state_dir changed from {self.config.state_dir} to "
+                                  f"{new.state_dir}; restart the daemon to move its state")
+            return
         self.config = new
-        self.notifier = Notifier(new.notify)
+        self.shared.notifier = Notifier(new.notify)
+        self.shared.capture = new.capture
+        self.shared.bundles_dir = bundles_dir_for(new, self.state_dir)
         wanted = {i.name: i for i in new.instances}
-        for name in list(self.tasks):
-            if name not in wanted or wanted[name] != old.get(name):
-                if self.watchers[name].busy_with_incident:
-                    log.warning("%s: config changed mid-incident; keeping the old settings until it ends", name)
-                    continue
-                self.watchers[name].stop.set()
-                self.tasks.pop(name).cancel()
-                self.watchers.pop(name)
+        for name, watcher in self.watchers.items():
+            if wanted.get(name) != watcher.inst:
+                self.pending[name] = wanted.get(name)
         for name, inst in wanted.items():
-            if name not in self.tasks:
+            if name not in self.watchers:
                 self._start(inst)
-        log.info("config reloaded: watching %s", ", ".join(self.tasks) or "none")
+        self._apply_pending()
+        self._reloaded(True, f"config reloaded: watching {', '.join(self.watchers) or 'none'}")
 
-    async def _shutdown(self, stop: asyncio.Event) -> None:
-        for watcher in self.watchers.values():
+    def _reloaded(self, ok: bool, message: str) -> None:
+        (log.info if ok else log.error)("%s", message)
+        self.state.set_daemon(last_reload={"at": time.time(), "ok": ok, "message": message})
+
+    def _apply_pending(self) -> None:
+        """Apply changed instances whose watchers have no open incident."""
+        for name, inst in list(self.pending.items()):
+            watcher = self.watchers[name]
+            if watcher.busy_with_incident:
+                if f"pending:{name}" not in self._errors_logged:
+                    self._errors_logged.add(f"pending:{name}")
+                    log.warning("%s: config changed mid-incident; applying it when the incident ends", name)
+                continue
+            self._errors_logged.discard(f"pending:{name}")
+            del self.pending[name]
             watcher.stop.set()
-        for task in self.tasks.values():
-            task.cancel()
-        await asyncio.gather(*self.tasks.values(), return_exceptions=True)
-        for watcher in self.watchers.values():
-            if watcher.incident is not None:
-                self.journal.record("interrupted", watcher.incident, reason="daemon stopped")
-        await self.notifier.drain()
-        self.state.set_daemon(running=False, stopped_at=time.time())
-        log.info("stopped")
+            task = self.tasks.pop(name)
+            task.cancel()  # ends at its next await; awaited at shutdown
+            self.retired.add(task)
+            task.add_done_callback(self.retired.discard)
+            del self.watchers[name]
+            if inst is not None:
+                self._start(inst)
+            else:
+                self.state.data["instances"].pop(name, None)
+                self.state.dirty.set()
+
+
+async def _wait_any(*events: asyncio.Event, timeout: float) -> None:
+    waiters = [asyncio.ensure_future(e.wait()) for e in events]
+    try:
+        await asyncio.wait(waiters, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for w in waiters:
+            w.cancel()

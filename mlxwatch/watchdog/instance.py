@@ -1,9 +1,16 @@
 """One instance's watch loop: probe, judge, and on a verdict capture -> restart -> recover.
 
-Each instance runs in its own task, so a slow, refused or wedged instance never delays
-another's probes. Every state change is logged (one line), journaled (one fsynced record) and
-written to the state file. The order on a verdict is fixed: the bundle is captured while the
-process is still in its bad state, and only then is anything restarted.
+Each instance runs in its own task with its own HTTP connections, so a slow, refused or wedged
+instance never delays another's probes or takes its connections. At most one probe per
+instance is in flight: a probe that failed at its first-token deadline keeps its stream open
+and read until the server ends it or the next probe is due (mlx-lm notices a closed stream only
+when it next writes, so an abandoned probe would stay in its batch and queue the next one).
+
+Blocking work (log reads, process lookups) runs in threads and only when the state changes:
+a healthy probe costs one HTTP exchange and nothing else. Every state change is logged (one
+line), journaled (one fsynced record) and marked for the state file. On a verdict the order is
+fixed: the server is proven (see ``mlxwatch.process``), the bundle is captured while it is
+still in its bad state, and only then is anything restarted.
 """
 
 from __future__ import annotations
@@ -21,26 +28,27 @@ import httpx
 from mlxwatch.capture import Bundle, CaptureRequest, capture_bundle
 from mlxwatch.config import CaptureConfig, InstanceConfig
 from mlxwatch.errors import MlxwatchError
-from mlxwatch.probes import CheckReport, run_check
-from mlxwatch.process import ProcessIdentity, find_server_pid
+from mlxwatch.probes import CheckReport, make_client, run_check
+from mlxwatch.process import ProcessIdentity, ServerLookup, lookup_server
 from mlxwatch.watchdog import policy
 from mlxwatch.watchdog.flapguard import FlapGuard
 from mlxwatch.watchdog.journal import Incident, Journal
 from mlxwatch.watchdog.notify import Notifier
 from mlxwatch.watchdog.progress import ProgressTracker
-from mlxwatch.watchdog.restart import RestartContext, describe, restart
+from mlxwatch.watchdog.restart import OK, RestartContext, RestartOutcome, describe, restart
 from mlxwatch.watchdog.state import StateFile, take_resume
 
 log = logging.getLogger("mlxwatch.watchdog")
 
 RECOVERY_PROBE_EVERY = 5.0
+KEPT_FAILED_REPORTS = 20
 
 
 @dataclass
 class Shared:
-    """What all watchers share: one HTTP client, the journal, the state file, the hooks."""
+    """What all watchers share. The daemon swaps ``notifier``, ``capture`` and ``bundles_dir``
+    in place on a reload, so a changed top-level setting reaches every watcher at once."""
 
-    client: httpx.AsyncClient
     journal: Journal
     state: StateFile
     state_dir: Path
@@ -48,7 +56,9 @@ class Shared:
     capture: CaptureConfig
     bundles_dir: Path
     capture_fn: Callable[[CaptureRequest], Awaitable[Bundle]] = capture_bundle
-    restart_fn: Callable[[RestartContext], Awaitable[str]] = restart
+    restart_fn: Callable[[RestartContext], Awaitable[RestartOutcome]] = restart
+    lookup_fn: Callable[[str, Path | None], ServerLookup] = lookup_server  # blocking; run in a thread
+    make_client: Callable[[], httpx.AsyncClient] = make_client
     clock: Callable[[], float] = time.time
 
 
@@ -60,33 +70,68 @@ class InstanceWatcher:
     detect: policy.Detection = field(init=False)
     guard: FlapGuard = field(init=False)
     tracker: ProgressTracker = field(init=False)
-    identity: ProcessIdentity | None = None
+    identity: ProcessIdentity | None = None  # recorded when first seen healthy; proven before use
     incident: Incident | None = None
     failed_reports: list[CheckReport] = field(default_factory=list)
+    seen_healthy: bool = False  # since the daemon started or the last restart
+    restarted_at: float | None = None
+    lingering: asyncio.Task | None = None  # the last failed probe's stream, still being read
+    client: httpx.AsyncClient | None = None
+    said: set[str] = field(default_factory=set)  # notes already logged once
 
     def __post_init__(self) -> None:
         p, r = self.inst.probe, self.inst.restart
         self.detect = policy.Detection(p.failures, p.grace_ceiling)
         saved = self.shared.state.instance(self.inst.name)
         self.guard = FlapGuard(r.budget, r.window, r.backoff, r.max_backoff, r.cooldown,
-                               restarts=list(saved.get("restarts", [])), gave_up_at=saved.get("gave_up_at"))
+                               restarts=[float(t) for t in saved.get("restarts") or [] if isinstance(t, (int, float))],
+                               gave_up_at=saved.get("gave_up_at") if isinstance(saved.get("gave_up_at"), (int, float)) else None)
         if self.guard.gave_up_at is not None:
             self.detect.state = policy.GAVE_UP
+        server = saved.get("server")
+        if isinstance(server, dict) and saved.get("url") == self.inst.url:
+            try:
+                self.identity = ProcessIdentity.from_dict(server)  # proven again (alive) before any use
+            except (KeyError, TypeError, ValueError, IndexError):
+                self.identity = None
         self.tracker = ProgressTracker(self.inst.log)
 
     @property
+    def name(self) -> str:
+        return self.inst.name
+
+    @property
     def busy_with_incident(self) -> bool:
-        return self.detect.state in (policy.CAPTURING, policy.RESTARTING, policy.RECOVERING)
+        """An incident is open (any state, awaiting recovery and given-up included)."""
+        return self.incident is not None
 
     # --- the loop
 
     async def run(self) -> None:
-        self.tracker.prime()
-        self._save()
-        await self._sleep(random.uniform(0, min(self.inst.probe.interval, 5.0)))  # spread instances out
-        while not self.stop.is_set():
-            await self.cycle()
-            await self._sleep(self.next_delay() * random.uniform(0.9, 1.1))
+        """Watch until ``stop`` is set. The daemon's supervisor calls this again after a crash."""
+        self._after_crash()
+        async with self.shared.make_client() as client:
+            self.client = client
+            try:
+                self._say(await asyncio.to_thread(self.tracker.prime))
+                self._save()
+                await self._sleep(random.uniform(0, min(self.inst.probe.interval, 5.0)))  # spread instances out
+                while not self.stop.is_set():
+                    await self.cycle()
+                    await self._sleep(self.next_delay() * random.uniform(0.9, 1.1))
+            finally:
+                await self._end_linger()
+                self.client = None
+
+    def _after_crash(self) -> None:
+        """A previous ``run`` died mid-incident: close that incident, start over as starting."""
+        if self.incident is not None and self.detect.state != policy.GAVE_UP:
+            self.shared.journal.record("closed", self.incident, reason="watcher error mid-incident; watching again")
+            self.incident = None
+        if self.detect.state not in (policy.GAVE_UP, policy.STARTING):
+            self.detect.success()
+            self.detect.state = policy.STARTING
+            self.seen_healthy = False
 
     def next_delay(self) -> float:
         """A suspect server is probed again soon: one failure is a question, not an answer."""
@@ -101,72 +146,136 @@ class InstanceWatcher:
             pass
 
     async def probe(self) -> CheckReport:
+        """One check; the previous probe's stream is ended first (one probe in flight)."""
+        await self._end_linger()
+        if self.detect.state == policy.HEALTHY and self.tracker.follower is not None:
+            # Progress is judged from here on: lines written while it was healthy are history.
+            self._say(await asyncio.to_thread(self.tracker.prime))
         p = self.inst.probe
-        return await run_check(self.shared.client, self.inst.url, first_token_timeout=p.first_token_timeout,
-                               timeout=p.timeout, max_tokens=p.max_tokens, endpoint_timeout=p.endpoint_timeout)
+        assert self.client is not None
+        report = await run_check(self.client, self.inst.url, first_token_timeout=p.first_token_timeout,
+                                 timeout=p.timeout, max_tokens=p.max_tokens, endpoint_timeout=p.endpoint_timeout,
+                                 linger=p.interval)
+        self.lingering = report.lingering
+        return report
+
+    async def _end_linger(self) -> None:
+        task, self.lingering = self.lingering, None
+        if task is not None and not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
 
     async def cycle(self) -> None:
         now = self.shared.clock()
-        if take_resume(self.shared.state_dir, self.inst.name):
+        if take_resume(self.shared.state_dir, self.name):
             self._resume("resumed by `mlxwatch resume`")
         elif self.detect.state == policy.GAVE_UP and self.guard.cooled_down(now):
             self._resume(f"cool-down of {self.inst.restart.cooldown:g}s passed")
         report = await self.probe()
         now = self.shared.clock()
-        self._save(last_probe=_probe_summary(report, now))
+        self.shared.state.update(self.name, quiet=True, last_probe=_probe_summary(report, now))
         if report.healthy:
-            self._healthy(report, now)
+            await self._healthy(report, now)
             return
-        log.info("%s: probe failed: %s", self.inst.name, report.reason)
+        log.info("%s: probe failed: %s", self.name, report.reason)
         if self.detect.state == policy.GAVE_UP or self.incident is not None:
             return  # gave up, or waiting for a server we may not restart to come back by itself
-        self.failed_reports.append(report)
-        progress = self.tracker.observe([report])
-        if not self.detect.failure(now, progress):
-            if progress:
-                log.info("%s: no token, but progress holds the verdict: %s", self.inst.name, "; ".join(progress))
+        if not self.seen_healthy and await self._starting(now):
+            return
+        progress = await asyncio.to_thread(self.tracker.observe, report)
+        for note in progress.notes:
+            self._say(note)
+        self.failed_reports = [*self.failed_reports[-(KEPT_FAILED_REPORTS - 1):], report]
+        if not self.detect.failure(now, list(progress.signals)):
+            if progress.signals:
+                log.info("%s: no token, but progress holds the verdict: %s", self.name, "; ".join(progress.signals))
             self._save()
             return
         await self.handle_verdict(now)
 
-    def _healthy(self, report: CheckReport, now: float) -> None:
+    async def _starting(self, now: float) -> bool:
+        """Not yet seen healthy: is a server process for this instance still loading?
+
+        True (no verdict) while such a process exists and is younger than ``startup_timeout``
+        (or the last restart is). A process that has run longer than that is not loading."""
+        found = await asyncio.to_thread(self.shared.lookup_fn, self.inst.url, self.inst.pid_file)
+        if found.stranger:
+            self._say(f"{found.stranger}: not this instance's server; it will not be touched")
+        proc = found.identity or found.loading
+        if proc is None:
+            return False
+        since = max(proc.create_time, self.restarted_at or 0.0)
+        if now - since >= self.inst.probe.startup_timeout:
+            return False
+        if self.detect.state != policy.STARTING:
+            self.detect.state = policy.STARTING
+            self._save()
+        log.info("%s: starting (%s, up %.0fs): no verdict before %.0fs", self.name, proc.describe(), now - since,
+                 self.inst.probe.startup_timeout)
+        return True
+
+    async def _healthy(self, report: CheckReport, now: float) -> None:
         if self.incident is not None:  # came back by itself (restart none, or after giving up)
-            self._recovered(now, "recovered without a restart")
+            await self._recovered(now, "recovered without a restart")
             return
+        if not self.seen_healthy:
+            await self._first_healthy()
         if self.detect.state != policy.HEALTHY:
-            log.info("%s: healthy again (first token after %.2fs)", self.inst.name, report.generation.ttft or 0)
-        self._back_to_healthy()
+            log.info("%s: healthy (first token after %.2fs)", self.name, report.generation.ttft or 0)
+            self._back_to_healthy()
+
+    async def _first_healthy(self) -> None:
+        """Record which process serves this instance: looked up once, here, not per probe."""
+        self.seen_healthy = True
+        if self.identity is not None and await asyncio.to_thread(self.identity.still_ours, self.inst.url):
+            return
+        found = await asyncio.to_thread(self.shared.lookup_fn, self.inst.url, self.inst.pid_file)
+        self.identity = found.identity
+        if found.identity is None:
+            self._say(f"cannot prove which process serves {self.inst.url} ({found.detail}); it will not be "
+                      "signalled or captured (set pid_file if the server's command line is not mlx-lm's)")
+        else:
+            log.info("%s: server is %s", self.name, found.identity.describe())
 
     def _back_to_healthy(self, **fields: object) -> None:
         """Every way back to healthy: a given-up instance may restart again, the failure count
-        and log position start over, and the (maybe new) server process is looked up."""
+        starts over."""
         if self.detect.state == policy.GAVE_UP:
             self.guard.resume()
         self.detect.success()
         self.failed_reports.clear()
-        self.tracker.prime()
-        self._refresh_identity()
         self._save(**fields)
 
     # --- verdict -> capture -> restart -> recover
 
+    async def _prove_server(self) -> tuple[ProcessIdentity | None, str | None]:
+        """The recorded server if it still runs; else one proven by a fresh lookup; else None
+        (and who holds the port, if anyone): nothing unproven is ever captured or signalled."""
+        if self.identity is not None and await asyncio.to_thread(self.identity.alive):
+            return self.identity, None
+        found = await asyncio.to_thread(self.shared.lookup_fn, self.inst.url, self.inst.pid_file)
+        self.identity = found.identity
+        return found.identity, found.stranger
+
     async def handle_verdict(self, now: float) -> None:
-        if self.identity is None or not self.identity.alive():
-            self._refresh_identity()
+        server, stranger = await self._prove_server()
         inc = self.incident = Incident(
-            self.inst.name, first_failure_at=self.detect.first_failure_at, detected_at=now,
-            failures=[r.reason for r in self.failed_reports], pid=self.identity.pid if self.identity else None,
-            restart_method=describe(self.inst.restart),
+            self.name, first_failure_at=self.detect.first_failure_at, detected_at=now,
+            failures=[r.reason for r in self.failed_reports], pid=server.pid if server else None,
+            restart_method=describe(self.inst.restart), stranger=stranger,
         )
-        log.warning("%s: HUNG after %d failed probe(s) (incident %s): %s", self.inst.name, len(self.failed_reports),
+        log.warning("%s: HUNG after %d failed probe(s) (incident %s): %s", self.name, len(self.failed_reports),
                     inc.id, self.failed_reports[-1].reason)
+        if stranger:
+            log.warning("%s: %s: not the server; it is not captured, signalled or passed to a hook", self.name, stranger)
         self._change(policy.HUNG, "verdict")
         self.shared.notifier.fire("verdict", inc.to_dict())
 
         self._change(policy.CAPTURING, "capturing")
-        await self._capture(inc)
+        await self._end_linger()  # the capture makes its own probe
+        await self._capture(inc, server)
         if self.inst.restart.method == "none":
-            log.warning("%s: restart method is none: waiting for it to recover by itself", self.inst.name)
+            log.warning("%s: restart method is none: waiting for it to recover by itself", self.name)
             self._change(policy.HUNG, "awaiting_recovery")
             return
         while not self.stop.is_set():
@@ -176,49 +285,51 @@ class InstanceWatcher:
                 return
             wait = self.guard.wait_before_restart(now)
             if wait > 0:
-                log.info("%s: backing off %.0fs before restarting again", self.inst.name, wait)
+                log.info("%s: backing off %.0fs before restarting again", self.name, wait)
                 self._change(policy.RESTARTING, "backoff", wait=wait)
                 await self._sleep(wait)
                 if self.stop.is_set():
                     return
-            if await self._restart(inc) and await self._await_recovery(inc):
+            if await self._restart(inc, server) and await self._await_recovery(inc):
                 return
+            server, _ = await self._prove_server()
 
-    async def _capture(self, inc: Incident) -> None:
+    async def _capture(self, inc: Incident, server: ProcessIdentity | None) -> None:
         cap, p = self.shared.capture, self.inst.probe
         request = CaptureRequest(
-            pid=inc.pid, out_dir=self.shared.bundles_dir, label=self.inst.name, url=self.inst.url, log=self.inst.log,
-            snapshots=cap.snapshots, spacing=cap.spacing, ceiling=cap.ceiling, sudo=cap.sudo,
+            pid=server.pid if server else None, out_dir=self.shared.bundles_dir, label=self.name, url=self.inst.url,
+            log=self.inst.log, snapshots=cap.snapshots, spacing=cap.spacing, ceiling=cap.ceiling, sudo=cap.sudo,
             log_tail_lines=cap.log_tail_lines, probe_first_token_timeout=min(p.first_token_timeout, 10.0),
             probe_timeout=min(p.timeout, 20.0), prior_probes=[r.to_dict() for r in self.failed_reports],
-            keep=cap.keep, max_bytes=cap.max_bytes,
+            keep=cap.keep, max_bytes=cap.max_bytes, verdict=_verdict_text(self.failed_reports, inc.stranger),
         )
         try:
             bundle = await self.shared.capture_fn(request)
         except Exception as exc:  # no evidence is bad; no restart would be worse
-            log.error("%s: capture failed: %s", self.inst.name, exc)
+            log.error("%s: capture failed: %s", self.name, exc)
             self._change(policy.CAPTURING, "capture_failed", error=f"{type(exc).__name__}: {exc}")
             return
+        self.lingering = bundle.lingering  # the capture probe's stream: ended before our next probe
         inc.bundle, inc.kind, inc.confidence = str(bundle.path), bundle.classification.kind, bundle.classification.confidence
-        log.warning("%s: captured %s (%s, %s confidence)", self.inst.name, bundle.path, inc.kind, inc.confidence)
+        log.warning("%s: captured %s (%s, %s confidence)", self.name, bundle.path, inc.kind, inc.confidence)
         self._change(policy.CAPTURING, "captured")
 
-    async def _restart(self, inc: Incident) -> bool:
+    async def _restart(self, inc: Incident, server: ProcessIdentity | None) -> bool:
         self._change(policy.RESTARTING, "restarting")
         at = self.shared.clock()
         self.guard.record_restart(at)
-        ctx = RestartContext(self.inst, self.identity, inc.bundle)
         try:
-            result = await self.shared.restart_fn(ctx)
-            inc.restarts.append({"at": at, "result": "ok", "detail": result})
-            log.warning("%s: restarted: %s", self.inst.name, result)
-            self._change(policy.RESTARTING, "restart")
-            return True
+            outcome = await self.shared.restart_fn(RestartContext(self.inst, server, inc.bundle))
         except (MlxwatchError, OSError) as exc:
             inc.restarts.append({"at": at, "result": "failed", "detail": str(exc)})
-            log.error("%s: restart failed: %s", self.inst.name, exc)
+            log.error("%s: restart failed: %s", self.name, exc)
             self._change(policy.RESTARTING, "restart_failed", error=str(exc))
             return False
+        inc.restarts.append({"at": at, "result": outcome.result, "detail": outcome.detail})
+        log.warning("%s: restart: %s", self.name, outcome.detail)
+        self._change(policy.RESTARTING, "restart" if outcome.result == OK else outcome.result)
+        self.seen_healthy, self.restarted_at, self.identity = False, at, None  # a new process will be recorded
+        return True
 
     async def _await_recovery(self, inc: Incident) -> bool:
         self._change(policy.RECOVERING, "recovering")
@@ -226,24 +337,27 @@ class InstanceWatcher:
         deadline = loop.time() + self.inst.probe.startup_timeout
         while not self.stop.is_set() and loop.time() < deadline:
             report = await self.probe()
+            self.shared.state.update(self.name, quiet=True, last_probe=_probe_summary(report, self.shared.clock()))
             if report.healthy:
-                self._recovered(self.shared.clock(), "recovery verified by a probe")
+                await self._recovered(self.shared.clock(), "recovery verified by a probe")
                 return True
             await self._sleep(min(RECOVERY_PROBE_EVERY, self.inst.probe.interval))
         if not self.stop.is_set():
-            log.error("%s: not healthy %.0fs after the restart", self.inst.name, self.inst.probe.startup_timeout)
+            log.error("%s: not healthy %.0fs after the restart", self.name, self.inst.probe.startup_timeout)
             self._change(policy.RECOVERING, "not_recovered")
         return False
 
-    def _recovered(self, now: float, how: str) -> None:
+    async def _recovered(self, now: float, how: str) -> None:
         inc = self.incident
         assert inc is not None
         inc.recovered_at = now
         inc.seconds_to_recovery = round(now - (inc.first_failure_at or inc.detected_at or now), 3)
-        log.warning("%s: recovered (%s) %.1fs after the first failed probe", self.inst.name, how, inc.seconds_to_recovery)
+        log.warning("%s: recovered (%s) %.1fs after the first failed probe", self.name, how, inc.seconds_to_recovery)
         self.shared.journal.record("recovered", inc, how=how)
         self.shared.notifier.fire("recovered", inc.to_dict())
         self.incident = None
+        self.seen_healthy = False
+        await self._first_healthy()
         self._back_to_healthy(last_incident=_incident_summary(inc))
 
     def _give_up(self, now: float) -> None:
@@ -251,17 +365,17 @@ class InstanceWatcher:
         assert inc is not None
         self.guard.give_up(now)
         log.error("%s: GAVE UP: %d restarts within %.0fs; next try after %.0fs or `mlxwatch resume %s`",
-                  self.inst.name, self.inst.restart.budget, self.inst.restart.window, self.inst.restart.cooldown,
-                  self.inst.name)
+                  self.name, self.inst.restart.budget, self.inst.restart.window, self.inst.restart.cooldown,
+                  self.name)
         self.shared.journal.record("gave_up", inc)
         self.shared.notifier.fire("gave_up", inc.to_dict())
         self.detect.state = policy.GAVE_UP
         self._save(last_incident=_incident_summary(inc))  # kept open: a later good probe records recovery
 
     def _resume(self, why: str) -> None:
-        log.warning("%s: %s: restarts allowed again", self.inst.name, why)
+        log.warning("%s: %s: restarts allowed again", self.name, why)
         self.guard.resume()
-        self.shared.journal.note("resumed", instance=self.inst.name, why=why)
+        self.shared.journal.note("resumed", instance=self.name, why=why)
         if self.incident is not None:  # the given-up incident ends here; new failures start a new one
             self.shared.journal.record("closed", self.incident, reason=why)
             self.incident = None
@@ -277,20 +391,26 @@ class InstanceWatcher:
         self.shared.journal.record(event, self.incident, state=state, **extra)
         self._save(last_incident=_incident_summary(self.incident))
 
-    def _refresh_identity(self) -> None:
-        try:
-            self.identity = ProcessIdentity.of(find_server_pid(self.inst.port, self.inst.pid_file))
-        except MlxwatchError as exc:
-            log.debug("%s: no process identity: %s", self.inst.name, exc)
+    def _say(self, note: str | None) -> None:
+        """Log a condition once (a missing log is worth one line, not one per probe)."""
+        if note and note not in self.said:
+            self.said.add(note)
+            log.warning("%s: %s", self.name, note)
 
     def _save(self, **fields: object) -> None:
         now = self.shared.clock()
         self.shared.state.update(
-            self.inst.name, state=self.detect.state, url=self.inst.url, failures=self.detect.failures,
+            self.name, state=self.detect.state, url=self.inst.url, failures=self.detect.failures,
             restarts=self.guard.restarts, restarts_in_window=self.guard.restarts_in_window(now),
             gave_up_at=self.guard.gave_up_at, pid=self.identity.pid if self.identity else None,
+            server=self.identity.to_dict() if self.identity else None,
             incident=self.incident.id if self.incident else None, **fields,
         )
+
+
+def _verdict_text(reports: list[CheckReport], stranger: str | None) -> str:
+    text = f"{len(reports)} failed probe(s), the last: {reports[-1].reason}" if reports else "failed probes"
+    return f"{text}; {stranger}" if stranger else text
 
 
 def _probe_summary(report: CheckReport, at: float) -> dict:

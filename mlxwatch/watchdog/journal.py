@@ -3,8 +3,10 @@
 Each record carries the incident's fields so far, so the last record of an incident is its
 whole story: instance, incident id, first_failure_at, detected_at, kind, bundle, restart
 method and result, recovered_at, seconds_to_recovery. An incident whose last record is not a
-closing event is open: the daemon was killed mid-incident, and the next start and
-``mlxwatch status`` say so.
+closing event is open: either a daemon is working on it, or a daemon stopped mid-incident
+(``interrupted`` when it stopped cleanly; nothing when it was killed). The next start closes
+each such incident with a ``closed`` record saying where it stopped, and ``mlxwatch status``
+says which of the two it is.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from mlxwatch.storage import append_record, private_dir, read_records
 
 JOURNAL_NAME = "incidents.jsonl"
 CLOSING_EVENTS = ("recovered", "gave_up", "closed")
+RECORD_FIELDS = ("ts", "event")  # set by the journal itself, never copied from an older record
 
 
 @dataclass
@@ -31,7 +34,8 @@ class Incident:
     kind: str | None = None
     confidence: str | None = None
     bundle: str | None = None
-    pid: int | None = None
+    pid: int | None = None  # the proven server process (None: none could be proven)
+    stranger: str | None = None  # who held the port instead, if anyone: never acted on
     restart_method: str | None = None
     restarts: list[dict[str, Any]] = field(default_factory=list)  # {at, result, error}
     recovered_at: float | None = None
@@ -53,6 +57,18 @@ class Journal:
     def note(self, event: str, **fields: Any) -> None:
         """A record that belongs to no incident (daemon start, resume requests)."""
         append_record(self.path, {"ts": time.time(), "event": event, **fields})
+
+    def close_left_open(self, rec: dict[str, Any], reason: str) -> dict[str, Any]:
+        """Close an incident a stopped daemon left open, keeping everything it had recorded.
+
+        The old record's own ``reason`` (an ``interrupted`` record has one) is kept as
+        ``stopped_reason``: keyword collisions here once crash-looped every later start."""
+        entry = {k: v for k, v in rec.items() if k not in RECORD_FIELDS}
+        if "reason" in entry:
+            entry["stopped_reason"] = entry.pop("reason")
+        entry.update(ts=time.time(), event="closed", reason=reason, stopped_at_event=rec.get("event"))
+        append_record(self.path, entry)
+        return entry
 
     def records(self) -> list[dict[str, Any]]:
         return read_records(self.path)

@@ -13,8 +13,11 @@ import os
 import signal
 from typing import Any, Sequence
 
+from mlxwatch.capture.commands import close_pipes, communicate_bounded
+
 log = logging.getLogger("mlxwatch.notify")
 NOTIFY_TIMEOUT = 30.0
+STDERR_TAIL = 4096  # only the end of a failing hook's stderr is logged; the rest is read and dropped
 
 
 async def run_notify(argv: Sequence[str], event: str, payload: dict[str, Any], timeout: float = NOTIFY_TIMEOUT) -> bool:
@@ -30,18 +33,19 @@ async def run_notify(argv: Sequence[str], event: str, payload: dict[str, Any], t
         return False
     try:
         async with asyncio.timeout(timeout):
-            _, err = await proc.communicate(data)
+            _, err = await communicate_bounded(proc, STDERR_TAIL, stdin_data=data, tail=True)
     except TimeoutError:
         try:
             os.killpg(proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
         await proc.wait()
+        close_pipes(proc)
         log.warning("notify hook %s timed out after %gs for %s; killed", argv[0], timeout, event)
         return False
     if proc.returncode != 0:
         log.warning("notify hook %s exited %s for %s: %s", argv[0], proc.returncode, event,
-                    err.decode(errors="replace").strip()[-200:])
+                    err.data.decode(errors="replace").strip()[-200:])
         return False
     return True
 

@@ -1,5 +1,7 @@
 """When is a server hung? The per-instance detection policy, as a small pure state machine.
 
+    starting --first good probe--> healthy      (failures while a server process exists and
+                                                  is younger than startup_timeout: no verdict)
     healthy --probe fails--> suspect --`failures` in a row, no progress--> hung
        ^                        |  \\--visible progress: grace, up to grace_ceiling
        |                        v
@@ -14,17 +16,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-HEALTHY, SUSPECT, HUNG, CAPTURING, RESTARTING, RECOVERING, GAVE_UP = (
-    "healthy", "suspect", "hung", "capturing", "restarting", "recovering", "gave_up",
+STARTING, HEALTHY, SUSPECT, HUNG, CAPTURING, RESTARTING, RECOVERING, GAVE_UP = (
+    "starting", "healthy", "suspect", "hung", "capturing", "restarting", "recovering", "gave_up",
 )
-STATES = (HEALTHY, SUSPECT, HUNG, CAPTURING, RESTARTING, RECOVERING, GAVE_UP)
+STATES = (STARTING, HEALTHY, SUSPECT, HUNG, CAPTURING, RESTARTING, RECOVERING, GAVE_UP)
 
 
 @dataclass
 class Detection:
     failures_needed: int
     grace_ceiling: float
-    state: str = HEALTHY
+    state: str = STARTING
     failures: int = 0
     first_failure_at: float | None = None
     graced: list[str] = field(default_factory=list)  # why the verdict was held back, if it was

@@ -1,15 +1,17 @@
-"""Is the server doing legitimate work while our probe waits? Only visible progress counts.
+"""Is the server doing legitimate work while our probe waits? Only work that advanced counts.
 
-Signals, read between two failed probes:
+Read between two failed probes, from the log followed by offset and inode (old lines are
+never read twice, however large the log grows):
 
-- the log's ``Prompt processing progress: X/Y`` lines for prompts other than the probe's own
-  (a long prefill: the probe may be queued behind it);
-- the probe's own keepalives stopping short of ``Y/Y`` (its prompt is still being processed);
-- other clients' ``POST /v1/chat/completions ... 200`` lines (more than our own probes made).
+- ``Prompt processing progress: X/Y`` for a prompt other than the probe's own, with X higher
+  than the last X seen for that prompt: a long prefill advanced, and the probe may be queued
+  behind it;
+- the probe's own keepalives advancing (its own prompt was being processed).
 
-CPU is never a signal: a livelock burns CPU and delivers nothing. mlx-lm logs the POST line
-when a request is admitted, not when it finishes, so a livelock that keeps admitting requests
-can look busy: that is why the grace these signals buy has a ceiling.
+What buys nothing: CPU (a livelock burns CPU and delivers nothing), and ``POST ... 200`` access
+lines, which mlx-lm writes when it *admits* a request, not when it answers: a client retrying
+against a livelocked server would otherwise look like traffic being served. Tokens streamed to
+other clients leave no line in the log; from outside the server they stay invisible here.
 """
 
 from __future__ import annotations
@@ -17,46 +19,73 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from mlxwatch.logfollow import LogFollower
 from mlxwatch.probes import CheckReport
-from mlxwatch.serverlog import completions_ok, progress_lines, read_recent, since_last_start
+from mlxwatch.serverlog import PROGRESS, SERVER_START
+
+
+@dataclass(frozen=True)
+class Progress:
+    """What one observation found: the reasons to hold a verdict (empty: none), and notes."""
+
+    signals: tuple[str, ...] = ()
+    notes: tuple[str, ...] = ()  # log rotated, unreadable, ... (said once, not evidence)
 
 
 @dataclass
 class ProgressTracker:
     log: Path | None
-    _progress_seen: int = 0
-    _posts_seen: int = 0
-    _primed: bool = False
+    follower: LogFollower | None = field(init=False, default=None)
+    last_x: dict[int, int] = field(default_factory=dict)  # prompt total Y -> highest X seen
     probe_totals: set[int] = field(default_factory=set)
 
-    def _read(self) -> tuple[list[tuple[int, int]], int]:
-        text = since_last_start(read_recent(self.log)) if self.log else ""
-        return progress_lines(text), completions_ok(text)
+    def __post_init__(self) -> None:
+        self.follower = LogFollower(self.log) if self.log else None
 
-    def prime(self) -> None:
-        """Remember where the log is now; later calls report only what came after."""
-        progress, posts = self._read()
-        self._progress_seen, self._posts_seen, self._primed = len(progress), posts, True
+    def prime(self) -> str | None:
+        """Start from the log's current end (blocking I/O: call it from a thread)."""
+        self.last_x.clear()
+        return self.follower.prime() if self.follower else None
 
-    def observe(self, reports: list[CheckReport]) -> list[str]:
-        """Progress since the last call, given the probes sent meanwhile. Empty = no progress."""
-        signals = []
-        for report in reports:
-            for k in report.generation.keepalives:
-                self.probe_totals.add(k.total)
-        last = reports[-1].generation.keepalives[-1:] if reports else []
-        if last and last[0].processed < last[0].total:
-            signals.append(f"the probe's own prompt was still being processed ({last[0].processed}/{last[0].total})")
-        progress, posts = self._read()
-        if not self._primed or len(progress) < self._progress_seen or posts < self._posts_seen:
-            self._progress_seen, self._posts_seen = 0, 0  # first look, or the log restarted
-        new_progress = [p for p in progress[self._progress_seen:] if p[1] not in self.probe_totals]
-        ours = sum(1 for r in reports if r.generation.status == 200)
-        others = posts - self._posts_seen - ours
-        self._progress_seen, self._posts_seen, self._primed = len(progress), posts, True
-        if new_progress:
-            x, y = new_progress[-1]
-            signals.append(f"log: prompt processing advanced ({len(new_progress)} progress line(s), now {x}/{y})")
-        if others > 0:
-            signals.append(f"log: {others} other request(s) answered (POST ... 200)")
-        return signals
+    def observe(self, report: CheckReport) -> Progress:
+        """Progress since the previous call, given the failed probe just made (blocking I/O)."""
+        signals, notes = [], []
+        keepalives = report.generation.keepalives
+        for k in keepalives:
+            self.probe_totals.add(k.total)
+        done = [k.processed for k in keepalives]
+        if len(set(done)) > 1 and done[-1] < keepalives[-1].total:
+            signals.append(f"the probe's own prompt was being processed ({done[-1]}/{keepalives[-1].total})")
+        if self.follower is not None:
+            chunk = self.follower.read_new()
+            if chunk.error:
+                notes.append(f"log not followed: {chunk.error}")
+            if chunk.event:
+                notes.append(f"log {chunk.event}: following it from its start")
+                self.last_x.clear()
+            if chunk.skipped_bytes:
+                notes.append(f"log grew by {chunk.skipped_bytes} bytes more than one read takes; read its newest part")
+            advanced = self._advanced(chunk.lines)
+            if advanced:
+                x, y = advanced[-1]
+                signals.append(f"log: prompt processing advanced ({len(advanced)} step(s), now {x}/{y})")
+        return Progress(tuple(signals), tuple(notes))
+
+    def _advanced(self, lines: list[str]) -> list[tuple[int, int]]:
+        out = []
+        for line in lines:
+            if SERVER_START in line:
+                self.last_x.clear()  # a new server process: its prompts start over
+                continue
+            m = PROGRESS.search(line)
+            if not m:
+                continue
+            x, y = int(m.group(1)), int(m.group(2))
+            if y in self.probe_totals:
+                continue
+            if x > self.last_x.get(y, 0):
+                out.append((x, y))
+            self.last_x[y] = x
+        if len(self.last_x) > 1000:  # bounded memory over weeks of distinct prompts
+            self.last_x = dict(list(self.last_x.items())[-100:])
+        return out

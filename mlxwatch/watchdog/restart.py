@@ -1,9 +1,11 @@
 """Restart methods: launchd, systemd, a custom command, a signal, or none.
 
 Commands are argv lists, never a shell string. ``{name}``, ``{pid}``, ``{url}`` and
-``{bundle}`` are substituted inside each argument. ``signal`` re-checks the process identity
-(same PID, same create time, still listening on the port) before every signal it sends:
-a reused PID is never signalled.
+``{bundle}`` are substituted inside each argument; ``{pid}`` is the proven server process
+or empty, never a guess. ``signal`` re-checks the process identity (same PID, same create
+time) before every signal it sends, and continues a stopped process first (SIGTERM stays
+pending on a SIGSTOPped one). A restart that found no process to restart says so: it is
+recorded as ``nothing_to_restart``, not ``ok``.
 """
 
 from __future__ import annotations
@@ -19,12 +21,21 @@ from mlxwatch.errors import RestartError
 from mlxwatch.process import ProcessIdentity
 
 
+OK, NOTHING_TO_RESTART = "ok", "nothing_to_restart"
+
+
+@dataclass(frozen=True)
+class RestartOutcome:
+    result: str  # ok | nothing_to_restart (a failure raises RestartError)
+    detail: str
+
+
 @dataclass
 class RestartContext:
     """What a restart may refer to."""
 
     instance: InstanceConfig
-    identity: ProcessIdentity | None
+    identity: ProcessIdentity | None  # proven to be the server (see mlxwatch.process), or None
     bundle: str | None
 
 
@@ -63,11 +74,11 @@ def describe(cfg: RestartConfig) -> str:
     return "none"
 
 
-async def restart(ctx: RestartContext, runner: Runner = run_command) -> str:
-    """Restart the instance; return a one-line result. Raises RestartError on failure."""
+async def restart(ctx: RestartContext, runner: Runner = run_command) -> RestartOutcome:
+    """Restart the instance. Raises RestartError when the method failed."""
     cfg = ctx.instance.restart
     if cfg.method == "none":
-        return "no restart configured (capture and notify only)"
+        return RestartOutcome(NOTHING_TO_RESTART, "no restart configured (capture and notify only)")
     if cfg.method == "signal":
         return await _signal(ctx, cfg)
     argv = {"launchd": lambda: launchd_command(cfg), "systemd": lambda: systemd_command(cfg),
@@ -75,25 +86,24 @@ async def restart(ctx: RestartContext, runner: Runner = run_command) -> str:
     result = await runner(argv, cfg.timeout)
     if not result.ok:
         raise RestartError(f"{argv[0]}: {result.error}")
-    return f"ran {' '.join(argv)}"
+    return RestartOutcome(OK, f"ran {' '.join(argv)}")
 
 
-async def _signal(ctx: RestartContext, cfg: RestartConfig) -> str:
-    ident, port = ctx.identity, ctx.instance.port
+async def _signal(ctx: RestartContext, cfg: RestartConfig) -> RestartOutcome:
+    ident = ctx.identity
     if ident is None:
-        raise RestartError("no process identity recorded: refusing to signal an unknown PID")
-    if not ident.still_ours(port):
-        if not ident.alive():
-            return f"process {ident.pid} already gone; its supervisor restarts it"
-        raise RestartError(f"PID {ident.pid} is no longer the server on port {port}: not signalling it")
+        return RestartOutcome(NOTHING_TO_RESTART, "no proven server process to signal")
+    if not await asyncio.to_thread(ident.alive):
+        return RestartOutcome(NOTHING_TO_RESTART, f"process {ident.pid} already gone; nothing to signal")
+    os.kill(ident.pid, signals.SIGCONT)  # a stopped process would keep SIGTERM pending forever
     os.kill(ident.pid, getattr(signals, cfg.signal_name))
     loop = asyncio.get_running_loop()
     deadline = loop.time() + cfg.grace
     while loop.time() < deadline:
-        if not ident.alive():
-            return f"sent {cfg.signal_name} to {ident.pid}; it exited"
+        if not await asyncio.to_thread(ident.alive):
+            return RestartOutcome(OK, f"sent {cfg.signal_name} to {ident.pid}; it exited")
         await asyncio.sleep(0.2)
-    if ident.alive():  # same PID and create time: still our process, so SIGKILL is safe
+    if await asyncio.to_thread(ident.alive):  # same PID and create time: still our process, so SIGKILL is safe
         os.kill(ident.pid, signals.SIGKILL)
-        return f"sent {cfg.signal_name} to {ident.pid}; still running after {cfg.grace:g}s, sent SIGKILL"
-    return f"sent {cfg.signal_name} to {ident.pid}; it exited"
+        return RestartOutcome(OK, f"sent {cfg.signal_name} to {ident.pid}; still running after {cfg.grace:g}s, sent SIGKILL")
+    return RestartOutcome(OK, f"sent {cfg.signal_name} to {ident.pid}; it exited")

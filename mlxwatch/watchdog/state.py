@@ -1,51 +1,142 @@
-"""The daemon's small state file (``<state_dir>/state.json``), rewritten atomically.
+"""The daemon's state file (``<state_dir>/state.json``): tracked in memory, written on change.
 
 ``mlxwatch status`` reads it whether or not the daemon runs; the daemon reloads each instance's
-restart history from it at start, so restarting the daemon does not reset the restart budget.
-Resume requests are files ``<state_dir>/resume/<instance>`` so they work without IPC.
+restart history, gave-up time and recorded server identity from it at start, so restarting the
+daemon does not reset the restart budget. Watchers change the in-memory copy only; one writer
+task (``StateFile.run_writer``) writes it atomically, off the event loop, at most every
+``min_gap`` seconds and only when something changed, so the cost does not grow with the number
+of probes. A write that fails (a full disk) is logged once and retried; it never stops a watcher.
+
+If ``state.json`` cannot be read, the restart history and gave-up times are rebuilt from the
+journal, with a warning: a budget is never silently reset. Resume requests are files
+``<state_dir>/resume/<instance>`` so they work without IPC.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 import os
+import stat
 import time
 from pathlib import Path
 from typing import Any
 
-from mlxwatch.storage import private_dir, replace_atomically
+from mlxwatch.errors import StateError
+from mlxwatch.storage import private_dir, read_records, replace_atomically
+
+log = logging.getLogger("mlxwatch.watchdog")
 
 STATE_NAME = "state.json"
+MAX_STATE_BYTES = 64 * 1024 * 1024
 
 
 class StateFile:
-    def __init__(self, state_dir: Path) -> None:
+    def __init__(self, state_dir: Path, journal_path: Path | None = None) -> None:
         self.dir = private_dir(state_dir)
         self.path = state_dir / STATE_NAME
-        self.data: dict[str, Any] = self.read(state_dir)
-        self.data.setdefault("instances", {})
-
-    @staticmethod
-    def read(state_dir: Path) -> dict[str, Any]:
-        try:
-            return json.loads((state_dir / STATE_NAME).read_text())
-        except (OSError, ValueError):
-            return {"instances": {}}
+        self.data, self.problem = load_state(state_dir)
+        if self.problem is not None and journal_path is not None:
+            self.data = rebuild_from_journal(journal_path)
+            log.warning("%s %s; restart history and gave-up times rebuilt from the journal (%d instance(s))",
+                        self.path, self.problem, len(self.data["instances"]))
+        self.dirty = asyncio.Event()
+        self.writes = 0  # how many times the file was written (tests and bench read it)
+        self.write_error: str | None = None
 
     def set_daemon(self, **fields: Any) -> None:
         self.data["daemon"] = {**self.data.get("daemon", {}), **fields, "updated_at": time.time()}
-        self.flush()
+        self.dirty.set()
 
     def instance(self, name: str) -> dict[str, Any]:
         return self.data["instances"].setdefault(name, {})
 
-    def update(self, name: str, **fields: Any) -> None:
+    def update(self, name: str, *, quiet: bool = False, **fields: Any) -> None:
+        """Change an instance's record; ``quiet`` changes (probe times) ride on the next write."""
         self.instance(name).update(fields, updated_at=time.time())
-        self.data.setdefault("daemon", {})["updated_at"] = time.time()
-        self.flush()
+        if not quiet:
+            self.dirty.set()
 
     def flush(self) -> None:
-        replace_atomically(self.path, json.dumps(self.data, indent=2, sort_keys=True, default=str).encode())
+        """Write now (blocking; the writer task calls it from a thread, shutdown calls it last)."""
+        data = json.dumps(self.data, indent=1, sort_keys=True, default=str).encode()
+        replace_atomically(self.path, data)
+        self.writes += 1
+
+    async def run_writer(self, min_gap: float = 0.5) -> None:
+        """Write whenever something changed, coalescing changes within ``min_gap``."""
+        while True:
+            await self.dirty.wait()
+            await asyncio.sleep(min_gap)
+            self.dirty.clear()
+            try:
+                await asyncio.to_thread(self.flush)
+                if self.write_error is not None:
+                    log.warning("state file written again after: %s", self.write_error)
+                    self.write_error = None
+            except OSError as exc:
+                if self.write_error is None:
+                    log.error("cannot write %s: %s; will retry", self.path, exc.strerror or exc)
+                self.write_error = str(exc)
+                self.dirty.set()
+                await asyncio.sleep(5.0)
+
+
+def load_state(state_dir: Path) -> tuple[dict[str, Any], str | None]:
+    """The state as saved, and what was wrong with it (None: read fine, or none saved yet).
+
+    Raises ``StateError`` when ``state.json`` is something that cannot be replaced by a file.
+    """
+    path = state_dir / STATE_NAME
+    empty: dict[str, Any] = {"instances": {}}
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return empty, None
+    except OSError as exc:
+        raise StateError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    if stat.S_ISDIR(st.st_mode):
+        raise StateError(f"{path} is a directory, not the state file: move it away")
+    if not stat.S_ISREG(st.st_mode):
+        raise StateError(f"{path} is not a regular file: move it away")
+    if st.st_size > MAX_STATE_BYTES:
+        return empty, f"is larger than {MAX_STATE_BYTES} bytes"
+    try:
+        data = json.loads(path.read_bytes().decode("utf-8"))
+    except (OSError, ValueError) as exc:
+        return empty, f"is unreadable ({type(exc).__name__})"
+    if not isinstance(data, dict) or not isinstance(data.get("instances", {}), dict):
+        return empty, "does not hold a state object"
+    data.setdefault("instances", {})
+    for name, record in list(data["instances"].items()):
+        if not isinstance(record, dict):
+            return empty, f"holds a malformed record for {name!r}"
+    return data, None
+
+
+def rebuild_from_journal(journal_path: Path) -> dict[str, Any]:
+    """Restart times and gave-up times per instance, from the incident records."""
+    instances: dict[str, dict[str, Any]] = {}
+    for rec in read_records(journal_path):
+        name = rec.get("instance")
+        if not isinstance(name, str):
+            continue
+        inst = instances.setdefault(name, {"restarts": [], "gave_up_at": None})
+        for restart in rec.get("restarts") or []:
+            at = restart.get("at") if isinstance(restart, dict) else None
+            if isinstance(at, (int, float)) and at not in inst["restarts"]:
+                inst["restarts"].append(float(at))
+        event = rec.get("event")
+        if event == "gave_up":
+            inst["gave_up_at"] = rec.get("ts")
+        elif event in ("resumed", "recovered"):
+            inst["gave_up_at"] = None
+            if event == "resumed":
+                inst["restarts"] = []
+    for inst in instances.values():
+        inst["restarts"].sort()
+    return {"instances": instances, "rebuilt_from_journal": True}
 
 
 def resume_dir(state_dir: Path) -> Path:

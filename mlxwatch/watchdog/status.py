@@ -1,4 +1,10 @@
-"""``mlxwatch status``: the daemon's state file and the journal, daemon running or not."""
+"""``mlxwatch status``: the daemon's state file and the journal, daemon running or not.
+
+Whether a daemon runs is read from the state dir's lock (held while it runs, dropped by the
+kernel however it dies), not guessed from a PID that may have been reused; a running daemon
+whose heartbeat is old is reported as stalled. An open incident is "in progress" while a daemon
+runs, and "left open" (closed at the next start) when none does.
+"""
 
 from __future__ import annotations
 
@@ -6,22 +12,26 @@ import time
 from pathlib import Path
 from typing import Any
 
-import psutil
 from rich.console import Console
 from rich.table import Table
 
 from mlxwatch.config import Config
 from mlxwatch.durations import format_duration
 from mlxwatch.watchdog.journal import Journal
-from mlxwatch.watchdog.state import StateFile
+from mlxwatch.watchdog.lock import lock_holder
+from mlxwatch.watchdog.state import load_state
+
+STALLED_AFTER = 120.0  # seconds without a daemon heartbeat (written every 30 s) before "stalled"
 
 
 def collect_status(config: Config, state_dir: Path) -> dict[str, Any]:
-    state = StateFile.read(state_dir)
+    state, problem = load_state(state_dir)
     journal = Journal(state_dir)
-    daemon = state.get("daemon", {})
-    pid = daemon.get("pid")
-    running = bool(daemon.get("running") and pid and psutil.pid_exists(pid))
+    daemon = state.get("daemon", {}) if isinstance(state.get("daemon"), dict) else {}
+    holder = lock_holder(state_dir)
+    running = holder is not None
+    tick = daemon.get("last_tick")
+    stalled = running and isinstance(tick, (int, float)) and time.time() - tick > STALLED_AFTER
     latest = journal.latest_by_instance()
     open_incidents = {r["instance"]: r for r in journal.open_incidents()}
     names = [i.name for i in config.instances] + [n for n in state.get("instances", {}) if n not in {i.name for i in config.instances}]
@@ -40,7 +50,10 @@ def collect_status(config: Config, state_dir: Path) -> dict[str, Any]:
             "open_incident": open_incidents.get(name) and {"id": open_incidents[name]["id"],
                                                            "stopped_at_event": open_incidents[name]["event"]},
         })
-    return {"state_dir": str(state_dir), "daemon": {**daemon, "running": running}, "instances": instances}
+    return {"state_dir": str(state_dir), "state_problem": problem,
+            "daemon": {**daemon, "running": running, "pid": holder if running and holder > 0 else daemon.get("pid"),
+                       "stalled": stalled},
+            "instances": instances}
 
 
 def _restarts_in_window(s: dict, config: Config, name: str) -> int:
@@ -50,8 +63,12 @@ def _restarts_in_window(s: dict, config: Config, name: str) -> int:
 
 def render_status(status: dict[str, Any], console: Console) -> None:
     d = status["daemon"]
-    if d["running"]:
-        console.print(f"daemon running (PID {d['pid']}), state in {status['state_dir']}")
+    if d["running"] and d.get("stalled"):
+        console.print(f"[red]daemon running (PID {d['pid']}) but stalled[/]: no heartbeat for "
+                      f"{_ago(d.get('last_tick'))}; state in {status['state_dir']}")
+    elif d["running"]:
+        errors = f", {d['watcher_errors']} watcher error(s)" if d.get("watcher_errors") else ""
+        console.print(f"daemon running (PID {d['pid']}{errors}), state in {status['state_dir']}")
     elif d.get("updated_at"):
         console.print(f"[yellow]daemon not running[/] (last update {_ago(d['updated_at'])}); state in {status['state_dir']}")
     else:
@@ -78,8 +95,13 @@ def render_status(status: dict[str, Any], console: Console) -> None:
     for i in status["instances"]:
         if i["open_incident"]:
             o = i["open_incident"]
-            console.print(f"[red]{i['name']}: incident {o['id']} open: daemon stopped at {o['stopped_at_event']}[/]"
-                          + (" (the daemon will close it when it starts)" if not d["running"] else ""))
+            if d["running"]:
+                console.print(f"[red]{i['name']}: incident {o['id']} in progress: {o['stopped_at_event']}[/]")
+            else:
+                console.print(f"[red]{i['name']}: incident {o['id']} open: daemon stopped at {o['stopped_at_event']}[/]"
+                              " (the daemon will close it when it starts)")
+    if status.get("state_problem"):
+        console.print(f"[yellow]state file {status['state_problem']}; the daemon rebuilds it from the journal[/]")
 
 
 def _ago(ts: float | None) -> str:
