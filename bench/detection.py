@@ -68,7 +68,7 @@ async def mlxwatch_detection(server: LabServer, fault: str, state_dir: Path) -> 
     task = asyncio.create_task(daemon.run(stop))
     journal = Journal(state_dir)
     try:
-        while not (daemon.state.instance("bench").get("last_probe") or {}).get("ok"):
+        while not (daemon.instance_state("bench").get("last_probe") or {}).get("ok"):
             await asyncio.sleep(0.05)
         await asyncio.sleep(random.uniform(0, MLXWATCH.interval))
         switch_at = time.time()

@@ -97,7 +97,7 @@ def _state(daemon: Daemon) -> str | None:
 
 
 def _last_ok(daemon: Daemon) -> bool:
-    probe = daemon.state.instance("demo").get("last_probe") or {}
+    probe = daemon.instance_state("demo").get("last_probe") or {}
     return bool(probe.get("ok"))
 
 

@@ -175,6 +175,8 @@ async def test_a_wedged_instance_does_not_delay_another(lab, tmp_path):
     daemon = Daemon(config, tmp_path)
     task = asyncio.create_task(daemon.run(stop))
     try:
+        while not hasattr(daemon, "state"):
+            await asyncio.sleep(0.05)
         seen = set()
         deadline = time.monotonic() + 15
         while time.monotonic() < deadline:

@@ -65,6 +65,11 @@ class Daemon:
         self.watcher_errors = 0
         self._errors_logged: set[str] = set()
 
+    def instance_state(self, name: str) -> dict:
+        """An instance's tracked state ({} until the daemon has started): for demos and tests."""
+        state = getattr(self, "state", None)
+        return dict(state.data["instances"].get(name, {})) if state is not None else {}
+
     # --- start and stop
 
     async def run(self, stop: asyncio.Event, reload: asyncio.Event | None = None,

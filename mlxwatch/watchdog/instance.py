@@ -110,6 +110,9 @@ class InstanceWatcher:
     async def run(self) -> None:
         """Watch until ``stop`` is set. The daemon's supervisor calls this again after a crash."""
         self._after_crash()
+        if not self.seen_healthy and self.identity is not None:
+            # The process an earlier run saw healthy is still running: it is not loading.
+            self.seen_healthy = await asyncio.to_thread(self.identity.alive)
         async with self.shared.make_client() as client:
             self.client = client
             try:
