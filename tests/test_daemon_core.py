@@ -442,3 +442,20 @@ def test_restart_failure_is_raised_not_recorded_as_ok():
     inst = InstanceConfig("x", "http://127.0.0.1:1", restart=RestartConfig("command", argv=("false",)))
     with pytest.raises(RestartError):
         asyncio.run(restart(RestartContext(inst, None, None)))
+
+
+async def test_a_restart_left_running_by_a_killed_daemon_gets_its_startup_time(tmp_path):
+    """A daemon killed while its restart hook ran: the next start closes the incident and gives
+    the hook's server `startup_timeout` to appear, instead of a `crashed` verdict (and a second
+    restart racing the first) while nothing listens yet."""
+    url = f"http://127.0.0.1:{free_port()}"
+    cfg = config(tmp_path / "state", url, RestartConfig("command", argv=("true",)))
+    async with Running(cfg, restart_fn=never) as run:
+        await run.until(lambda: "restarting" in run.events())
+    async with Running(cfg) as again:
+        await again.until(lambda: "closed" in again.events())
+        await asyncio.sleep(1.5)  # several refused probes: nothing listens yet
+        assert again.daemon.watchers["gone"].detect.state == "starting"
+        assert "verdict" not in again.events()[again.events().index("closed"):]
+    async with Running(cfg) as later:  # no restart left running this time: an ordinary crashed verdict
+        await later.until(lambda: later.events().count("verdict") >= 2)

@@ -85,7 +85,7 @@ class Daemon:
         self.journal = Journal(self.state_dir)
         self.state = StateFile(self.state_dir, self.journal.path)
         self.journal.note("daemon_start", pid=os.getpid(), instances=[i.name for i in self.config.instances])
-        self.close_left_open()
+        left_open = self.close_left_open()
         bundles = bundles_dir_for(self.config, self.state_dir)
         for path in await asyncio.to_thread(adopt_partials, bundles):
             log.warning("kept an unfinished bundle from an interrupted capture: %s", path)
@@ -98,6 +98,8 @@ class Daemon:
         writer = asyncio.create_task(self.state.run_writer(), name="state-writer")
         for inst in self.config.instances:
             self._start(inst)
+        for rec in left_open:
+            self._resume_restart_in_flight(rec)
         log.info("watching %d instance(s): %s", len(self.tasks), ", ".join(self.tasks) or "none")
         try:
             while not stop.is_set():
@@ -122,6 +124,14 @@ class Daemon:
                         rec["instance"], rec["id"], how, rec.get("state") or rec["event"], rec.get("bundle") or "none")
             self.journal.close_left_open(rec, reason=f"daemon {how} mid-incident at '{rec.get('state') or rec['event']}'")
         return left
+
+    def _resume_restart_in_flight(self, rec: dict) -> None:
+        """A daemon stopped while a restart ran: its hook may still be bringing the server up,
+        so the watcher gives it ``startup_timeout`` even before a process appears."""
+        watcher = self.watchers.get(rec.get("instance"))
+        at = rec.get("ts")  # the restart was running at this record (its own time is journaled only once it ends)
+        if watcher is not None and rec.get("state") in ("restarting", "recovering") and isinstance(at, (int, float)):
+            watcher.restarted_at, watcher.restart_in_flight = float(at), True
 
     async def _shutdown(self, writer: asyncio.Task) -> None:
         for watcher in self.watchers.values():

@@ -75,6 +75,7 @@ class InstanceWatcher:
     failed_reports: list[CheckReport] = field(default_factory=list)
     seen_healthy: bool = False  # since the daemon started or the last restart
     restarted_at: float | None = None
+    restart_in_flight: bool = False  # a stopped daemon left a restart running: its hook may still be at work
     lingering: asyncio.Task | None = None  # the last failed probe's stream, still being read
     client: httpx.AsyncClient | None = None
     said: set[str] = field(default_factory=set)  # notes already logged once
@@ -206,6 +207,9 @@ class InstanceWatcher:
             self._say(f"{found.stranger}: not this instance's server; it will not be touched")
         proc = found.identity or found.loading
         if proc is None:
+            if self.restart_in_flight and now - (self.restarted_at or 0.0) < self.inst.probe.startup_timeout:
+                log.info("%s: starting: the restart a stopped daemon left running may still be at work", self.name)
+                return True
             return False
         since = max(proc.create_time, self.restarted_at or 0.0)
         if now - since >= self.inst.probe.startup_timeout:
@@ -229,7 +233,7 @@ class InstanceWatcher:
 
     async def _first_healthy(self) -> None:
         """Record which process serves this instance: looked up once, here, not per probe."""
-        self.seen_healthy = True
+        self.seen_healthy, self.restart_in_flight = True, False
         if self.identity is not None and await asyncio.to_thread(self.identity.still_ours, self.inst.url):
             return
         found = await asyncio.to_thread(self.shared.lookup_fn, self.inst.url, self.inst.pid_file)
