@@ -3,6 +3,7 @@
 - ``write_new``: create a file that must not exist yet (never overwrite), fsync it.
 - ``replace_atomically``: write a temp file beside the target, fsync, rename over it.
 - ``append_record``: one JSON line appended and fsynced (the incident journal).
+- ``read_records`` / ``read_records_from``: the journal's whole records, all or from an offset.
 - ``private_dir``: a directory only the owner can read (bundles and logs hold private prompts).
 """
 
@@ -36,13 +37,17 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
 def _write_synced(path: Path, flags: int, data: bytes) -> None:
     """Open with ``flags``, write all of ``data``, fsync, close: the one way files are written."""
     fd = os.open(path, os.O_WRONLY | flags, FILE_MODE)
     try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view):]
+        _write_all(fd, data)
         os.fsync(fd)
     finally:
         os.close(fd)
@@ -54,31 +59,106 @@ def write_new(path: Path, data: bytes) -> None:
 
 
 def replace_atomically(path: Path, data: bytes) -> None:
-    """Readers see the old content or the new, never a torn file."""
+    """Readers see the old content or the new, never a torn file; a failed write leaves no temp."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    _write_synced(tmp, os.O_CREAT | os.O_TRUNC, data)
-    os.replace(tmp, path)
+    try:
+        _write_synced(tmp, os.O_CREAT | os.O_TRUNC, data)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
     fsync_dir(path.parent)
 
 
 def append_record(path: Path, record: dict[str, Any]) -> None:
-    """Append one JSON line and fsync: after a crash the journal ends at a whole record."""
+    """Append one JSON line and fsync: after a crash the journal ends at a whole record.
+
+    If an earlier append was torn (no final newline), a newline goes first, so the torn line
+    stays alone and this record is not glued to it.
+    """
     line = (json.dumps(record, sort_keys=True, default=str) + "\n").encode()
-    _write_synced(path, os.O_CREAT | os.O_APPEND, line)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND, FILE_MODE)
+    try:
+        size = os.fstat(fd).st_size
+        if size and os.pread(fd, 1, size - 1) != b"\n":
+            line = b"\n" + line
+        _write_all(fd, line)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+MAX_LINE = 1024 * 1024  # longer journal lines are garbage: only their tail is kept, to recover a record
+_RECOVERY_TRIES = 256
 
 
 def read_records(path: Path) -> list[dict[str, Any]]:
-    """Every whole JSON line of ``path``; a torn last line (killed mid-write) is skipped."""
+    """Every whole JSON record of ``path``; torn or garbage lines are skipped (see read_records_from)."""
+    return read_records_from(path)[0]
+
+
+def read_records_from(path: Path, start: int = 0) -> tuple[list[dict[str, Any]], int]:
+    """The records from byte ``start`` on, and the offset to pass next time to follow the file.
+
+    Reading resynchronises at each newline, so a torn or garbage line (killed mid-write, bytes
+    that are not UTF-8) costs only itself; a whole record glued after a torn line on the same
+    line is recovered. An unterminated last line that is not a whole record is not consumed:
+    the returned offset stays at its start, so a follower reads it again once it is complete.
+    """
+    records: list[dict[str, Any]] = []
     try:
-        text = path.read_text(encoding="utf-8")
+        fh = open(path, "rb")
     except FileNotFoundError:
-        return []
-    records = []
-    for line in text.splitlines():
-        try:
-            value = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(value, dict):
-            records.append(value)
-    return records
+        return records, start
+    with fh:
+        fh.seek(start)
+        offset = start
+        while line := fh.readline(MAX_LINE):
+            length = len(line)
+            if len(line) == MAX_LINE and not line.endswith(b"\n"):
+                while more := fh.readline(MAX_LINE):  # oversized: keep its tail, skip to the newline
+                    length += len(more)
+                    line = (line + more)[-MAX_LINE:]
+                    if more.endswith(b"\n"):
+                        break
+            record = _parse_line(line)
+            if record is None and not line.endswith(b"\n"):
+                break  # unterminated, maybe still being written
+            if record is not None:
+                records.append(record)
+            offset += length
+    return records, offset
+
+
+def _parse_line(line: bytes) -> dict[str, Any] | None:
+    """The record on ``line``, or the whole record that ends it after torn bytes, or None.
+
+    An object right after ``[``, ``,`` or ``:`` is not taken: it is a nested value of a torn
+    record (a record glued there is lost instead), and ``{}`` can be text inside a string.
+    """
+    text = line.decode("utf-8", "replace").strip()
+    if not text:
+        return None
+    try:
+        value = json.loads(text)
+    except ValueError:
+        value = None
+        decoder = json.JSONDecoder()
+        pos = text.rfind("{", 1)
+        for _ in range(_RECOVERY_TRIES):  # from the right: the first parse reaching the end is the record
+            if pos < 1:
+                break
+            if text[:pos].rstrip()[-1:] not in ("[", ",", ":"):
+                try:
+                    candidate, end = decoder.raw_decode(text, pos)
+                except ValueError:
+                    pass
+                else:
+                    if end == len(text) and isinstance(candidate, dict) and candidate:
+                        value = candidate
+                        break
+            pos = text.rfind("{", 1, pos)
+    return value if isinstance(value, dict) else None

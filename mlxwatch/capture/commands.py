@@ -2,7 +2,9 @@
 
 A diagnostic tool must never hang the capture: py-spy on macOS can block on a suspended target
 (py-spy #390), so on timeout the tool gets SIGTERM, then SIGKILL, and the step is recorded as
-timed out. Output is bounded. The runner is injectable so tests can check command construction.
+timed out. Output is bounded while it is read (a tool or hook spewing gigabytes must not grow the
+daemon), and the excess is drained so the child never blocks on a full pipe. The runner is
+injectable so tests can check command construction.
 """
 
 from __future__ import annotations
@@ -11,22 +13,28 @@ import asyncio
 import os
 import signal
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Awaitable, Callable, Sequence
 
 MAX_OUTPUT = 8 * 1024 * 1024
+_CHUNK = 64 * 1024
 
 
 @dataclass
 class CommandResult:
-    """What one tool run produced. ``error`` is set when it did not run to a clean exit 0."""
+    """What one tool run produced. ``error`` is set when it did not run to a clean exit 0.
+
+    ``truncated``: stdout or stderr was longer than MAX_OUTPUT; only its first MAX_OUTPUT bytes
+    are kept.
+    """
 
     argv: list[str]
     returncode: int | None
-    stdout: bytes
-    stderr: bytes
+    stdout: bytes = field(repr=False)  # megabytes: a repr (a log line, a task repr) must not copy them x4
+    stderr: bytes = field(repr=False)
     duration: float
     error: str | None = None
+    truncated: bool = False
 
     @property
     def ok(self) -> bool:
@@ -51,19 +59,81 @@ async def run_command(argv: Sequence[str], timeout: float) -> CommandResult:
         return CommandResult(argv, None, b"", b"", 0.0, f"{argv[0]}: {exc.strerror or exc}")
     try:
         async with asyncio.timeout(timeout):
-            stdout, stderr = await proc.communicate()
+            stdout, stderr = await communicate_bounded(proc, MAX_OUTPUT)
     except TimeoutError:
-        await _end(proc)
+        await end_process(proc)
         return CommandResult(argv, proc.returncode, b"", b"", time.monotonic() - started,
                              f"timed out after {timeout:g}s (ended with SIGTERM/SIGKILL)")
     except asyncio.CancelledError:
-        await _end(proc)
+        await end_process(proc)
         raise
-    result = CommandResult(argv, proc.returncode, stdout[:MAX_OUTPUT], stderr[:MAX_OUTPUT],
-                           time.monotonic() - started)
+    truncated = stdout.truncated or stderr.truncated
+    result = CommandResult(argv, proc.returncode, stdout.data, stderr.data,
+                           time.monotonic() - started, truncated=truncated)
     if proc.returncode != 0:
-        result.error = f"exit {proc.returncode}: {error_line(stderr or stdout)}"
+        result.error = f"exit {proc.returncode}: {error_line(stderr.data or stdout.data)}"
+        if truncated:
+            result.error += f" (output truncated at {MAX_OUTPUT} bytes)"
     return result
+
+
+@dataclass
+class Bounded:
+    """At most a cap of what a stream carried; ``total`` is how much it carried in all."""
+
+    data: bytes = b""
+    total: int = 0
+
+    @property
+    def truncated(self) -> bool:
+        return self.total > len(self.data)
+
+
+async def read_bounded(stream: asyncio.StreamReader | None, cap: int, *, tail: bool = False) -> Bounded:
+    """Read ``stream`` to EOF keeping only its first ``cap`` bytes (its last with ``tail``).
+
+    The rest is read and dropped rather than left in the pipe: a writer blocked on a full pipe
+    would never exit.
+    """
+    if stream is None:
+        return Bounded()
+    buf = bytearray()
+    total = 0
+    while chunk := await stream.read(_CHUNK):
+        total += len(chunk)
+        if tail:
+            buf += chunk
+            if len(buf) > cap:
+                del buf[:len(buf) - cap]
+        elif len(buf) < cap:
+            buf += chunk[:cap - len(buf)]
+    return Bounded(bytes(buf), total)
+
+
+async def communicate_bounded(proc: asyncio.subprocess.Process, cap: int, *, stdin_data: bytes = b"",
+                              tail: bool = False) -> tuple[Bounded, Bounded]:
+    """``proc.communicate(stdin_data)`` keeping at most ``cap`` bytes per stream (see read_bounded).
+
+    Both pipes are read at once, as communicate does, so a child filling one while we wait on
+    the other cannot deadlock. Cancelling it cancels the reads; ending the process is the
+    caller's job.
+    """
+    async def feed() -> None:
+        if proc.stdin is None:
+            return
+        try:
+            if stdin_data:
+                proc.stdin.write(stdin_data)
+                await proc.stdin.drain()
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # the child exited or closed stdin without reading it all: as communicate does
+        finally:
+            proc.stdin.close()
+
+    _, out, err = await asyncio.gather(feed(), read_bounded(proc.stdout, cap, tail=tail),
+                                       read_bounded(proc.stderr, cap, tail=tail))
+    await proc.wait()
+    return out, err
 
 
 def error_line(output: bytes) -> str:
@@ -75,17 +145,39 @@ def error_line(output: bytes) -> str:
     return lines[0] if lines else "no output"
 
 
-async def _end(proc: asyncio.subprocess.Process) -> None:
-    """SIGTERM the tool (its whole session), then SIGKILL if it does not go within 2 s."""
-    for sig, wait in ((signal.SIGTERM, 2.0), (signal.SIGKILL, 5.0)):
-        if proc.returncode is not None:
-            return
-        try:
-            os.killpg(proc.pid, sig)  # the tool's own session: started above with start_new_session
-        except ProcessLookupError:
-            return
-        try:
-            async with asyncio.timeout(wait):
-                await proc.wait()
-        except TimeoutError:
-            continue
+TERM_THEN_KILL = ((signal.SIGTERM, 2.0), (signal.SIGKILL, 5.0))
+
+
+async def end_process(proc: asyncio.subprocess.Process,
+                      steps: Sequence[tuple[int, float]] = TERM_THEN_KILL) -> None:
+    """Signal the child's whole session with each (signal, grace) step until it has exited.
+
+    Its output is drained meanwhile: ``wait()`` only returns once the pipes close, and a
+    child killed with output still unread would otherwise never get there. The pipes are
+    closed at the end, whatever holds them.
+    """
+    drain = asyncio.gather(read_bounded(proc.stdout, 0), read_bounded(proc.stderr, 0))
+    try:
+        for sig, wait in steps:
+            if proc.returncode is not None:
+                break
+            try:
+                os.killpg(proc.pid, sig)  # the child's own session: started with start_new_session
+            except ProcessLookupError:
+                break
+            try:
+                async with asyncio.timeout(wait):
+                    await proc.wait()
+            except TimeoutError:
+                continue
+    finally:
+        drain.cancel()
+        _close_pipes(proc)
+
+
+def _close_pipes(proc: asyncio.subprocess.Process) -> None:
+    """Close the pipes now rather than when the garbage collector finds them (a grandchild
+    that escaped the session may hold them open for good)."""
+    transport = getattr(proc, "_transport", None)  # asyncio's Process has no public close
+    if transport is not None:
+        transport.close()

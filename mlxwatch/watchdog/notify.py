@@ -9,11 +9,10 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
 import signal
 from typing import Any, Sequence
 
-from mlxwatch.capture.commands import close_pipes, communicate_bounded
+from mlxwatch.capture.commands import communicate_bounded, end_process
 
 log = logging.getLogger("mlxwatch.notify")
 NOTIFY_TIMEOUT = 30.0
@@ -35,12 +34,7 @@ async def run_notify(argv: Sequence[str], event: str, payload: dict[str, Any], t
         async with asyncio.timeout(timeout):
             _, err = await communicate_bounded(proc, STDERR_TAIL, stdin_data=data, tail=True)
     except TimeoutError:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        await proc.wait()
-        close_pipes(proc)
+        await end_process(proc, ((signal.SIGKILL, 5.0),))
         log.warning("notify hook %s timed out after %gs for %s; killed", argv[0], timeout, event)
         return False
     if proc.returncode != 0:

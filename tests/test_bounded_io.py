@@ -1,0 +1,258 @@
+"""Bounded tool/hook output and a journal that survives torn writes, garbage and a full disk (issue 11)."""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import gc
+import json
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from mlxwatch import storage
+from mlxwatch.capture.commands import MAX_OUTPUT, run_command
+from mlxwatch.storage import append_record, read_records, read_records_from, replace_atomically
+from mlxwatch.watchdog.notify import STDERR_TAIL, run_notify
+
+MB = 1024 * 1024
+
+# Run in a fresh interpreter so ru_maxrss measures only this: 500 MB through each pipe.
+_SPEW_SCRIPT = textwrap.dedent('''
+    import asyncio, json, logging, resource, sys
+    from mlxwatch.capture.commands import MAX_OUTPUT, run_command
+    from mlxwatch.watchdog.notify import run_notify
+
+    BLOCK = bytes(range(256)) * 4096  # 1 MiB
+    TOOL = """
+    import sys
+    BLOCK = bytes(range(256)) * 4096
+    out, err = sys.stdout.buffer, sys.stderr.buffer
+    err.write(b"Error: boom\\\\n")
+    for _ in range(500):  # interleaved: a reader that drains one pipe at a time deadlocks
+        out.write(BLOCK); out.flush()
+        err.write(BLOCK); err.flush()
+    sys.exit(3)
+    """
+    HOOK = """
+    import sys
+    BLOCK = bytes(range(256)) * 4096
+    for _ in range(500):
+        sys.stderr.buffer.write(BLOCK)
+    sys.stderr.buffer.write(b"\\\\nhook failed: final words\\\\n")
+    sys.exit(2)
+    """
+    warnings = []
+    handler = logging.Handler()
+    handler.emit = lambda record: warnings.append(record.getMessage())
+    logging.getLogger("mlxwatch.notify").addHandler(handler)
+
+    async def main():
+        result = await run_command([sys.executable, "-c", TOOL], timeout=120)
+        hook_ok = await run_notify([sys.executable, "-c", HOOK], "verdict", {"instance": "x"}, timeout=120)
+        return result, hook_ok
+
+    result, hook_ok = asyncio.run(main())
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # before the checks below allocate
+
+    def is_head(data, prefix):
+        """``data`` is the start of prefix + BLOCK + BLOCK + ..., compared without big copies."""
+        view = memoryview(data)
+        if view[:len(prefix)] != prefix:
+            return False
+        for i in range(len(prefix), len(view), len(BLOCK)):
+            part = view[i:i + len(BLOCK)]
+            if part != BLOCK[:len(part)]:
+                return False
+        return True
+
+    print(json.dumps({
+        "max_rss": rss if sys.platform == "darwin" else rss * 1024,
+        "returncode": result.returncode, "error": result.error, "truncated": result.truncated,
+        "stdout_len": len(result.stdout), "stderr_len": len(result.stderr),
+        "stdout_is_head": is_head(result.stdout, b""),
+        "stderr_is_head": is_head(result.stderr, b"Error: boom\\n"),
+        "hook_ok": hook_ok, "warnings": warnings,
+    }))
+''')
+
+
+def test_huge_tool_and_hook_output_does_not_grow_the_daemon():
+    """500 MB on each pipe of a tool and 500 MB of hook stderr: memory stays flat, results stay right."""
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", _SPEW_SCRIPT], capture_output=True, timeout=280,
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert proc.returncode == 0, proc.stderr.decode(errors="replace")[-2000:]
+    got = json.loads(proc.stdout)
+    assert got["max_rss"] < 150 * MB, f"peak RSS {got['max_rss'] / MB:.0f} MB"
+    assert got["returncode"] == 3
+    assert got["error"] == f"exit 3: Error: boom (output truncated at {MAX_OUTPUT} bytes)"
+    assert got["truncated"] is True
+    assert got["stdout_len"] == got["stderr_len"] == MAX_OUTPUT
+    assert got["stdout_is_head"] and got["stderr_is_head"]
+    assert got["hook_ok"] is False
+    (warning,) = got["warnings"]
+    assert " exited 2 for verdict: " in warning and warning.endswith("\nhook failed: final words")
+    assert time.monotonic() - t0 < 120
+
+
+async def test_small_output_is_kept_whole_and_not_marked_truncated():
+    result = await run_command([sys.executable, "-c", "import sys; print('out'); print('err', file=sys.stderr)"], timeout=30)
+    assert result.ok and not result.truncated
+    assert (result.stdout, result.stderr) == (b"out\n", b"err\n")
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/dev/fd"))
+
+
+_SPEW_FOREVER = "import sys\nwhile True: sys.{}.buffer.write(b'y' * 65536)"
+
+
+async def test_a_tool_or_hook_that_spews_forever_is_ended_at_its_timeout_and_its_pipes_closed():
+    """Killed with output unread: the end does not hang on the pipes, and they are closed, not left to the GC."""
+    await run_command([sys.executable, "-c", "pass"], timeout=10)  # the loop's own lazily opened fds
+    gc.disable()
+    try:
+        before = _open_fds()
+        t0 = time.monotonic()
+        async with asyncio.timeout(30):  # before the fix, the hook's end could wait for ever
+            for _ in range(3):  # whether output is left unread at the timeout is a race: try it a few times
+                result = await run_command([sys.executable, "-c", _SPEW_FOREVER.format("stdout")], timeout=0.5)
+                assert not result.ok and "timed out after 0.5s" in result.error
+                assert await run_notify([sys.executable, "-c", _SPEW_FOREVER.format("stderr")], "verdict", {},
+                                        timeout=0.5) is False
+        assert time.monotonic() - t0 < 15
+        await asyncio.sleep(0.1)  # a closed pipe transport releases its fd on the loop's next pass
+        assert _open_fds() == before
+    finally:
+        gc.enable()
+
+
+async def test_notify_keeps_only_the_tail_of_stderr(caplog, monkeypatch):
+    """The hook's warning shows the end of its stderr (where the error is), from a bounded tail."""
+    import mlxwatch.watchdog.notify as notify
+    from mlxwatch.capture import commands
+
+    kept = []
+    real = commands.communicate_bounded
+
+    async def spy(*args, **kwargs):
+        out, err = await real(*args, **kwargs)
+        kept.append(err)
+        return out, err
+
+    monkeypatch.setattr(notify, "communicate_bounded", spy)
+    hook = "import sys\nsys.stderr.write('x' * 3_000_000 + 'tail-' * 2000 + 'the real error')\nsys.exit(5)"
+    with caplog.at_level(logging.WARNING, logger="mlxwatch.notify"):
+        assert await run_notify([sys.executable, "-c", hook], "verdict", {}, timeout=30) is False
+    (err,) = kept
+    assert err.total == 3_000_000 + 10_000 + len("the real error") and err.truncated
+    assert err.data == (("tail-" * 2000) + "the real error").encode()[-STDERR_TAIL:]
+    assert caplog.records[-1].getMessage().endswith("exited 5 for verdict: " + ("tail-" * 2000 + "the real error")[-200:])
+
+
+# --- the journal -------------------------------------------------------------------------------
+
+
+def test_a_torn_line_costs_only_itself(tmp_path):
+    """Killed mid-write: the next append starts a new line, so the records around the torn one survive."""
+    path = tmp_path / "j.jsonl"
+    append_record(path, {"n": 1})
+    with open(path, "ab") as fh:
+        fh.write(b'{"n": 2, "half')  # killed mid-write: no newline
+    append_record(path, {"n": 3})
+    append_record(path, {"n": 4})
+    assert path.read_bytes().splitlines()[1:] == [b'{"n": 2, "half', b'{"n": 3}', b'{"n": 4}']
+    assert read_records(path) == [{"n": 1}, {"n": 3}, {"n": 4}]
+
+
+def test_a_record_glued_to_a_torn_line_is_recovered(tmp_path):
+    """Journals written before the fix (or zero-filled by a crash) have the next record on the torn line."""
+    path = tmp_path / "j.jsonl"
+    whole = json.dumps({"id": "b", "restarts": [{"at": 1, "r": {"ok": True}}], "s": "{x}"}, sort_keys=True)
+    path.write_bytes(
+        b'{"id": "a"}\n'
+        + b'{"id": "torn", "restarts": [{"at": 1' + whole.encode() + b"\n"
+        + b"\0" * 5000 + b'{"id": "c"}\n'
+        + b'{"id": "d"}\n'
+    )
+    assert [r["id"] for r in read_records(path)] == ["a", "b", "c", "d"]
+    assert read_records(path)[1] == json.loads(whole)
+
+
+def test_a_torn_record_does_not_yield_its_nested_objects_as_records(tmp_path):
+    """Torn just after a nested object (or inside a string holding "{}"): the fragment is not a record."""
+    path = tmp_path / "j.jsonl"
+    path.write_bytes(
+        b'{"id": "a"}\n'
+        b'{"event": "restarting", "restarts": [{"at": 1, "result": "ok"}\n'
+        b'{"event": "x", "nested": {"k": {"at": 2}}\n'
+        b'{"event": "y", "reason": "saw {}\n'
+        b'{"id": "b"}\n'
+    )
+    assert read_records(path) == [{"id": "a"}, {"id": "b"}]
+
+
+def test_non_utf8_and_garbage_lines_are_skipped(tmp_path):
+    path = tmp_path / "j.jsonl"
+    path.write_bytes(b'{"n": 1}\n\xff\xfe\x00garbage\n[1, 2]\n\n{"n": 2, "s": "caf\xe9"}\n{"n": 3}\n')
+    assert read_records(path) == [{"n": 1}, {"n": 2, "s": "caf\ufffd"}, {"n": 3}]
+
+
+def test_an_oversized_garbage_line_is_skipped_and_its_trailing_record_kept(tmp_path):
+    """A multi-megabyte line is read in bounded pieces; reading resumes after it."""
+    path = tmp_path / "j.jsonl"
+    path.write_bytes(b'{"n": 1}\n' + b"\0" * (3 * storage.MAX_LINE + 7) + b'{"n": 2}\n{"n": 3}\n')
+    assert read_records(path) == [{"n": 1}, {"n": 2}, {"n": 3}]
+    path.write_bytes(b'{"n": 1}\n' + b"{" * (2 * storage.MAX_LINE) + b'\n{"n": 3}\n')
+    t0 = time.monotonic()
+    assert read_records(path) == [{"n": 1}, {"n": 3}]
+    assert time.monotonic() - t0 < 5
+
+
+def test_following_the_journal_from_an_offset(tmp_path):
+    """read_records_from returns only what is new, and leaves a half-written last line for next time."""
+    path = tmp_path / "j.jsonl"
+    assert read_records_from(path) == ([], 0)
+    append_record(path, {"n": 1})
+    append_record(path, {"n": 2})
+    records, offset = read_records_from(path)
+    assert records == [{"n": 1}, {"n": 2}] and offset == path.stat().st_size
+    assert read_records_from(path, offset) == ([], offset)
+
+    append_record(path, {"n": 3})
+    with open(path, "ab") as fh:
+        fh.write(b'{"n": 4, "in')  # a writer mid-line (or a torn line)
+    records, offset2 = read_records_from(path, offset)
+    assert records == [{"n": 3}] and offset2 == path.stat().st_size - len(b'{"n": 4, "in')
+    append_record(path, {"n": 5})
+    records, offset3 = read_records_from(path, offset2)
+    assert records == [{"n": 5}] and offset3 == path.stat().st_size
+    assert read_records(path) == [{"n": 1}, {"n": 2}, {"n": 3}, {"n": 5}]
+
+
+def test_replace_atomically_leaves_no_temp_file_on_enospc(tmp_path, monkeypatch):
+    """A full disk mid-write: the error surfaces, the old file is intact, no temp file is left."""
+    path = tmp_path / "state.json"
+    replace_atomically(path, b"old content")
+    real_write, calls = os.write, []
+
+    def full_disk(fd, data):
+        calls.append(fd)
+        if len(calls) > 1:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_write(fd, bytes(data[:4]))  # a partial write first, as a filling disk does
+
+    monkeypatch.setattr(storage.os, "write", full_disk)
+    with pytest.raises(OSError) as info:
+        replace_atomically(path, b"new content that does not fit")
+    monkeypatch.undo()
+    assert info.value.errno == errno.ENOSPC and len(calls) == 2
+    assert path.read_bytes() == b"old content"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["state.json"]
