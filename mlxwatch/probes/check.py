@@ -8,6 +8,8 @@ endpoints only sharpen the reason (``/health`` 503 means the generation thread d
 from __future__ import annotations
 
 import asyncio
+import functools
+import ssl
 from dataclasses import dataclass
 from typing import Any
 
@@ -99,5 +101,14 @@ async def run_check(
 
 
 def make_client() -> httpx.AsyncClient:
-    """The one long-lived client a process should share: no env proxies (loopback servers)."""
-    return httpx.AsyncClient(trust_env=False, limits=httpx.Limits(max_connections=64))
+    """A long-lived client: no env proxies (loopback servers), one shared TLS context.
+
+    The daemon makes one client per instance (its own connections: a wedged server cannot take
+    another's); building a TLS context per client cost 18 ms and 0.7 MB each (5 s and 200 MB at
+    300 instances), so every client shares one, built on first use."""
+    return httpx.AsyncClient(trust_env=False, verify=_tls_context(), limits=httpx.Limits(max_connections=64))
+
+
+@functools.lru_cache(maxsize=1)
+def _tls_context() -> ssl.SSLContext:
+    return ssl.create_default_context()
