@@ -23,6 +23,8 @@ from __future__ import annotations
 import ipaddress
 import os
 import socket
+import threading
+import time
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -186,24 +188,39 @@ def own_listeners(pid: int, port: int | None = None) -> list[tuple[str, int]]:
     return [a for a in found if port is None or a[1] == port]
 
 
+SCAN_TTL = 2.0  # seconds a system-wide socket scan is reused: 300 instances starting at once scan once
+_scan_lock = threading.Lock()
+_scan: tuple[float, dict[int, dict[int, list[tuple[str, int]]]]] | None = None
+
+
 def listeners_on(port: int) -> dict[int, list[tuple[str, int]]]:
     """Every process listening on ``port``: PID -> its listening addresses on that port.
 
-    A system-wide socket scan: costly on a busy machine, so called only on state changes.
-    ``net_connections`` needs root on macOS; then each process we may inspect is asked.
+    A system-wide socket scan is costly on a busy machine (16-400 ms), so it runs only on state
+    changes, and a scan that found a listener on ``port`` serves lookups for ``SCAN_TTL``
+    seconds. "Nothing there" is never taken from an older scan: a server may just have bound.
     """
-    out: dict[int, list[tuple[str, int]]] = {}
+    global _scan
+    with _scan_lock:
+        if _scan is None or time.monotonic() - _scan[0] > SCAN_TTL or port not in _scan[1]:
+            _scan = (time.monotonic(), _scan_all())
+        return {pid: list(addrs) for pid, addrs in _scan[1].get(port, {}).items()}
+
+
+def _scan_all() -> dict[int, dict[int, list[tuple[str, int]]]]:
+    """port -> PID -> listening addresses. ``net_connections`` needs root on macOS; then each
+    process we may inspect is asked."""
+    out: dict[int, dict[int, list[tuple[str, int]]]] = {}
     try:
         for c in psutil.net_connections("tcp"):
-            if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port and c.pid:
-                out.setdefault(c.pid, []).append((c.laddr.ip, c.laddr.port))
+            if c.status == psutil.CONN_LISTEN and c.laddr and c.pid:
+                out.setdefault(c.laddr.port, {}).setdefault(c.pid, []).append((c.laddr.ip, c.laddr.port))
         return out
     except (psutil.AccessDenied, PermissionError):
         pass
     for proc in psutil.process_iter():
-        found = own_listeners(proc.pid, port)
-        if found:
-            out[proc.pid] = found
+        for ip, lport in own_listeners(proc.pid):
+            out.setdefault(lport, {}).setdefault(proc.pid, []).append((ip, lport))
     return out
 
 
