@@ -112,6 +112,22 @@ class CaptureConfig:
 
 
 @dataclass(frozen=True)
+class MetricsConfig:
+    """Prometheus metrics: off unless ``listen`` or ``textfile`` is set.
+
+    ``listen`` is ``(host, port)``; a host that is not a loopback address is accepted only with
+    ``expose: true``, so serving beyond this machine is always a written decision."""
+
+    listen: tuple[str, int] | None = None
+    textfile: Path | None = None  # for node_exporter's textfile collector; must end in .prom
+    expose: bool = False
+
+    @property
+    def enabled(self) -> bool:
+        return self.listen is not None or self.textfile is not None
+
+
+@dataclass(frozen=True)
 class Config:
     """The whole validated file."""
 
@@ -120,6 +136,7 @@ class Config:
     state_dir: Path | None = None
     notify: tuple[str, ...] = ()
     capture: CaptureConfig = field(default_factory=CaptureConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
 
     def instance(self, name: str) -> InstanceConfig:
         for inst in self.instances:
@@ -379,6 +396,7 @@ def parse_config(data: Any, file: str, path: Path | None = None) -> Config:
     state_dir = top.take("state_dir", _path(base), None)
     notify = top.take("notify", _argv, ())
     capture = _capture(top.section("capture"), base)
+    metrics = _metrics(top.section("metrics"), base)
     raw_instances = top.take("instances", _list, [])
     top.done()
     instances: list[InstanceConfig] = []
@@ -400,7 +418,7 @@ def parse_config(data: Any, file: str, path: Path | None = None) -> Config:
                 )
         seen[inst.name] = i
         instances.append(inst)
-    return Config(path, tuple(instances), state_dir, notify, capture)
+    return Config(path, tuple(instances), state_dir, notify, capture, metrics)
 
 
 _LOOPBACKS = frozenset({"127.0.0.1", "::1"})
@@ -751,3 +769,50 @@ def _capture(sec: _Section, base: Path) -> CaptureConfig:
     }))
     sec.done()
     return cap
+
+
+def _listen(value: Any) -> tuple[str, int]:
+    """``HOST:PORT``, ``[IPV6]:PORT`` or a bare port (then 127.0.0.1). Hosts are IP literals or
+    ``localhost``: a name would need DNS to know whether it is loopback."""
+    form = "must be PORT, HOST:PORT or [IPV6]:PORT with an IP address or localhost, such as 127.0.0.1:9464"
+    if isinstance(value, int) and not isinstance(value, bool):
+        host, port_text = "127.0.0.1", str(value)
+    elif isinstance(value, str) and (match := re.fullmatch(r"\s*(?:\[([0-9A-Fa-f:.]+)\]|([^\s:\[\]]+)):([0-9]{1,5})\s*", value)):
+        host, port_text = match.group(1) or match.group(2), match.group(3)
+    elif isinstance(value, str) and re.fullmatch(r"\s*[0-9]{1,5}\s*", value):
+        host, port_text = "127.0.0.1", value.strip()
+    else:
+        raise ValueError(form)
+    port = int(port_text)
+    if not 1 <= port <= 65535:
+        raise ValueError("port must be 1 to 65535")
+    if host.lower() == "localhost":
+        return "127.0.0.1", port
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        raise ValueError(form) from None
+    return str(ip), port
+
+
+def _textfile(base: Path) -> Callable[[Any], Path]:
+    read_path = _path(base)
+
+    def read(value: Any) -> Path:
+        path = read_path(value)
+        if path.suffix != ".prom":
+            raise ValueError("must end in .prom (node_exporter's textfile collector reads only *.prom files)")
+        return path
+
+    return read
+
+
+def _metrics(sec: _Section, base: Path) -> MetricsConfig:
+    metrics = MetricsConfig(**sec.take_present({"listen": _listen, "textfile": _textfile(base), "expose": _bool}))
+    sec.done()
+    if metrics.listen is not None and not metrics.expose and not ipaddress.ip_address(metrics.listen[0]).is_loopback:
+        host, port = metrics.listen
+        shown = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        raise sec.error("listen", f"{host} is not a loopback address; set metrics.expose: true to serve metrics "
+                                  f"beyond this machine (got {shown!r})")
+    return metrics

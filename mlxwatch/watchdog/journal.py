@@ -7,17 +7,25 @@ closing event is open: either a daemon is working on it, or a daemon stopped mid
 (``interrupted`` when it stopped cleanly; nothing when it was killed). The next start closes
 each such incident with a ``closed`` record saying where it stopped, and ``mlxwatch status``
 says which of the two it is.
+
+Observers (``Journal.observers``, callables taking the record as written) are told of every
+``record`` and ``note`` after it is appended: the metrics follow incidents this way. An observer
+that raises is logged and ignored; it never stops the journal or the watcher that wrote. Records
+written by ``close_left_open`` (incidents of an earlier daemon run) are not observed.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from mlxwatch.storage import append_record, private_dir, read_records
+
+log = logging.getLogger("mlxwatch.watchdog")
 
 JOURNAL_NAME = "incidents.jsonl"
 CLOSING_EVENTS = ("recovered", "gave_up", "closed")
@@ -48,15 +56,30 @@ class Incident:
 class Journal:
     def __init__(self, state_dir: Path) -> None:
         self.path = private_dir(state_dir) / JOURNAL_NAME
+        self.observers: list[Callable[[dict[str, Any]], None]] = []
+        self._observer_errors: set[str] = set()
 
     def record(self, event: str, incident: Incident, **extra: Any) -> dict[str, Any]:
         entry = {"ts": time.time(), "event": event, **incident.to_dict(), **extra}
         append_record(self.path, entry)
+        self._tell(entry)
         return entry
 
     def note(self, event: str, **fields: Any) -> None:
         """A record that belongs to no incident (daemon start, resume requests)."""
-        append_record(self.path, {"ts": time.time(), "event": event, **fields})
+        entry = {"ts": time.time(), "event": event, **fields}
+        append_record(self.path, entry)
+        self._tell(entry)
+
+    def _tell(self, entry: dict[str, Any]) -> None:
+        for observer in list(self.observers):
+            try:
+                observer(entry)
+            except Exception as exc:  # an observer must never break the journal or its writer
+                error = f"{type(exc).__name__}: {exc}"
+                if error not in self._observer_errors:
+                    self._observer_errors.add(error)
+                    log.error("journal observer %r failed on '%s'; ignored", observer, entry.get("event"), exc_info=exc)
 
     def close_left_open(self, rec: dict[str, Any], reason: str) -> dict[str, Any]:
         """Close an incident a stopped daemon left open, keeping everything it had recorded.

@@ -8,7 +8,12 @@ task (``StateFile.run_writer``) writes it atomically, off the event loop, at mos
 of probes. A write that fails (a full disk) is logged once and retried; it never stops a watcher.
 
 If ``state.json`` cannot be read, the restart history and gave-up times are rebuilt from the
-journal, with a warning: a budget is never silently reset. Resume requests are files
+journal, with a warning: a budget is never silently reset.
+
+Observers (``StateFile.observers``, callables ``(name, fields)``) are told of each change after
+it is made: ``update`` passes the instance's name and the fields it changed, ``set_daemon``
+passes ``None`` and the daemon's fields. The metrics follow the tracked state this way, so they
+show what ``status`` shows. An observer that raises is logged and ignored. Resume requests are files
 ``<state_dir>/resume/<instance>`` so they work without IPC.
 """
 
@@ -21,7 +26,7 @@ import os
 import stat
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from mlxwatch.errors import StateError
 from mlxwatch.storage import private_dir, read_records, replace_atomically
@@ -44,10 +49,13 @@ class StateFile:
         self.dirty = asyncio.Event()
         self.writes = 0  # how many times the file was written (tests and bench read it)
         self.write_error: str | None = None
+        self.observers: list[Callable[[str | None, dict[str, Any]], None]] = []
+        self._observer_errors: set[str] = set()
 
     def set_daemon(self, **fields: Any) -> None:
         self.data["daemon"] = {**self.data.get("daemon", {}), **fields, "updated_at": time.time()}
         self.dirty.set()
+        self._tell(None, fields)
 
     def instance(self, name: str) -> dict[str, Any]:
         return self.data["instances"].setdefault(name, {})
@@ -57,6 +65,17 @@ class StateFile:
         self.instance(name).update(fields, updated_at=time.time())
         if not quiet:
             self.dirty.set()
+        self._tell(name, fields)
+
+    def _tell(self, name: str | None, fields: dict[str, Any]) -> None:
+        for observer in list(self.observers):
+            try:
+                observer(name, fields)
+            except Exception as exc:  # an observer must never break the daemon
+                error = f"{type(exc).__name__}: {exc}"
+                if error not in self._observer_errors:
+                    self._observer_errors.add(error)
+                    log.error("state observer %r failed; ignored", observer, exc_info=exc)
 
     def flush(self) -> None:
         """Write now (blocking; the writer task calls it from a thread, shutdown calls it last)."""
