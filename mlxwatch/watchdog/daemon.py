@@ -95,6 +95,10 @@ class Daemon:
         self.shared = Shared(journal=self.journal, state=self.state, state_dir=self.state_dir,
                              notifier=Notifier(self.config.notify), capture=self.config.capture,
                              bundles_dir=bundles, **self.overrides)
+        from mlxwatch.metrics import start_metrics  # here: mlxwatch.metrics imports the watchdog package
+
+        # It observes the journal and the state file; metrics settings apply at start only.
+        self.metrics = await start_metrics(self.config.metrics, self.journal, self.state, lambda: self.config)
         writer = asyncio.create_task(self.state.run_writer(), name="state-writer")
         for inst in self.config.instances:
             self._start(inst)
@@ -153,6 +157,7 @@ class Daemon:
             await asyncio.to_thread(self.state.flush)
         except OSError as exc:
             log.error("cannot write the state file at stop: %s", exc)
+        await self.metrics.stop()
         log.info("stopped")
 
     # --- supervision

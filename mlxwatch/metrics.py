@@ -1,0 +1,437 @@
+"""Prometheus metrics from the daemon's tracked state: a ``/metrics`` endpoint and a textfile.
+
+Off unless the config sets ``metrics.listen`` or ``metrics.textfile``::
+
+    exporter = await start_metrics(config.metrics, journal, state, lambda: daemon.config)
+    ...
+    await exporter.stop()
+
+Nothing in the watchers calls this module. ``Metrics`` observes the two sources of truth that
+``mlxwatch status`` reads: the journal (every incident state change is a record) and the state
+file (each probe's summary, each instance's state and restart times, the daemon's health). So a
+scrape shows what ``status`` shows, and a watcher never waits on, or fails because of, metrics.
+
+Series. ``server`` is the instance's name from the config (not ``instance``: Prometheus gives
+that label to the scrape target, the Mac, and would rename ours to ``exported_instance``). Every
+other label comes from a fixed list, so no URL, path, prompt or message can reach a label:
+
+==========================================================  =========  ==============================================
+``mlxwatch_probe_success{server}``                        gauge      1 if the last probe delivered a token in time
+``mlxwatch_probe_ttft_seconds{server}``                   histogram  request sent -> first token, of probes that got one
+``mlxwatch_probe_duration_seconds{server}``               histogram  request sent -> end or give-up, of every probe
+``mlxwatch_instance_state{server,state}``                 gauge      1 for the current state, 0 for the others
+``mlxwatch_incidents_total{server,kind}``                 counter    incidents by classified kind (see below)
+``mlxwatch_restarts_total{server,result}``                counter    restarts run: ok, nothing_to_restart, failed
+``mlxwatch_capture_seconds{server}``                      gauge      the last capture: ``capturing`` -> ``captured``
+``mlxwatch_last_recovery_seconds{server}``                gauge      the last recovery: first failed probe -> proven
+``mlxwatch_restart_budget_remaining{server}``             gauge      restarts left in the window (read at scrape)
+``mlxwatch_restart_budget{server}``                       gauge      the configured budget (restarts per window)
+``mlxwatch_build_info{version,python}``                     gauge      1
+``mlxwatch_config_last_reload_successful``                  gauge      0 after a refused SIGHUP reload, else 1
+``mlxwatch_config_last_reload_success_timestamp_seconds``   gauge      the last good load (start or reload)
+``mlxwatch_watcher_errors_total``                           counter    watchers that crashed and were restarted
+``mlxwatch_daemon_heartbeat_timestamp_seconds``             gauge      the daemon's last tick (the textfile's liveness)
+``mlxwatch_daemon_running``                                 gauge      1; 0 in the textfile a stopped daemon leaves
+==========================================================  =========  ==============================================
+
+An incident is counted once, when its kind is known (``captured``). One whose kind never becomes
+known (its capture failed, or it ended or the daemon stopped before the capture finished) is
+counted as ``kind="unknown"``, the label the classifier itself uses when the evidence decides
+nothing. Counters start at zero with each daemon run (Prometheus' ``increase()`` handles that);
+each instance's kinds and results are exported at 0 from its first update, so the first incident
+is an increase too. The histograms' buckets run from 50 ms to the largest ``first_token_timeout``
+(``timeout`` for durations) configured when the daemon started.
+
+Metrics settings are read at start: a SIGHUP reload that changes them is logged ("apply at the
+next daemon start") and otherwise ignored; instances added or removed by a reload appear in and
+disappear from the series at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import platform
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.exposition import start_http_server
+
+from mlxwatch import __version__
+from mlxwatch.capture.classify import KINDS
+from mlxwatch.config import Config, MetricsConfig, ProbeConfig
+from mlxwatch.watchdog.journal import Journal
+from mlxwatch.watchdog.policy import STATES
+from mlxwatch.watchdog.restart import NOTHING_TO_RESTART, OK
+from mlxwatch.watchdog.state import StateFile
+
+log = logging.getLogger("mlxwatch.metrics")
+
+RESTART_RESULTS = (OK, NOTHING_TO_RESTART, "failed")
+OTHER = "other"  # a value outside a label's fixed list (a newer daemon's kind): never the raw text
+UNKNOWN_KIND = "unknown"
+ENDING_EVENTS = ("recovered", "closed", "interrupted")  # after these an incident gets no more records
+_LADDER = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 45.0, 60.0, 90.0, 120.0, 180.0,
+           300.0, 600.0, 900.0, 1800.0, 3600.0)
+TEXTFILE_MIN_GAP = 0.5  # changes within this are written together
+
+
+def buckets_up_to(limit: float) -> tuple[float, ...]:
+    """Histogram buckets from 50 ms up to ``limit`` (included) on a 1-2.5-5-ish ladder."""
+    return (*[b for b in _LADDER if b < limit], float(limit))
+
+
+def _label(value: Any, allowed: tuple[str, ...]) -> str:
+    return value if isinstance(value, str) and value in allowed else OTHER
+
+
+@dataclass
+class _Track:
+    """What the metrics remember of one incident until it ends."""
+
+    capturing_at: float | None = None
+    counted: bool = False
+    restarts_counted: int = 0
+
+
+class Metrics:
+    """The registry and its series, fed by ``on_record`` (journal) and ``on_state`` (state file).
+
+    Observers run on the event loop; scrapes and textfile writes read the registry from other
+    threads (prometheus_client's series are thread-safe; the budget is computed from a copy)."""
+
+    def __init__(self, config_fn: Callable[[], Config], state: StateFile | None = None,
+                 clock: Callable[[], float] = time.time) -> None:
+        disable_created_metrics()  # `_created` series double the output and no rule here needs them
+        self.config_fn = config_fn
+        self.state = state
+        self.clock = clock
+        self.on_change: Callable[[], None] | None = None
+        config = config_fn()
+        self.settings = config.metrics  # as started: a reload that changes them is only logged
+        ttft_top = max((i.probe.first_token_timeout for i in config.instances), default=ProbeConfig.first_token_timeout)
+        total_top = max((i.probe.timeout for i in config.instances), default=ProbeConfig.timeout)
+        r = self.registry = CollectorRegistry(auto_describe=True)
+        Gauge("mlxwatch_build_info", "mlxwatch version and Python (value 1)", ["version", "python"],
+              registry=r).labels(__version__, platform.python_version()).set(1)
+        self.probe_success = Gauge("mlxwatch_probe_success", "1 if the last probe delivered a token in time, else 0",
+                                   ["server"], registry=r)
+        self.probe_ttft = Histogram("mlxwatch_probe_ttft_seconds", "Probe request sent to first delivered token",
+                                    ["server"], buckets=buckets_up_to(ttft_top), registry=r)
+        self.probe_duration = Histogram("mlxwatch_probe_duration_seconds", "Probe request sent to end or give-up",
+                                        ["server"], buckets=buckets_up_to(total_top), registry=r)
+        self.instance_state = Gauge("mlxwatch_instance_state", "1 for the instance's current watchdog state",
+                                    ["server", "state"], registry=r)
+        self.incidents = Counter("mlxwatch_incidents", "Incidents by classified kind (unknown: never classified)",
+                                 ["server", "kind"], registry=r)
+        self.restarts = Counter("mlxwatch_restarts", "Restarts run, by result", ["server", "result"], registry=r)
+        self.capture_seconds = Gauge("mlxwatch_capture_seconds", "Duration of the last evidence capture",
+                                     ["server"], registry=r)
+        self.last_recovery = Gauge("mlxwatch_last_recovery_seconds",
+                                   "First failed probe to proven recovery, of the last recovered incident",
+                                   ["server"], registry=r)
+        self.reload_ok = Gauge("mlxwatch_config_last_reload_successful", "0 if the last config reload was refused",
+                               registry=r)
+        self.reload_time = Gauge("mlxwatch_config_last_reload_success_timestamp_seconds",
+                                 "When the config was last loaded successfully", registry=r)
+        self.watcher_errors = Counter("mlxwatch_watcher_errors", "Watchers that crashed and were restarted", registry=r)
+        self.heartbeat = Gauge("mlxwatch_daemon_heartbeat_timestamp_seconds", "The daemon's last heartbeat", registry=r)
+        self.running = Gauge("mlxwatch_daemon_running", "1 while the daemon runs; 0 once it stopped", registry=r)
+        r.register(_BudgetCollector(self))
+        self.reload_ok.set(1)  # the config the daemon started with loaded, or it would not be running
+        self.reload_time.set(clock())
+        self.running.set(1)
+        self.instances: set[str] = set()
+        self.tracks: dict[str, _Track] = {}
+        self.probe_at: dict[str, Any] = {}
+        self.restart_times: dict[str, list[float]] = {}  # replaced whole, never mutated: safe to read from a scrape
+        self.errors_seen = 0
+        self._said: set[str] = set()
+
+    # --- observers
+
+    def on_record(self, entry: dict[str, Any]) -> None:
+        """A journal record was written."""
+        name, inc_id, event = entry.get("instance"), entry.get("id"), entry.get("event")
+        if not isinstance(name, str) or not isinstance(inc_id, str):
+            return  # a note outside incidents: daemon_start, resumed, watcher_error (counted from the state)
+        self._seen(name)
+        track = self.tracks.setdefault(inc_id, _Track())
+        ts = entry.get("ts")
+        if event == "capturing":
+            track.capturing_at = ts
+        elif event in ("captured", "capture_failed"):
+            if isinstance(ts, (int, float)) and track.capturing_at is not None:
+                self.capture_seconds.labels(name).set(round(ts - track.capturing_at, 3))
+            self._count(name, track, entry.get("kind") if event == "captured" else None)
+        restarts = entry.get("restarts") if isinstance(entry.get("restarts"), list) else []
+        for restart in restarts[track.restarts_counted:]:
+            result = restart.get("result") if isinstance(restart, dict) else None
+            self.restarts.labels(name, _label(result, RESTART_RESULTS)).inc()
+        track.restarts_counted = max(track.restarts_counted, len(restarts))
+        if event == "recovered" and isinstance(entry.get("seconds_to_recovery"), (int, float)):
+            self.last_recovery.labels(name).set(entry["seconds_to_recovery"])
+        if event in ENDING_EVENTS:
+            self._count(name, track, None)
+            del self.tracks[inc_id]
+        self._changed()
+
+    def on_state(self, name: str | None, fields: dict[str, Any]) -> None:
+        """The state file changed: an instance's fields, or the daemon's (``name`` None)."""
+        if name is None:
+            self._on_daemon(fields)
+        else:
+            self._seen(name)
+            if "state" in fields:
+                for state in STATES:
+                    self.instance_state.labels(name, state).set(1 if fields["state"] == state else 0)
+            probe = fields.get("last_probe")
+            if isinstance(probe, dict) and probe.get("at") != self.probe_at.get(name):
+                self.probe_at[name] = probe.get("at")
+                self.probe_success.labels(name).set(1 if probe.get("ok") else 0)
+                if isinstance(probe.get("ttft"), (int, float)):
+                    self.probe_ttft.labels(name).observe(probe["ttft"])
+                if isinstance(probe.get("total"), (int, float)):
+                    self.probe_duration.labels(name).observe(probe["total"])
+            if isinstance(fields.get("restarts"), list):
+                self.restart_times[name] = [float(t) for t in fields["restarts"] if isinstance(t, (int, float))]
+        self._changed()
+
+    def _on_daemon(self, fields: dict[str, Any]) -> None:
+        if isinstance(fields.get("last_tick"), (int, float)):
+            self.heartbeat.set(fields["last_tick"])
+        if "running" in fields:
+            self.running.set(1 if fields["running"] else 0)
+        errors = fields.get("watcher_errors")
+        if isinstance(errors, int):
+            if errors > self.errors_seen:
+                self.watcher_errors.inc(errors - self.errors_seen)
+            self.errors_seen = errors
+        reload = fields.get("last_reload")
+        if isinstance(reload, dict):
+            if reload.get("ok"):
+                self.reload_ok.set(1)
+                self.reload_time.set(reload.get("at") or self.clock())
+                self._check_settings()
+            else:
+                self.reload_ok.set(0)
+        self._forget_removed()
+
+    # --- bookkeeping
+
+    def _seen(self, name: str) -> None:
+        """An instance's first update: its counters start at 0, so its first incident is an increase."""
+        if name in self.instances:
+            return
+        self.instances.add(name)
+        for kind in (*KINDS, OTHER):
+            self.incidents.labels(name, kind)
+        for result in (*RESTART_RESULTS, OTHER):
+            self.restarts.labels(name, result)
+
+    def _count(self, name: str, track: _Track, kind: Any) -> None:
+        if not track.counted:
+            track.counted = True
+            self.incidents.labels(name, _label(kind or UNKNOWN_KIND, KINDS)).inc()
+
+    def _forget_removed(self) -> None:
+        """Drop the series of instances a reload removed (no longer configured, no longer tracked)."""
+        live = {i.name for i in self.config_fn().instances}
+        if self.state is not None:
+            live |= set(self.state.data.get("instances", {}))
+        for name in self.instances - live:
+            self.instances.discard(name)
+            self.probe_at.pop(name, None)
+            self.restart_times.pop(name, None)
+            for metric, others in ((self.instance_state, STATES), (self.incidents, (*KINDS, OTHER)),
+                                   (self.restarts, (*RESTART_RESULTS, OTHER)), (self.probe_success, ()),
+                                   (self.probe_ttft, ()), (self.probe_duration, ()), (self.capture_seconds, ()),
+                                   (self.last_recovery, ())):
+                for labels in [(name, o) for o in others] or [(name,)]:
+                    try:
+                        metric.remove(*labels)
+                    except KeyError:
+                        pass
+
+    def _check_settings(self) -> None:
+        new = self.config_fn().metrics
+        if new != self.settings and repr(new) not in self._said:
+            self._said.add(repr(new))
+            log.warning("metrics settings changed in the reloaded config; they apply at the next daemon start "
+                        "(still serving %s)", describe(self.settings))
+
+    def _changed(self) -> None:
+        if self.on_change is not None:
+            self.on_change()
+
+    def budget_remaining(self) -> Iterator[tuple[str, int, int]]:
+        """(name, restarts left, budget) of each configured instance, as ``status`` counts them."""
+        now = self.clock()
+        times = dict(self.restart_times)
+        for inst in self.config_fn().instances:
+            recent = sum(1 for t in times.get(inst.name, ()) if now - t < inst.restart.window)
+            yield inst.name, max(0, inst.restart.budget - recent), inst.restart.budget
+
+    def exposition(self) -> bytes:
+        """The text a scrape gets (thread-safe)."""
+        return generate_latest(self.registry)
+
+
+class _BudgetCollector:
+    """The budget depends on the clock (restarts leave the window), so it is read at scrape time."""
+
+    REMAINING = "mlxwatch_restart_budget_remaining", "Restarts left in the window before the instance is given up"
+    BUDGET = "mlxwatch_restart_budget", "Restarts allowed per window (restart.budget)"
+
+    def __init__(self, metrics: Metrics) -> None:
+        self.metrics = metrics
+
+    def describe(self) -> list[GaugeMetricFamily]:
+        return [GaugeMetricFamily(*self.REMAINING, labels=["server"]), GaugeMetricFamily(*self.BUDGET, labels=["server"])]
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        remaining, budget = self.describe()
+        for name, left, total in self.metrics.budget_remaining():
+            remaining.add_metric([name], left)
+            budget.add_metric([name], total)
+        yield remaining
+        yield budget
+
+
+def describe(settings: MetricsConfig) -> str:
+    parts = []
+    if settings.listen is not None:
+        host, port = settings.listen
+        parts.append(f"http://{f'[{host}]' if ':' in host else host}:{port}/metrics")
+    if settings.textfile is not None:
+        parts.append(f"textfile {settings.textfile}")
+    return " and ".join(parts) or "nothing"
+
+
+def write_textfile(path: Path, data: bytes) -> None:
+    """Replace ``path`` atomically: node_exporter never reads half a file. The temp file's name
+    does not end in .prom, so the collector ignores it. 0644: node_exporter may run as another
+    user, and the file holds instance names and numbers only."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0), 0o644)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+class MetricsExporter:
+    """Serves and writes one ``Metrics``: the HTTP endpoint runs in prometheus_client's own
+    thread; the textfile is written off the event loop when something changed."""
+
+    def __init__(self, settings: MetricsConfig, metrics: Metrics | None, journal: Journal | None = None,
+                 state: StateFile | None = None, min_gap: float = TEXTFILE_MIN_GAP) -> None:
+        self.settings = settings
+        self.metrics = metrics
+        self.journal, self.state = journal, state
+        self.min_gap = min_gap
+        self.server: Any = None
+        self.thread: Any = None
+        self.writer: asyncio.Task | None = None
+        self.dirty = asyncio.Event()
+        self.write_error: str | None = None
+        self.address: tuple[str, int] | None = None  # where the endpoint listens (the port, if 0 was asked)
+
+    async def start(self) -> None:
+        if self.metrics is None:
+            return
+        if self.journal is not None:
+            self.journal.observers.append(self.metrics.on_record)
+        if self.state is not None:
+            self.state.observers.append(self.metrics.on_state)
+        error = None
+        if self.settings.listen is not None:
+            host, port = self.settings.listen
+            try:
+                self.server, self.thread = await asyncio.to_thread(start_http_server, port, host, self.metrics.registry)
+                self.address = self.server.server_address[:2]
+            except OSError as exc:
+                error = f"cannot listen on {describe(MetricsConfig(listen=self.settings.listen))}: {exc.strerror or exc}"
+                log.error("metrics: %s; the watchdog runs on without the endpoint", error)
+        if self.settings.textfile is not None:
+            self.metrics.on_change = self.dirty.set
+            self.dirty.set()
+            self.writer = asyncio.create_task(self._write_loop(), name="metrics-textfile")
+        if self.state is not None:
+            self.state.set_daemon(metrics={"serving": describe(self.settings), "error": error})
+        if error is None:
+            log.info("metrics: %s", describe(self.settings))
+
+    async def stop(self) -> None:
+        """Detach, write the textfile a last time (``mlxwatch_daemon_running 0`` if the daemon
+        said so), and close the endpoint."""
+        if self.metrics is None:
+            return
+        for observers, fn in ((getattr(self.journal, "observers", []), self.metrics.on_record),
+                              (getattr(self.state, "observers", []), self.metrics.on_state)):
+            if fn in observers:
+                observers.remove(fn)
+        if self.writer is not None:
+            self.writer.cancel()
+            await asyncio.gather(self.writer, return_exceptions=True)
+            self.writer = None
+            try:
+                await asyncio.to_thread(self.write_textfile)
+            except OSError as exc:
+                log.error("metrics: cannot write %s at stop: %s", self.settings.textfile, exc.strerror or exc)
+        if self.server is not None:
+            server, self.server = self.server, None
+            await asyncio.to_thread(server.shutdown)
+            server.server_close()
+
+    def write_textfile(self) -> None:
+        assert self.metrics is not None and self.settings.textfile is not None
+        write_textfile(self.settings.textfile, self.metrics.exposition())
+
+    async def _write_loop(self) -> None:
+        while True:
+            await self.dirty.wait()
+            await asyncio.sleep(self.min_gap)
+            self.dirty.clear()
+            try:
+                await asyncio.to_thread(self.write_textfile)
+            except Exception as exc:  # a full disk or a missing directory: say it once, keep trying
+                error = f"{type(exc).__name__}: {getattr(exc, 'strerror', None) or exc}"
+                if self.write_error is None:
+                    log.error("metrics: cannot write %s: %s; will retry", self.settings.textfile, error)
+                self.write_error = error
+                self.dirty.set()
+                await asyncio.sleep(5.0)
+                continue
+            if self.write_error is not None:
+                log.warning("metrics: %s written again after: %s", self.settings.textfile, self.write_error)
+                self.write_error = None
+
+
+async def start_metrics(settings: MetricsConfig, journal: Journal, state: StateFile,
+                        config_fn: Callable[[], Config]) -> MetricsExporter:
+    """Start what ``settings`` asks for (nothing when metrics are off). Never raises for a port
+    that cannot be bound or a textfile that cannot be written: those are logged, and the
+    watchdog, which matters more, runs on."""
+    metrics = None
+    if settings.enabled:
+        metrics = Metrics(config_fn, state)
+        for name, record in list(state.data.get("instances", {}).items()):  # budgets survive daemon restarts
+            if isinstance(record, dict) and isinstance(record.get("restarts"), list):
+                metrics.restart_times[name] = [float(t) for t in record["restarts"] if isinstance(t, (int, float))]
+        daemon = state.data.get("daemon", {})
+        metrics.on_state(None, {k: daemon[k] for k in ("last_tick", "watcher_errors") if k in daemon})
+    exporter = MetricsExporter(settings, metrics, journal, state)
+    await exporter.start()
+    return exporter
