@@ -11,7 +11,10 @@ never read twice, however large the log grows):
 What buys nothing: CPU (a livelock burns CPU and delivers nothing), and ``POST ... 200`` access
 lines, which mlx-lm writes when it *admits* a request, not when it answers: a client retrying
 against a livelocked server would otherwise look like traffic being served. Tokens streamed to
-other clients leave no line in the log; from outside the server they stay invisible here.
+other clients leave no line in the log and no count an unprivileged outsider can read: Linux's
+``/proc/PID/io`` counts write(2) but not the send(2) that Python's HTTP server uses (measured),
+per-socket byte counts need netlink sock_diag, and macOS shows none without root. They stay
+invisible here until the launch shim's heartbeat reports deliveries from inside.
 """
 
 from __future__ import annotations
