@@ -78,6 +78,7 @@ class RestartConfig:
     budget: int = 3  # restarts allowed ...
     window: float = 1800.0  # ... within this many seconds
     cooldown: float = 3600.0  # gave-up -> try again after this
+    uid: int | None = None  # launchd gui/user domain's uid; default: the server's owner (never root's own)
 
 
 @dataclass(frozen=True)
@@ -703,7 +704,10 @@ def _restart(raw: Any, path: str, file: str) -> RestartConfig:
     kwargs: dict[str, Any] = {"method": method}
     if method == "launchd":
         kwargs["target"] = sec.require("launchd", _string)
-        kwargs.update(sec.take_present({"domain": _choice(("gui", "user", "system"))}))
+        kwargs.update(sec.take_present({"domain": _choice(("gui", "user", "system")), "uid": _uid}))
+        if kwargs.get("uid") is not None and kwargs.get("domain") == "system":
+            raise sec.error("uid", "the system domain has no uid; drop uid or use domain gui or user "
+                                   f"(got {kwargs['uid']})")
     elif method == "systemd":
         kwargs["target"] = sec.require("systemd", _string)
         kwargs.update(sec.take_present({"user": _bool}))
@@ -724,6 +728,17 @@ def _restart(raw: Any, path: str, file: str) -> RestartConfig:
     }))
     sec.done()
     return RestartConfig(**kwargs)
+
+
+MAX_UID = 2**31 - 1  # uid_t values launchd's gui/<uid> and user/<uid> targets can name
+
+
+def _uid(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError("must be a user id, a whole number such as 501 (`id -u`)")
+    if not 0 <= value <= MAX_UID:
+        raise ValueError(f"must be a user id from 0 to {MAX_UID}")
+    return value
 
 
 def _choice(options: tuple[str, ...]) -> Callable[[Any], str]:

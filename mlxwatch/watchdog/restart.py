@@ -15,6 +15,7 @@ import os
 import signal as signals
 from dataclasses import dataclass
 
+from mlxwatch import launchctl
 from mlxwatch.capture.commands import Runner, run_command
 from mlxwatch.config import InstanceConfig, RestartConfig
 from mlxwatch.errors import RestartError
@@ -39,10 +40,14 @@ class RestartContext:
     bundle: str | None
 
 
-def launchd_command(cfg: RestartConfig, uid: int | None = None) -> list[str]:
-    uid = os.getuid() if uid is None else uid
-    domain = "system" if cfg.domain == "system" else f"{cfg.domain}/{uid}"
-    return ["launchctl", "kickstart", "-k", f"{domain}/{cfg.target}"]
+def launchd_command(cfg: RestartConfig, uid: int | None = None, server_pid: int | None = None) -> list[str]:
+    """``launchctl kickstart -k <domain>/<uid>/<label>``. The uid: ``uid``, else ``restart.uid``,
+    else the server process's owner, else ours unless we are root (never ``gui/0``)."""
+    try:
+        uid = uid if uid is not None else launchctl.launchd_uid(cfg.domain, cfg.uid, server_pid)
+    except launchctl.UidUnknown as exc:
+        raise RestartError(str(exc)) from None
+    return launchctl.kickstart_argv(cfg.domain, uid, cfg.target)
 
 
 def systemd_command(cfg: RestartConfig) -> list[str]:
@@ -81,7 +86,8 @@ async def restart(ctx: RestartContext, runner: Runner = run_command) -> RestartO
         return RestartOutcome(NOTHING_TO_RESTART, "no restart configured (capture and notify only)")
     if cfg.method == "signal":
         return await _signal(ctx, cfg)
-    argv = {"launchd": lambda: launchd_command(cfg), "systemd": lambda: systemd_command(cfg),
+    argv = {"launchd": lambda: launchd_command(cfg, server_pid=ctx.identity.pid if ctx.identity else None),
+            "systemd": lambda: systemd_command(cfg),
             "command": lambda: custom_command(cfg, ctx)}[cfg.method]()
     result = await runner(argv, cfg.timeout)
     if not result.ok:
