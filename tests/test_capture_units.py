@@ -1,6 +1,6 @@
 """Capture's pure parts: classification rules, tool command lines, log markers, bundle storage
-and redaction. macOS-only tools are tested here through their command construction and on
-crash reports shaped like real ones (tests/data); they cannot run on Linux CI."""
+and redaction. macOS-only tools (sample, spindump, crash reports) are tested in
+test_macos_commands.py and test_macos_parsers.py; they cannot run on Linux CI."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from mlxwatch.capture import CaptureRequest, capture_bundle, collector, macos, procstats, pyspy
+from mlxwatch.capture import CaptureRequest, capture_bundle, collector, procstats, pyspy
 from mlxwatch.capture.bundle import WRITER, BundleWriter, adopt_partials, list_bundles, prune
 from mlxwatch.capture.classify import Evidence, classify
 from mlxwatch.capture.commands import CommandResult, run_command
@@ -24,8 +24,6 @@ from mlxwatch.capture.export import export_bundle, redact_log
 from mlxwatch.capture.procstats import redact_environment
 from mlxwatch.capture.summary import render_summary
 from mlxwatch.serverlog import scan, since_last_start
-
-DATA = Path(__file__).parent / "data"
 
 
 def thread(name="Thread-1 (_generate)", frames=(("_step", 1369), ("next", 1415), ("_generate", 853))):
@@ -97,31 +95,6 @@ def test_py_spy_platform_rules():
     assert pyspy.native_supported("linux") and not pyspy.native_supported("darwin")
     assert pyspy.needs_root("darwin", euid=501) and not pyspy.needs_root("darwin", euid=0)
     assert not pyspy.needs_root("linux", euid=501)
-
-
-def test_macos_command_construction(tmp_path):
-    """sample and spindump argv as documented (spindump: pid, duration, interval in ms)."""
-    out = tmp_path / "s.txt"
-    assert macos.sample_command(7, out) == ["sample", "7", "5", "-f", str(out)]
-    assert macos.spindump_command(7, out, sudo=True) == ["sudo", "-n", "spindump", "7", "5", "10", "-o", str(out)]
-
-
-@pytest.mark.parametrize("name", ["python-2026-07-05-081941.ips", "python_2026-07-05-081941_host.crash"])
-def test_crash_reports_match_by_pid(name):
-    """.ips (JSON header + body) and legacy .crash reports match our PID and no other."""
-    text = (DATA / name).read_text()
-    assert macos.crash_report_matches(text, 48213)
-    assert not macos.crash_report_matches(text, 48214)
-
-
-def test_recent_crash_reports_filters_by_time_and_pid(tmp_path):
-    """Only reports newer than the process start and naming its PID are collected."""
-    for name in ("python-2026-07-05-081941.ips", "python_2026-07-05-081941_host.crash"):
-        (tmp_path / name).write_text((DATA / name).read_text())
-    old = tmp_path / "python_2026-07-05-081941_host.crash"
-    os.utime(old, (time.time() - 7200, time.time() - 7200))
-    found = macos.recent_crash_reports(48213, since=time.time() - 3600, dirs=(str(tmp_path),))
-    assert [p.name for p in found] == ["python-2026-07-05-081941.ips"]
 
 
 LOG = """\

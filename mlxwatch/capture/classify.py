@@ -87,6 +87,14 @@ def classify(ev: Evidence) -> Classification:
     return result
 
 
+# A Metal command-buffer error (Insufficient Memory, GPU timeout) and mlx's version: mlx < 0.32
+# throws it from Metal's completion queue and the process aborts (mlx #3224, #3390); mlx 0.32.0
+# (PR #3523) records it on its events and raises it on the waiting thread, mlx-lm's generation thread.
+METAL_ABORTS = ("on mlx < 0.32 a Metal command-buffer error aborts the whole process from Metal's completion "
+                "queue; mlx >= 0.32.0 (PR #3523) raises it on the generation thread instead")
+METAL_RAISES = ("mlx >= 0.32.0 (PR #3523) raises a Metal command-buffer error on the generation thread, "
+                "which then dies; mlx < 0.32 aborted the whole process instead")
+
 CONTRADICTING_KINDS = ("busy", "healthy")  # kinds that say "not hung": they contradict a verdict
 _LOWER = {"high": "medium", "medium": "low", "low": "low"}
 
@@ -98,7 +106,7 @@ def _classify(ev: Evidence) -> Classification:
     if not ev.process_alive:
         lines.append("the server process is gone")
         if ev.log and ev.log.insufficient_memory:
-            lines.append(f"log: {ev.log.insufficient_memory[-1]} (a Metal OOM aborts the whole process)")
+            lines.append(f"log: {ev.log.insufficient_memory[-1]} ({METAL_ABORTS})")
         return Classification("crashed", "high", lines)
 
     if ev.probe_ran and ev.probe_ok:
@@ -118,6 +126,8 @@ def _classify(ev: Evidence) -> Classification:
         if present:
             competing.append(f"yet a generation thread appears in {len(present)} of {len(gens)} snapshot(s)")
         confidence = "high" if len(dead) >= 2 or (gens and not present and len(gens) >= 2) else "medium"
+        if ev.log and ev.log.insufficient_memory:  # said, not counted: the traceback line is the evidence
+            dead.append(f"log: {ev.log.insufficient_memory[-1]} ({METAL_RAISES})")
         return Classification("dead_thread", confidence if not competing else "medium", dead, competing)
 
     progress = _progress_signals(ev)

@@ -267,7 +267,11 @@ async def _stacks(cap: _Capture, rec: _Step) -> None:
             nonblocking = True
             result = await cap.runner(pyspy.dump_command(exe, req.pid, as_json=True, native=False, nonblocking=True, sudo=req.sudo), DUMP_TIMEOUT)
         if not result.ok:
-            errors.append(f"snapshot {i}: {result.error}")
+            output = result.stderr.decode("utf-8", "replace")
+            meaning = pyspy.explain(output)
+            errors.append(f"snapshot {i}: {result.error}" + (f" ({meaning})" if meaning else ""))
+            if pyspy.hopeless(output):  # another dump would fail the same way (macOS: see pyspy)
+                break
             continue
         try:
             threads = pyspy.parse_dump_json(result.stdout.decode("utf-8", "replace"))
@@ -350,6 +354,12 @@ async def _sample(cap: _Capture, rec: _Step) -> None:
     out = await asyncio.to_thread(cap.writer.tool_output, "native/sample.txt")
     result = await cap.runner(macos.sample_command(cap.req.pid, out), macos.SAMPLE_SECONDS + 15)
     await _register_tool_output(cap, rec, "native/sample.txt", result)
+    # sample's call graph, read: every thread's heaviest native path (MLX/Metal threads marked)
+    report = await asyncio.to_thread(
+        lambda: macos.parse_sample(out.read_text(errors="replace")) if out.exists() else None)
+    if report is not None:
+        await cap.write_json("native/sample-threads.json", {
+            "process": report.process, "findings": report.findings(), "threads": [vars(t) for t in report.threads]})
 
 
 async def _spindump(cap: _Capture, rec: _Step) -> None:
@@ -359,10 +369,14 @@ async def _spindump(cap: _Capture, rec: _Step) -> None:
     if os.geteuid() != 0 and not cap.req.sudo:
         rec.outcome, rec.error = "skipped", "spindump needs root: run as root or set capture.sudo"
         return
-    out = await asyncio.to_thread(cap.writer.tool_output, "native/spindump.txt")
-    result = await cap.runner(macos.spindump_command(cap.req.pid, out, sudo=cap.req.sudo and os.geteuid() != 0),
+    # The report comes on stdout and is written here: a file spindump wrote under sudo would be
+    # root's, neither private nor readable by this daemon.
+    result = await cap.runner(macos.spindump_command(cap.req.pid, sudo=cap.req.sudo and os.geteuid() != 0),
                               macos.SAMPLE_SECONDS + 30)
-    await _register_tool_output(cap, rec, "native/spindump.txt", result)
+    if result.stdout:
+        await cap.write("native/spindump.txt", result.stdout)
+    if not result.ok:
+        rec.outcome, rec.error = "failed", result.error
 
 
 async def _register_tool_output(cap: _Capture, rec: _Step, relname: str, result) -> None:

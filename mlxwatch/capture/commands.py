@@ -1,10 +1,11 @@
 """Run external diagnostic tools (py-spy, sample, spindump) with a hard timeout each.
 
-A diagnostic tool must never hang the capture: py-spy on macOS can block on a suspended target
-(py-spy #390), so on timeout the tool gets SIGTERM, then SIGKILL, and the step is recorded as
-timed out. Output is bounded while it is read (a tool or hook spewing gigabytes must not grow the
-daemon), and the excess is drained so the child never blocks on a full pipe. The runner is
-injectable so tests can check command construction.
+A diagnostic tool must never hang the capture (on a Mac py-spy's attach is unreliable,
+"Operation timed out (os error 60)" in py-spy #242 and #754; ``sample`` and ``spindump`` sample
+for seconds by design), so on timeout the tool gets SIGTERM, then SIGKILL, and the step is
+recorded as timed out. Output is bounded while it is read (a tool or hook
+spewing gigabytes must not grow the daemon), and the excess is drained so the child never
+blocks on a full pipe. The runner is injectable so tests can check command construction.
 """
 
 from __future__ import annotations

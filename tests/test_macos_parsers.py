@@ -1,0 +1,301 @@
+"""Parsers of macOS output, on real output quoted in public sources (tests/data: each fixture
+names its source above its marker line), and the capture steps that use them.
+
+Where a rule has no real output to test it on (a branching ``sample`` graph, a nested block
+with its own ``pid`` line in ``launchctl print``), the input is written here and says so.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from mlxwatch import launchctl
+from mlxwatch.capture import CaptureRequest, collector, macos
+from mlxwatch.capture.commands import CommandResult
+
+DATA = Path(__file__).parent / "data"
+MARK = "# ----- output below, as quoted -----\n"
+
+
+def recorded(name: str) -> str:
+    header, marker, body = (DATA / name).read_text().partition(MARK)
+    assert marker and header.startswith("# source: https://"), f"{name} names no source"
+    return body
+
+
+def test_every_fixture_names_its_public_source():
+    names = [p.name for p in DATA.iterdir() if p.is_file()]
+    assert names
+    for name in names:
+        recorded(name)
+
+
+# --- launchctl print
+
+
+def test_print_of_a_running_job_gives_pid_state_and_paths():
+    """boxen/puppet-boxen#104: a running job (4-space indentation, OS X 10.10); nested blocks
+    (arguments, environment) are skipped; the excerpt's missing closing brace is tolerated."""
+    info = launchctl.parse_print(recorded("launchctl-print-boxen-104.txt"))
+    assert info.pid == 24784 and info.state == "running"
+    assert info.plist == Path("/Library/LaunchDaemons/dev.mysql.plist")
+    assert info.stderr_path == info.stdout_path == Path("/opt/boxen/log/mysql/console.log")
+
+
+def test_print_of_a_loaded_job_that_is_not_running_has_no_pid():
+    """aspelldenny/advisory-cron (Darwin 25.5.0, gui/501): tabs, no pid line, nested event
+    triggers whose `service =` lines are not the job's."""
+    info = launchctl.parse_print(recorded("launchctl-print-advisory-cron.txt"))
+    assert info.pid is None and info.state == "not running"
+    assert info.plist == Path("/Users/nguyenhuuanh/Library/LaunchAgents/com.advisorycron.probe-p005.plist")
+    assert info.stderr_path == Path("/tmp/advisory-cron-probe-p005.stderr.log")
+
+
+def test_print_reads_only_the_job_blocks_own_pid_and_state():
+    """Written here, not recorded: newer macOS prints coalition blocks one level down with their
+    own `state` and `pid` lines; only the job's top-level lines count, wherever they come."""
+    text = ("gui/501/x = {\n\tresource coalition = {\n\t\tstate = active\n\t\tpid = 1\n\t}\n"
+            "\tstate = running\n\tpid = 36019\n\tjetsam coalition = {\n\t\tpid = 1\n\t}\n}\n")
+    info = launchctl.parse_print(text)
+    assert (info.pid, info.state) == (36019, "running")
+
+
+@pytest.mark.parametrize("text", ["", "Bad request.\n", "gui/501/x = {\n\tpid = abc\n}\n", "\x00\x01{{{"])
+def test_print_output_it_cannot_read_gives_nothing_not_an_error(text):
+    info = launchctl.parse_print(text)
+    assert info.pid is None and info.plist is None
+
+
+def test_job_status_prefers_the_plist_files_log_path(monkeypatch, tmp_path):
+    """The paths come from the job's plist (`path =`) when it can be read, from print otherwise."""
+    plist = tmp_path / "dev.mysql.plist"
+    import plistlib
+    plist.write_bytes(plistlib.dumps({"Label": "dev.mysql", "StandardErrorPath": str(tmp_path / "err.log")}))
+    text = recorded("launchctl-print-boxen-104.txt").replace("/Library/LaunchDaemons/dev.mysql.plist", str(plist))
+    monkeypatch.setattr(launchctl, "runner", lambda argv: launchctl.Result(0, text, ""))
+    status = launchctl.job_status("dev.mysql", "system")
+    assert status.loaded and status.pid == 24784 and status.log == tmp_path / "err.log"
+    monkeypatch.setattr(launchctl, "runner",
+                        lambda argv: launchctl.Result(0, recorded("launchctl-print-boxen-104.txt"), ""))
+    assert launchctl.job_status("dev.mysql", "system").log == Path("/opt/boxen/log/mysql/console.log")
+
+
+def test_job_status_of_an_unknown_label_says_launchds_reason(monkeypatch):
+    """NixOS/nix#9978 quotes `launchctl print system/org.nixos.darwin-store` answering
+    "Bad request." then "Could not find service ...": the reason, not "Bad request.", is kept."""
+    monkeypatch.setattr(launchctl, "runner", lambda argv: launchctl.Result(
+        113, "", 'Bad request.\nCould not find service "org.nixos.darwin-store" in domain for system\n'))
+    status = launchctl.job_status("org.nixos.darwin-store", "system")
+    assert not status.loaded and status.pid is None
+    assert status.detail.endswith('Could not find service "org.nixos.darwin-store" in domain for system')
+
+
+def test_job_status_without_launchctl(monkeypatch):
+    def missing(argv):
+        raise launchctl.LaunchctlMissing("launchctl: not found (launchd exists only on macOS)")
+    monkeypatch.setattr(launchctl, "runner", missing)
+    assert "not found" in launchctl.job_status("x", "gui", 501).detail
+
+
+# --- sample
+
+
+def test_sample_header_and_call_graph():
+    """quicksilver/Quicksilver#1689: a real sample of a hung app."""
+    report = macos.parse_sample(recorded("sample-quicksilver-1689.txt"))
+    assert report.process == "Quicksilver [78156]"
+    assert report.header["OS Version"] == "Mac OS X 10.9 (13A603)"
+    (thread,) = report.threads
+    assert thread.heading.startswith("Thread_1447670") and thread.samples == 2569
+    assert thread.path[0] == "start_wqthread  (in libsystem_pthread.dylib)"
+    assert thread.leaf == "_dispatch_queue_invoke  (in libdispatch.dylib)"
+
+
+def test_sample_threads_of_a_fragment_with_and_without_graph_lines():
+    """quicksilver/Quicksilver#1388: the last thread of a graph has no `+` marks; a frame before
+    any thread heading (the tail of an earlier thread) is skipped."""
+    report = macos.parse_sample(recorded("sample-quicksilver-1388.txt"))
+    assert [t.heading.split()[0] for t in report.threads] == ["Thread_417632:", "Thread_434309"]
+    marking, worker = report.threads
+    assert marking.leaf == "__psynch_cvwait  (in libsystem_kernel.dylib)" and len(marking.path) == 7
+    assert worker.leaf == "_dispatch_call_block_and_release  (in libdispatch.dylib)" and len(worker.path) == 5
+    assert report.findings()[0].startswith("Thread_417632: 2651 samples, heaviest path ends ")
+
+
+def test_sample_follows_the_heaviest_branch():
+    """Written here, not recorded (no public sample with MLX threads was found): a branching
+    graph; the lighter sibling's subtree must not be grafted onto the heavier path."""
+    text = "\n".join([
+        "Call graph:",
+        "    100 Thread_7   DispatchQueue_1: com.apple.main-thread  (serial)",
+        "    + 100 start  (in dyld) + 1  [0x1]",
+        "    +   60 mlx::core::eval_impl(std::vector<mlx::core::array>, bool)  (in libmlx.dylib) + 2  [0x2]",
+        "    +   ! 60 std::condition_variable::wait(std::unique_lock<std::mutex>&)  (in libc++.1.dylib) + 3  [0x3]",
+        "    +   ! : 60 __psynch_cvwait  (in libsystem_kernel.dylib) + 8  [0x4]",
+        "    +   40 _PyEval_EvalFrameDefault  (in Python) + 4  [0x5]",
+        "    +     40 deeper_in_python  (in Python) + 5  [0x6]",
+        "    100 Thread_8: com.Metal.CompletionQueueDispatch",
+        "      100 _dispatch_worker_thread  (in libdispatch.dylib) + 1  [0x7]",
+        "",
+        "Total number in stack (recursive counted multiple times):",
+        "        100 start  (in dyld) + 1  [0x1]",
+    ])
+    report = macos.parse_sample(text)
+    main, metal = report.threads
+    assert [f.split("  (in ")[0] for f in main.path] == [
+        "start", "mlx::core::eval_impl(std::vector<mlx::core::array>, bool)",
+        "std::condition_variable::wait(std::unique_lock<std::mutex>&)", "__psynch_cvwait"]
+    assert metal.path == ["_dispatch_worker_thread  (in libdispatch.dylib)"]
+    findings = report.findings()
+    assert "[MLX/Metal]" in findings[0] and "[MLX/Metal]" in findings[1]
+
+
+def test_sample_of_something_else_gives_no_threads():
+    assert macos.parse_sample("sample: no such process\n").threads == []
+
+
+# --- crash reports
+
+
+def test_ips_crash_report_two_json_objects():
+    """DozaVisuals/doza-assist#23: header line (bug_type 309) + body (pid, procName)."""
+    text = recorded("python-doza-assist-23.ips")
+    report = macos.parse_crash_report(text)
+    assert (report.pid, report.process, report.bug_type) == (2266, "Python", "309")
+    assert macos.crash_report_matches(text, 2266) and not macos.crash_report_matches(text, 2267)
+    assert macos.crash_report_matches(text, None)  # no PID: a Python process is ours to look at
+
+
+def test_an_ips_of_another_bug_type_is_not_a_crash_report():
+    """The same real report with its header's bug_type changed: not a crash, never collected."""
+    text = recorded("python-doza-assist-23.ips").replace('"bug_type":"309"', '"bug_type":"288"', 1)
+    assert not macos.crash_report_matches(text, 2266)
+
+
+@pytest.mark.parametrize("name, pid", [("python-omlx-1548.crash", 65813), ("python-omlx-410.crash", 22793)])
+def test_text_crash_reports_of_a_metal_abort(name, pid):
+    """jundot/omlx#1548 and #410: MLX's Python aborted on Metal's completion queue (mlx < 0.32);
+    the older "Thread N Crashed:: Dispatch queue:" and newer "Triggered by Thread:" layouts."""
+    text = recorded(name)
+    report = macos.parse_crash_report(text)
+    assert (report.pid, report.process, report.exception) == (pid, "Python", "EXC_CRASH (SIGABRT)")
+    assert report.crashed_queue == "com.Metal.CompletionQueueDispatch"
+    assert macos.crash_report_matches(text, pid) and not macos.crash_report_matches(text, pid + 1)
+
+
+def _reports_dir(tmp_path: Path) -> Path:
+    d = tmp_path / "DiagnosticReports"
+    d.mkdir()
+    return d
+
+
+def test_recent_crash_reports_filter_by_time_and_pid(tmp_path):
+    d = _reports_dir(tmp_path)
+    (d / "Python-2026-05-12-185638.ips").write_text(recorded("python-doza-assist-23.ips"))
+    old = d / "Python-2026-05-30-151330.crash"
+    old.write_text(recorded("python-omlx-1548.crash"))
+    os.utime(old, (time.time() - 7200, time.time() - 7200))
+    (d / "notes.txt").write_text(recorded("python-omlx-1548.crash"))
+    found = macos.recent_crash_reports(2266, since=time.time() - 3600, dirs=(str(d),), alive=True)
+    assert [p.name for p in found] == ["Python-2026-05-12-185638.ips"]
+    assert macos.recent_crash_reports(65813, since=time.time() - 3600, dirs=(str(d),), alive=True) == []
+
+
+def test_a_dead_servers_report_is_waited_for(tmp_path):
+    """ReportCrash writes a moment after the death: the search is retried for a few seconds."""
+    d = _reports_dir(tmp_path)
+    target = d / "Python-2026-05-30-151330.crash"
+
+    def write_late():
+        time.sleep(1.0)
+        target.write_text(recorded("python-omlx-1548.crash"))
+
+    import threading
+    writer = threading.Thread(target=write_late)
+    writer.start()
+    started = time.monotonic()
+    found = macos.recent_crash_reports(65813, since=time.time() - 60, dirs=(str(d),), alive=False, settle=5.0)
+    writer.join()
+    assert found == [target] and 0.9 < time.monotonic() - started < 4.0
+    started = time.monotonic()
+    assert macos.recent_crash_reports(1, since=time.time() - 60, dirs=(str(d),), alive=True, settle=5.0) == []
+    assert time.monotonic() - started < 0.5  # a live process is not waited for
+
+
+# --- the capture steps on a "Mac": spindump's stdout, sample's parsed graph
+
+
+@pytest.fixture
+def fake_mac(monkeypatch):
+    monkeypatch.setattr(macos, "is_macos", lambda platform=None: True)
+    monkeypatch.setattr(macos, "tool_available", lambda name: True)
+
+
+def _runner_for(outputs: dict[str, bytes], calls: list[list[str]]):
+    async def runner(argv, timeout):
+        argv = list(argv)
+        calls.append(argv)
+        tool = Path(argv[2] if argv[0] == "sudo" else argv[0]).name
+        if tool == "sample":
+            Path(argv[argv.index("-file") + 1]).write_bytes(outputs["sample"])
+            return CommandResult(argv, 0, b"", b"", 0.1)
+        if tool in outputs:
+            return CommandResult(argv, 0, outputs[tool], b"", 0.1)
+        return CommandResult(argv, None, b"", b"", 0.0, f"{argv[0]}: not found")
+    return runner
+
+
+async def test_spindump_report_is_written_by_mlxwatch_private_and_listed(tmp_path, fake_mac, monkeypatch):
+    """Run as root or under sudo, spindump no longer writes a file (that file was root's: the
+    chmod failed and it was missing from the manifest); its stdout is written by mlxwatch."""
+    monkeypatch.setattr(collector.os, "geteuid", lambda: 0)
+    spindump = recorded("spindump-quicksilver-2166.txt").encode()
+    calls: list[list[str]] = []
+    server = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        bundle = await collector.capture_bundle(
+            CaptureRequest(pid=server.pid, out_dir=tmp_path / "bundles", snapshots=1, spacing=0.1, ceiling=20.0),
+            runner=_runner_for({"spindump": spindump, "sample": recorded("sample-quicksilver-1689.txt").encode()},
+                               calls))
+    finally:
+        server.kill()
+        server.wait()
+    written = bundle.path / "native" / "spindump.txt"
+    assert written.read_bytes() == spindump
+    assert written.stat().st_mode & 0o777 == 0o600
+    assert "native/spindump.txt" in bundle.manifest["files"]
+    (spin,) = [c for c in calls if Path(c[0]).name == "spindump" or "spindump" in " ".join(c[:3])]
+    assert "-o" not in spin and "-stdout" in spin
+    threads = json.loads((bundle.path / "native" / "sample-threads.json").read_text())
+    assert threads["process"] == "Quicksilver [78156]" and threads["threads"][0]["samples"] == 2569
+
+
+async def test_a_failed_spindump_keeps_what_it_printed_and_says_why(tmp_path, fake_mac, monkeypatch):
+    monkeypatch.setattr(collector.os, "geteuid", lambda: 0)
+
+    async def runner(argv, timeout):
+        if "spindump" in " ".join(argv):
+            return CommandResult(list(argv), 77, b"", b"spindump must be run as root when sampling the live system\n",
+                                 0.1, "exit 77: spindump must be run as root when sampling the live system")
+        return CommandResult(list(argv), None, b"", b"", 0.0, f"{argv[0]}: not found")
+
+    server = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        bundle = await collector.capture_bundle(
+            CaptureRequest(pid=server.pid, out_dir=tmp_path / "bundles", snapshots=1, spacing=0.1, ceiling=20.0),
+            runner=runner)
+    finally:
+        server.kill()
+        server.wait()
+    step = next(s for s in bundle.manifest["steps"] if s["name"] == "spindump")
+    assert step["outcome"] == "failed" and "must be run as root" in step["error"]
+    assert not (bundle.path / "native" / "spindump.txt").exists()
