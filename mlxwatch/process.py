@@ -14,6 +14,12 @@ Anything else on the port is a stranger: reported, never touched::
     if found.identity: ...            # proven: safe to capture and signal
     elif found.stranger: print(found.stranger)
 
+An instance restarted by launchd (``restart: {launchd: LABEL}``) may be found by its label:
+launchd's PID for the job (``launchctl print``, see ``mlxwatch.launchctl``) is proven the same
+way as a ``pid_file``'s, by it (or a process it started, such as the Python that ``uv run``
+spawns) listening on the exact address; a label whose process does not listen there is reported
+and counted as loading, never acted on. Without a PID from launchd the port lookup is used.
+
 Every function here blocks (psutil, /proc): the daemon calls them through ``asyncio.to_thread``
 and only when an instance's state changes, never on a healthy probe.
 """
@@ -92,6 +98,7 @@ class ServerLookup:
     loading: ProcessIdentity | None = None  # an mlx-lm server for this port, not listening yet
     stranger: str | None = None  # "port 8082 taken by PID N: python3 -m http.server"
     detail: str = ""  # why nothing was proven, for logs
+    log: Path | None = None  # the launchd job's StandardErrorPath, when found by label
 
 
 def _cmdline(proc: psutil.Process) -> list[str]:
@@ -237,9 +244,18 @@ def _read_pid_file(pid_file: Path) -> int:
         raise ProcessGoneError(f"cannot read a PID from {pid_file}: {exc}") from None
 
 
-def lookup_server(url: str, pid_file: Path | None = None) -> ServerLookup:
-    """Find this instance's server process, proven by command line (or ``pid_file``) and address."""
+def lookup_server(url: str, pid_file: Path | None = None, launchd_label: str | None = None,
+                  launchd_domain: str = "gui", launchd_uid: int | None = None) -> ServerLookup:
+    """Find this instance's server process, proven by command line (or ``pid_file``, or a
+    launchd label's PID) and address. ``pid_file`` wins over a label."""
     port = url_port(url)
+    if pid_file is None and launchd_label is not None:
+        found, why, log = _lookup_by_label(url, launchd_label, launchd_domain, launchd_uid)
+        if found is not None:
+            return found
+        by_port = lookup_server(url)
+        return ServerLookup(by_port.identity, by_port.loading, by_port.stranger,
+                            f"{why}; by port: {by_port.detail}" if by_port.detail else why, log)
     if pid_file is not None:
         try:
             ident = ProcessIdentity.of(_read_pid_file(pid_file))
@@ -270,6 +286,51 @@ def lookup_server(url: str, pid_file: Path | None = None) -> ServerLookup:
     loading = None if stranger else _loading_server(port)
     detail = stranger or (f"{loading.describe()} is starting" if loading else f"nothing listens on {url}")
     return ServerLookup(loading=loading, stranger=stranger, detail=detail)
+
+
+def _lookup_by_label(url: str, label: str, domain: str,
+                     uid: int | None) -> tuple[ServerLookup | None, str, Path | None]:
+    """The label's process if launchd has one: proven when it or a process it started listens on
+    the exact address, else loading (and who holds the address instead). (None, why, log) when
+    launchd gives no PID: the caller falls back to the port lookup."""
+    from mlxwatch import launchctl
+
+    try:
+        status = launchctl.job_status(label, domain, launchctl.launchd_uid(domain, uid))
+    except launchctl.UidUnknown as exc:
+        return None, f"launchd label {label}: {exc}", None
+    if status.pid is None:
+        return None, f"launchd label {label}: {status.detail}", status.log
+    try:
+        ident = ProcessIdentity.of(status.pid)
+    except ProcessGoneError as exc:
+        return None, f"launchd label {label}: {exc}", status.log
+    port = url_port(url)
+    family = [ident.pid]
+    try:
+        family += [c.pid for c in psutil.Process(ident.pid).children(recursive=True)]
+    except psutil.Error:
+        pass
+    for pid in family:
+        mine = own_listeners(pid, port)
+        if serves(mine, url):
+            try:
+                server = ident if pid == ident.pid else ProcessIdentity.of(pid)
+            except ProcessGoneError:
+                continue
+            return ServerLookup(identity=_with_address(server, mine, url), log=status.log,
+                                detail=f"{server.describe()} from launchd label {label}"), "", status.log
+    stranger = None
+    for pid, addrs in sorted(listeners_on(port).items()):
+        if pid not in family and serves(addrs, url):
+            try:
+                stranger = _stranger_text(port, ProcessIdentity.of(pid))
+                break
+            except ProcessGoneError:
+                continue
+    mismatch = (f"launchd label {label} runs {ident.describe()}, which does not listen on {url}"
+                + (f"; {stranger}" if stranger else " (yet)"))
+    return ServerLookup(loading=ident, stranger=stranger, detail=mismatch, log=status.log), "", status.log
 
 
 def _with_address(ident: ProcessIdentity, addrs: list[tuple[str, int]], url: str) -> ProcessIdentity:

@@ -101,6 +101,21 @@ class InstanceWatcher:
     def name(self) -> str:
         return self.inst.name
 
+    def _lookup(self) -> ServerLookup:
+        """``lookup_fn`` for this instance (blocking: run it in a thread). An instance restarted by
+        launchd is looked up by its label too, and without a configured ``log`` follows the job's
+        StandardErrorPath that launchd names."""
+        r = self.inst.restart
+        if r.method != "launchd":
+            return self.shared.lookup_fn(self.inst.url, self.inst.pid_file)
+        found = self.shared.lookup_fn(self.inst.url, self.inst.pid_file, launchd_label=r.target,
+                                      launchd_domain=r.domain, launchd_uid=r.uid)
+        if self.inst.log is None and found.log is not None and found.log != self.tracker.log:
+            log.info("%s: following %s (the launchd job's log)", self.name, found.log)
+            self.tracker = ProgressTracker(found.log)
+            self.tracker.prime()
+        return found
+
     @property
     def busy_with_incident(self) -> bool:
         """An incident is open (any state, awaiting recovery and given-up included)."""
@@ -202,7 +217,7 @@ class InstanceWatcher:
 
         True (no verdict) while such a process exists and is younger than ``startup_timeout``
         (or the last restart is). A process that has run longer than that is not loading."""
-        found = await asyncio.to_thread(self.shared.lookup_fn, self.inst.url, self.inst.pid_file)
+        found = await asyncio.to_thread(self._lookup)
         if found.stranger:
             self._say(f"{found.stranger}: not this instance's server; it will not be touched")
         proc = found.identity or found.loading
@@ -236,7 +251,7 @@ class InstanceWatcher:
         self.seen_healthy, self.restart_in_flight = True, False
         if self.identity is not None and await asyncio.to_thread(self.identity.still_ours, self.inst.url):
             return
-        found = await asyncio.to_thread(self.shared.lookup_fn, self.inst.url, self.inst.pid_file)
+        found = await asyncio.to_thread(self._lookup)
         self.identity = found.identity
         if found.identity is None:
             self._say(f"cannot prove which process serves {self.inst.url} ({found.detail}); it will not be "
@@ -260,7 +275,7 @@ class InstanceWatcher:
         (and who holds the port, if anyone): nothing unproven is ever captured or signalled."""
         if self.identity is not None and await asyncio.to_thread(self.identity.alive):
             return self.identity, None
-        found = await asyncio.to_thread(self.shared.lookup_fn, self.inst.url, self.inst.pid_file)
+        found = await asyncio.to_thread(self._lookup)
         self.identity = found.identity
         return found.identity, found.stranger
 
@@ -305,7 +320,8 @@ class InstanceWatcher:
         cap, p = self.shared.capture, self.inst.probe
         request = CaptureRequest(
             pid=server.pid if server else None, out_dir=self.shared.bundles_dir, label=self.name, url=self.inst.url,
-            log=self.inst.log, snapshots=cap.snapshots, spacing=cap.spacing, ceiling=cap.ceiling, sudo=cap.sudo,
+            log=self.inst.log or self.tracker.log, snapshots=cap.snapshots, spacing=cap.spacing,
+            ceiling=cap.ceiling, sudo=cap.sudo,
             log_tail_lines=cap.log_tail_lines, probe_first_token_timeout=min(p.first_token_timeout, 10.0),
             probe_timeout=min(p.timeout, 20.0), prior_probes=[r.to_dict() for r in self.failed_reports],
             keep=cap.keep, max_bytes=cap.max_bytes, verdict=_verdict_text(self.failed_reports, inc.stranger),
