@@ -90,7 +90,17 @@ def build_parser() -> argparse.ArgumentParser:
     agent = sub.add_parser("launchd", help="launchd agent for the daemon (macOS)")
     agent_sub = agent.add_subparsers(dest="launchd_command", required=True, parser_class=_Parser)
     plist = agent_sub.add_parser("plist", help="print the agent plist for this installation")
-    plist.add_argument("--label", default="com.mlxwatch.daemon")
+    install = agent_sub.add_parser("install", help="write ~/Library/LaunchAgents/LABEL.plist and load it "
+                                                   "(0 installed, 1 launchctl failed, 2 usage/config)")
+    uninstall = agent_sub.add_parser("uninstall", help="unload the agent and remove its plist; state and "
+                                                       "bundles stay (0, 1 launchctl failed, 2 usage)")
+    for p in (plist, install, uninstall):
+        p.add_argument("--label", default="com.mlxwatch.daemon", help="launchd label (default com.mlxwatch.daemon)")
+    for p in (plist, install):  # its own dest: a subparser default would overwrite mlxwatch --config
+        p.add_argument("--config", dest="launchd_config",
+                       help="config the agent runs with (default: as mlxwatch --config)")
+    for p in (install, uninstall):
+        p.add_argument("--force", action="store_true", help="replace or remove a plist mlxwatch did not write")
 
     demo = sub.add_parser("demo", help="watch a tiny real mlx_lm.server through a livelock and its recovery")
     demo.add_argument("--keep", action="store_true", help="keep the demo's model and server log too")
@@ -293,10 +303,30 @@ def cmd_resume(args: argparse.Namespace, out: Console) -> int:
 
 
 def cmd_launchd(args: argparse.Namespace, out: Console) -> int:
-    from mlxwatch.launchd import render
+    from mlxwatch import launchd
 
-    config = resolve_config_path(args.config)
-    sys.stdout.write(render(config.resolve(), args.label).decode())
+    label = launchd.check_label(args.label)
+    if args.launchd_command == "uninstall":
+        gone = launchd.uninstall(label, force=args.force)
+        if not (gone.booted_out or gone.removed):
+            out.print(f"nothing to uninstall: {label} is not loaded and {gone.plist} does not exist", markup=False)
+        else:
+            done = [w for w, did in (("unloaded", gone.booted_out), (f"removed {gone.plist}", gone.removed)) if did]
+            out.print(f"{label}: {', '.join(done)}; the state dir and the bundles are kept", markup=False)
+        return EXIT_OK
+    config = resolve_config_path(args.launchd_config or args.config)
+    if args.launchd_command == "plist":
+        sys.stdout.write(launchd.render(config.resolve(), label).decode())
+        return EXIT_OK
+    done = launchd.install(config, label, force=args.force)
+    target = f"{done.domain}/{label}"
+    replaced = " (the loaded one was replaced)" if done.replaced_loaded else ""
+    out.print(f"installed {label} in {done.domain}: {done.plist}{replaced}", markup=False)
+    out.print(f"  runs      {' '.join(done.argv)}", markup=False)
+    out.print(f"  log       {done.log}", markup=False)
+    out.print(f"  reload    launchctl kill SIGHUP {target}", markup=False)
+    out.print(f"  restart   launchctl kickstart -k {target}", markup=False)
+    out.print(f"  remove    mlxwatch launchd uninstall --label {label}", markup=False)
     return EXIT_OK
 
 
