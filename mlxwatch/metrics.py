@@ -350,6 +350,8 @@ class MetricsExporter:
 
     async def start(self) -> None:
         if self.metrics is None:
+            if self.state is not None and self.state.data.get("daemon", {}).get("metrics"):
+                self.state.set_daemon(metrics=None)  # an earlier run's settings, no longer true
             return
         if self.journal is not None:
             self.journal.observers.append(self.metrics.on_record)
