@@ -191,3 +191,62 @@ def test_bad_restart_uid_is_one_line_exit_2(config_file, capsys, text, message):
     path = config_file(text)
     assert run(["config", "validate", str(path)]) == 2
     assert capsys.readouterr().err.strip() == f"mlxwatch: {path}: {message}"
+
+
+# --- the README's sudoers rule allows exactly the spindump argv mlxwatch runs
+
+
+def _sudoers_spindump_entries() -> list[str]:
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    block = readme.split("Cmnd_Alias MLXWATCH_SPINDUMP = \\\n", 1)[1].split("\nyouruser ALL", 1)[0]
+    return [line.strip().rstrip("\\").strip().rstrip(",") for line in block.splitlines()]
+
+
+def _sudoers_match(entry: str, argv: list[str]) -> bool:
+    """sudoers(5): the command path must be equal and the arguments match as a glob (fnmatch);
+    `[0-9]` is one digit and `*` would match spaces too."""
+    import fnmatch
+
+    path, _, args = entry.partition(" ")
+    return argv[0] == path and fnmatch.fnmatchcase(" ".join(argv[1:]), args)
+
+
+@pytest.mark.parametrize("pid", [1, 42, 4242, 99999])
+def test_readme_sudoers_rule_allows_the_spindump_mlxwatch_runs(pid):
+    argv = macos.spindump_command(pid, sudo=True)
+    assert argv[:2] == ["sudo", "-n"]
+    assert sum(_sudoers_match(e, argv[2:]) for e in _sudoers_spindump_entries()) == 1
+
+
+@pytest.mark.parametrize("argv", [
+    ["/usr/sbin/spindump", "1", "-o", "/etc/sudoers", "5", "10", "-onlyTarget", "-stdout", "-noFile", "-noBinary"],
+    ["/usr/sbin/spindump", "1", "-i", "/etc/master.passwd", "-stdout"],
+    ["/usr/sbin/spindump", "123456", "5", "10", "-onlyTarget", "-stdout", "-noFile", "-noBinary"],
+    ["/usr/local/bin/spindump", "1", "5", "10", "-onlyTarget", "-stdout", "-noFile", "-noBinary"],
+])
+def test_readme_sudoers_rule_allows_nothing_else(argv):
+    assert not any(_sudoers_match(e, argv) for e in _sudoers_spindump_entries())
+
+
+# --- the three ways a server is started: recognised, and its versions read
+
+
+@pytest.mark.parametrize("cmdline", [
+    ["/v/bin/python3.12", "/v/bin/mlx_lm.server", "--port", "8082"],  # console script
+    ["/v/bin/python3.12", "/v/bin/mlx_lm", "server", "--port", "8082"],  # the subcommand
+    ["/v/bin/python3.12", "-m", "mlx_lm", "server", "--port", "8082"],
+    ["/v/bin/python3.12", "-m", "mlx_lm.server", "--port", "8082"],  # deprecated by mlx-lm itself
+])
+def test_every_way_to_start_a_server_is_a_server_with_its_versions(cmdline, tmp_path):
+    from mlxwatch.capture.versions import server_versions
+    from mlxwatch.process import is_mlx_server, server_port
+
+    assert is_mlx_server(cmdline) and server_port(cmdline) == 8082
+    venv = tmp_path / "v"
+    site = venv / "lib" / "python3.12" / "site-packages"
+    (site / "mlx_lm-0.32.2.dist-info").mkdir(parents=True)
+    (site / "mlx-0.32.4.dist-info").mkdir()
+    (venv / "bin").mkdir()
+    (venv / "bin" / "python3.12").write_text("")
+    cmdline = [a.replace("/v/", f"{venv}/") for a in cmdline]
+    assert server_versions(cmdline, None)["packages"] == {"mlx-lm": "0.32.2", "mlx": "0.32.4"}
