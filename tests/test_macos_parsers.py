@@ -299,3 +299,38 @@ async def test_a_failed_spindump_keeps_what_it_printed_and_says_why(tmp_path, fa
     step = next(s for s in bundle.manifest["steps"] if s["name"] == "spindump")
     assert step["outcome"] == "failed" and "must be run as root" in step["error"]
     assert not (bundle.path / "native" / "spindump.txt").exists()
+
+
+# --- the classifier's Metal out-of-memory lines say which mlx versions abort and which raise
+
+
+def _metal_log(thread_died: bool = True):
+    from mlxwatch.serverlog import scan
+
+    # Written here, not recorded: the shape of mlx >= 0.32's raise (mlx/backend/metal/device.cpp
+    # at PR #3523 formats "[METAL] Command buffer execution failed: {}.") ending a thread's traceback.
+    error = ("RuntimeError: [METAL] Command buffer execution failed: Insufficient Memory "
+             "(00000008:kIOGPUCommandBufferCallbackErrorOutOfMemory).")
+    head = ["Exception in thread Thread-1 (_generate):", "Traceback (most recent call last):",
+            '  File "/v/lib/python3.12/site-packages/mlx_lm/generate.py", line 1369, in _step']
+    return scan("\n".join((head if thread_died else []) + [error]) + "\n")
+
+
+def test_a_metal_oom_in_a_dead_thread_names_mlx_032_and_is_not_counted_as_more_evidence():
+    from mlxwatch.capture.classify import Evidence, classify
+
+    result = classify(Evidence(log=_metal_log(), probe_ran=True, probe_failure="first_token_timeout"))
+    assert result.kind == "dead_thread"
+    assert any("PR #3523" in line and "mlx >= 0.32.0" in line for line in result.evidence)
+    # One death signal (/health 503) plus the Metal line: still one signal, so not "high".
+    alone = classify(Evidence(log=_metal_log(thread_died=False), health_status=503, probe_ran=True))
+    assert alone.kind == "dead_thread" and alone.confidence == "medium"
+    assert any("PR #3523" in line for line in alone.evidence)
+
+
+def test_a_crash_after_a_metal_oom_names_the_abort_of_mlx_before_032():
+    from mlxwatch.capture.classify import Evidence, classify
+
+    result = classify(Evidence(process_alive=False, log=_metal_log()))
+    assert result.kind == "crashed"
+    assert any("on mlx < 0.32" in line and "aborts the whole process" in line for line in result.evidence)
