@@ -102,6 +102,17 @@ def build_parser() -> argparse.ArgumentParser:
     for p in (install, uninstall):
         p.add_argument("--force", action="store_true", help="replace or remove a plist mlxwatch did not write")
 
+    launch = sub.add_parser("launch", help="run a server command with the launch shim (stacks without root, a "
+                                           "delivery heartbeat), as the same process (exec)",
+                            description="Run the server command after -- with the launch shim loaded, as the same "
+                                        "process (exec: the PID launchd knows stays). Example: mlxwatch launch "
+                                        "--name big -- mlx_lm.server --model MODEL --port 8080")
+    launch.add_argument("--name", help="a name shown in the heartbeat")
+    launch.add_argument("--exit-on-thread-death", action="store_true",
+                        help="exit with status 70 when the generation thread dies (after its traceback is "
+                             "written), so launchd's KeepAlive restarts the server at once")
+    launch.add_argument("server_command", nargs=argparse.REMAINDER, metavar="-- COMMAND ...",
+                        help="the server command, unchanged")
     demo = sub.add_parser("demo", help="watch a tiny real mlx_lm.server through a livelock and its recovery")
     demo.add_argument("--keep", action="store_true", help="keep the demo's model and server log too")
     return parser
@@ -330,6 +341,17 @@ def cmd_launchd(args: argparse.Namespace, out: Console) -> int:
     return EXIT_OK
 
 
+def cmd_launch(args: argparse.Namespace, out: Console) -> int:
+    from mlxwatch.launch import launch
+
+    try:
+        launch(list(args.server_command), name=args.name, exit_on_thread_death=args.exit_on_thread_death)
+    except OSError as exc:  # exec itself failed (the command checked out a moment ago)
+        raise UsageError(f"launch: cannot run {args.server_command[-1] if args.server_command else '?'}: "
+                         f"{exc.strerror or exc}") from None
+    return EXIT_USAGE  # not reached: launch execs or raises
+
+
 def cmd_demo(args: argparse.Namespace, out: Console) -> int:
     from mlxwatch.demo import run_demo
 
@@ -346,6 +368,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace, Console], int]] = {
     "resume": cmd_resume,
     "demo": cmd_demo,
     "launchd": cmd_launchd,
+    "launch": cmd_launch,
 }
 
 

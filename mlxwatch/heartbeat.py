@@ -1,0 +1,374 @@
+"""Read the launch shim's heartbeat for a server PID, and ask the shim for stacks.
+
+A server started with ``mlxwatch launch`` publishes ``<runtime dir>/<pid>.json`` about once a
+second (see ``mlxwatch.shim``). Capture, the daemon and ``status`` find it by PID alone; no
+config is needed. A heartbeat counts only if it is this process's: its ``pid`` matches and the
+shim started (``started_at``) within ``START_SLACK`` after the process was created (a PID reused
+by a process without the shim is never mistaken for the shimmed one, and never signalled)::
+
+    hb, problem = find(pid, create_time)
+    if hb and hb.seam_ok:
+        print(hb.tokens_per_s, hb.since_last_token, hb.stalled_for)
+    text = request_stacks(hb, create_time)   # faulthandler's dump of every thread
+
+Reads are bounded (a regular file of at most ``MAX_BYTES``) and blocking: call them from a
+worker thread in async code.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import os
+import stat
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import psutil
+
+from mlxwatch.shim import layout
+
+MAX_BYTES = 1024 * 1024
+STALE_AFTER = 5.0  # seconds without a new heartbeat (interval 1 s): GIL held, stopped, or gone
+START_SLACK = (-2.0, 120.0)  # shim start minus process create time (exec by launch, slow start, clock rounding)
+DUMP_TIMEOUT = 3.0  # a dump takes milliseconds; none within this: the process cannot run its signal handler
+DUMP_SETTLE = 0.1  # the dump is complete when the file stopped growing for this long
+
+
+class ShimError(Exception):
+    """The shim could not do what was asked (no heartbeat, no stack signal, no dump in time)."""
+
+
+@dataclass(frozen=True)
+class Heartbeat:
+    pid: int
+    data: dict[str, Any]
+    read_at: float
+    path: str
+
+    # --- what was published
+
+    @property
+    def loop(self) -> dict[str, Any]:
+        return self.data.get("loop") or {}
+
+    @property
+    def published_at(self) -> float:
+        return float(self.data.get("published_at") or 0.0)
+
+    @property
+    def seq(self) -> int:
+        """How many heartbeats the shim published before this one."""
+        return int(self.data.get("seq") or 0)
+
+    @property
+    def started_at(self) -> float:
+        return float(self.data.get("started_at") or 0.0)
+
+    @property
+    def seam_state(self) -> str:
+        return str((self.data.get("seam") or {}).get("state") or "unknown")
+
+    @property
+    def seam_ok(self) -> bool:
+        return self.seam_state == "ok"
+
+    @property
+    def seam_detail(self) -> str:
+        return str((self.data.get("seam") or {}).get("detail") or "")
+
+    def _num(self, key: str) -> float | None:
+        value = self.loop.get(key)
+        return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+    @property
+    def steps(self) -> int:
+        return int(self._num("steps") or 0)
+
+    @property
+    def tokens(self) -> int:
+        return int(self._num("tokens") or 0)
+
+    @property
+    def prompt_tokens(self) -> int:
+        return int(self._num("prompt_tokens") or 0)
+
+    @property
+    def in_flight(self) -> int:
+        return int(self._num("in_flight") or 0)
+
+    @property
+    def queued(self) -> int | None:
+        q = self._num("queued")
+        return int(q) if q is not None else None
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        return self._num("tokens_per_s")
+
+    @property
+    def last_token_at(self) -> float | None:
+        return self._num("last_token_at")
+
+    @property
+    def in_step_since(self) -> float | None:
+        return self._num("in_step_since")
+
+    # --- what it means when read
+
+    @property
+    def age(self) -> float:
+        """Seconds since the shim last published."""
+        return max(0.0, self.read_at - self.published_at)
+
+    @property
+    def stale(self) -> bool:
+        return self.age > max(STALE_AFTER, 5 * float(self.data.get("interval") or 1.0))
+
+    @property
+    def since_last_token(self) -> float | None:
+        return None if self.last_token_at is None else max(0.0, self.read_at - self.last_token_at)
+
+    @property
+    def stalled_for(self) -> float:
+        """Requests in flight and neither a token nor prompt progress for this long (0: none in
+        flight), as of reading: a stale heartbeat's stall keeps growing."""
+        quiet = self._num("quiet_since")
+        if not self.in_flight or quiet is None:
+            return 0.0
+        return max(0.0, self.read_at - quiet)
+
+    @property
+    def in_step_for(self) -> float | None:
+        """How long the batch loop has been inside one ``BatchGenerator.next`` call."""
+        return None if self.in_step_since is None else max(0.0, self.read_at - self.in_step_since)
+
+    @property
+    def thread(self) -> dict[str, Any] | None:
+        t = self.data.get("generation_thread")
+        return t if isinstance(t, dict) else None
+
+    @property
+    def thread_died(self) -> bool:
+        t = self.thread
+        return bool(t) and t.get("end") == "died"
+
+    @property
+    def thread_exception(self) -> dict[str, Any] | None:
+        t = self.thread or {}
+        exc = t.get("exception")
+        return exc if isinstance(exc, dict) else None
+
+    @property
+    def stack_signal(self) -> int | None:
+        s = self.data.get("stacks")
+        if isinstance(s, dict) and isinstance(s.get("signum"), int) and isinstance(s.get("file"), str):
+            return int(s["signum"])
+        return None
+
+    @property
+    def stacks_file(self) -> str | None:
+        s = self.data.get("stacks")
+        return s.get("file") if isinstance(s, dict) and isinstance(s.get("file"), str) else None
+
+    def thread_names(self) -> dict[int, tuple[str, int | None]]:
+        """Thread ident (as faulthandler prints it) -> (name, native id)."""
+        out: dict[int, tuple[str, int | None]] = {}
+        for key, value in (self.data.get("threads") or {}).items():
+            try:
+                ident = int(key)
+            except ValueError:
+                continue
+            if isinstance(value, dict):
+                native = value.get("native_id")
+                out[ident] = (str(value.get("name") or "?"), native if isinstance(native, int) else None)
+        return out
+
+    def summary(self) -> dict[str, Any]:
+        """What ``status`` and the journal show."""
+        exc = self.thread_exception
+        return {
+            "pid": self.pid, "name": self.data.get("name"), "seam": self.seam_state, "age": round(self.age, 1),
+            "stale": self.stale, "tokens_per_s": self.tokens_per_s, "since_last_token": _r(self.since_last_token),
+            "tokens": self.tokens, "steps": self.steps, "in_flight": self.in_flight, "queued": self.queued,
+            "stalled_for": round(self.stalled_for, 1), "in_step_for": _r(self.in_step_for),
+            "thread": "died" if self.thread_died else ("running" if self.thread else "not seen yet"),
+            "exception": f"{exc.get('type')}: {exc.get('message')}" if exc else None,
+        }
+
+
+def _r(value: float | None) -> float | None:
+    return None if value is None else round(value, 1)
+
+
+def candidate_dirs(pid: int | None = None) -> list[str]:
+    """Where to look: this process's runtime dir, then the one the server was told (its
+    environment's ``MLXWATCH_RUNTIME_DIR``, when this user may read it)."""
+    dirs = [layout.runtime_dir()]
+    if pid is not None:
+        try:
+            theirs = psutil.Process(pid).environ().get(layout.RUNTIME_ENV)
+        except (psutil.Error, OSError):
+            theirs = None
+        if theirs:
+            path = layout.runtime_dir({layout.RUNTIME_ENV: theirs})
+            if path not in dirs:
+                dirs.append(path)
+    return dirs
+
+
+def _read_bounded(path: str) -> bytes:
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ShimError(f"{path} is not a regular file")
+        if st.st_size > MAX_BYTES:
+            raise ShimError(f"{path} is larger than {MAX_BYTES} bytes")
+        chunks, left = [], MAX_BYTES + 1
+        while left > 0:
+            chunk = os.read(fd, min(65536, left))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            left -= len(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+def read(pid: int, create_time: float | None = None, directory: str | None = None) -> tuple[Heartbeat | None, str | None]:
+    """The heartbeat of ``pid`` in ``directory`` (default: the runtime dir), or (None, why not)."""
+    directory = directory or layout.runtime_dir()
+    problem = layout.check_private_dir(directory)
+    if problem:
+        return None, f"no shim runtime dir: {problem}"
+    path = layout.heartbeat_path(directory, pid)
+    try:
+        raw = _read_bounded(path)
+    except FileNotFoundError:
+        return None, f"no heartbeat for PID {pid} in {directory} (not started by `mlxwatch launch`?)"
+    except (OSError, ShimError) as exc:
+        return None, f"heartbeat unreadable: {exc}"
+    now = time.time()
+    try:
+        data = json.loads(raw)
+    except ValueError as exc:
+        return None, f"heartbeat {path} is not JSON: {exc}"
+    if not isinstance(data, dict) or data.get("format") != layout.FORMAT:
+        return None, f"heartbeat {path} has an unknown format ({data.get('format') if isinstance(data, dict) else '?'})"
+    if data.get("pid") != pid:
+        return None, f"heartbeat {path} names PID {data.get('pid')}, not {pid}"
+    if create_time is not None:
+        started = data.get("started_at")
+        if not isinstance(started, (int, float)) or not (
+                START_SLACK[0] <= started - create_time <= START_SLACK[1]):
+            return None, f"heartbeat {path} is from an earlier process with PID {pid}"
+    return Heartbeat(pid, data, now, path), None
+
+
+def find(pid: int, create_time: float | None = None) -> tuple[Heartbeat | None, str | None]:
+    """Look in every candidate dir; the first heartbeat that is this process's wins."""
+    problems = []
+    for directory in candidate_dirs(pid):
+        hb, problem = read(pid, create_time, directory)
+        if hb is not None:
+            return hb, None
+        problems.append(problem or "?")
+    return None, "; ".join(dict.fromkeys(problems))
+
+
+def request_stacks(hb: Heartbeat, create_time: float | None, timeout: float = DUMP_TIMEOUT) -> str:
+    """Send the shim's stack signal and return the dump it appends to its stacks file.
+
+    Sent only to the process the heartbeat belongs to (``create_time`` checked again right
+    before), and only when the heartbeat names the signal: a process without the shim would be
+    killed by it. Captures that ask at the same time take turns (a lock on the stacks file).
+    Raises ShimError when nothing came within ``timeout`` (a stopped process runs no handler)."""
+    signum, path = hb.stack_signal, hb.stacks_file
+    if signum is None or path is None:
+        raise ShimError("the shim offers no stack signal in this process")
+    if os.path.dirname(os.path.abspath(path)) != os.path.dirname(os.path.abspath(hb.path)):
+        raise ShimError(f"the heartbeat names a stacks file outside its own dir: {path}")
+    if create_time is not None:
+        try:
+            if abs(psutil.Process(hb.pid).create_time() - create_time) > 1.0:
+                raise ShimError(f"PID {hb.pid} is another process now")
+        except psutil.NoSuchProcess:
+            raise ShimError(f"PID {hb.pid} is gone") from None
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ShimError(f"{path} is not a regular file")
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        start = os.fstat(fd).st_size
+        try:
+            os.kill(hb.pid, signum)
+        except ProcessLookupError:
+            raise ShimError(f"PID {hb.pid} is gone") from None
+        except PermissionError as exc:
+            raise ShimError(f"cannot signal PID {hb.pid}: {exc.strerror}") from None
+        deadline = time.monotonic() + timeout
+        size, changed = start, time.monotonic()
+        while True:
+            now = time.monotonic()
+            current = os.fstat(fd).st_size
+            if current != size:
+                size, changed = current, now
+            elif size > start and now - changed >= DUMP_SETTLE:
+                break
+            if now > deadline:
+                if size > start:
+                    break
+                raise ShimError(f"no stack dump within {timeout:g}s (is the process stopped?)")
+            time.sleep(0.02)
+        os.lseek(fd, start, os.SEEK_SET)
+        data = b""
+        while len(data) < size - start:
+            chunk = os.read(fd, min(MAX_BYTES, size - start - len(data)))
+            if not chunk:
+                break
+            data += chunk
+        return data.decode("utf-8", "replace")
+    finally:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+        except OSError as exc:
+            if exc.errno != errno.EBADF:
+                raise
+        os.close(fd)
+
+
+@dataclass(frozen=True)
+class Change:
+    """What the heartbeat moved between two readings of the same process."""
+
+    seconds: float
+    steps: int
+    tokens: int
+    prompt_tokens: int
+
+    @classmethod
+    def between(cls, before: Heartbeat, after: Heartbeat) -> "Change":
+        return cls(max(0.0, after.published_at - before.published_at), after.steps - before.steps,
+                   after.tokens - before.tokens, after.prompt_tokens - before.prompt_tokens)
+
+
+def describe(summary: dict[str, Any]) -> str:
+    """One line for ``status`` from ``Heartbeat.summary()``: tokens/s and time since the last token."""
+    if summary.get("thread") == "died":
+        return f"shim: generation thread died ({summary.get('exception') or 'no exception recorded'})"
+    if summary.get("stale"):
+        return f"shim: no heartbeat for {summary.get('age')}s (GIL held, or process stopped)"
+    if summary.get("seam") != "ok":
+        return f"shim: heartbeat unavailable ({summary.get('seam')}); stacks on demand only"
+    rate = summary.get("tokens_per_s")
+    since = summary.get("since_last_token")
+    parts = [f"{rate:.1f} tok/s" if isinstance(rate, (int, float)) else "tok/s unknown",
+             f"last token {since:.0f}s ago" if isinstance(since, (int, float)) else "no token yet",
+             f"{summary.get('in_flight', 0)} in flight"]
+    if summary.get("stalled_for"):
+        parts.append(f"no progress for {summary['stalled_for']:.0f}s")
+    return "shim: " + ", ".join(parts)

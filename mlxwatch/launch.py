@@ -1,0 +1,189 @@
+"""``mlxwatch launch [--name NAME] [--exit-on-thread-death] -- COMMAND...``: run a server with
+the launch shim loaded, as the same process.
+
+The user's own command runs unchanged (``mlx_lm.server ...``, ``mlx_lm server ...``, ``python -m
+mlx_lm.server ...``, a Python script; from any venv), by ``exec``: the server keeps the PID that
+launchd (or a shell, or systemd) started, so ``launchctl kickstart``, KeepAlive and mlxwatch's
+identity checks see the process they expect. The only change is the environment:
+``mlxwatch/shim/boot`` goes first on ``PYTHONPATH`` and ``MLXWATCH_SHIM=1`` (plus ``--name`` and
+``--exit-on-thread-death``) is set; the shim's ``sitecustomize`` takes these out again at start,
+so the server's children do not load it. mlxwatch need not be installed in the server's venv:
+the shim is loaded by path and is stdlib only.
+
+Refused (exit 2, one line), because the shim could not load: a command that is not found, and a
+Python started with ``-I``, ``-E`` or ``-S`` (on its command line or in a script's ``#!`` line),
+which ignore ``PYTHONPATH`` or skip ``sitecustomize``. An unusable runtime dir is a warning
+only: the server must start anyway (it then runs without heartbeat and stacks on demand).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import NoReturn
+
+from mlxwatch.errors import UsageError
+from mlxwatch.shim import layout
+
+BOOT_DIR = Path(__file__).resolve().parent / "shim" / "boot"
+_PYTHON_NAME = re.compile(r"^python(\d+(\.\d+)*)?[tw]?$")
+_FILE = re.compile(r"^\.?(\d+)\.(json|stacks|fatal|json\.tmp)$")
+_DISABLING = {"I": "-I (isolated mode ignores PYTHONPATH)", "E": "-E (ignores PYTHONPATH)",
+              "S": "-S (skips sitecustomize)"}
+
+
+@dataclass
+class Plan:
+    executable: str  # resolved path given to execve
+    argv: list[str]  # the user's command, unchanged
+    env: dict[str, str]
+    warnings: list[str] = field(default_factory=list)
+
+
+def _disabling_flags(args: list[str]) -> list[str]:
+    """Python command-line options (before the script, -m or -c) that would keep the shim out."""
+    found = []
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if arg == "--" or not arg.startswith("-") or arg == "-":
+            break
+        if arg.startswith("--"):  # --check-hash-based-pycs MODE and friends: take the value too
+            i += 1 if "=" in arg else 2
+            continue
+        letters = arg[1:]
+        for j, letter in enumerate(letters):
+            if letter in _DISABLING:
+                found.append(_DISABLING[letter])
+            if letter in "cm":  # the rest is the program
+                return found
+            if letter in "XW":  # takes a value: the rest of this word, or the next word
+                if j == len(letters) - 1:
+                    i += 1
+                break
+        i += 1
+    return found
+
+
+def _shebang(path: str) -> list[str] | None:
+    try:
+        with open(path, "rb") as fh:
+            head = fh.read(512)
+    except OSError:
+        return None
+    if not head.startswith(b"#!"):
+        return None
+    return head[2:].split(b"\n", 1)[0].decode("utf-8", "replace").split()
+
+
+def check_python_flags(executable: str, argv: list[str]) -> list[str]:
+    """Why the shim could not load in this command, if it could not (empty: it can)."""
+    if _PYTHON_NAME.match(os.path.basename(executable)):
+        return _disabling_flags(argv[1:])
+    words = _shebang(executable)
+    if not words:
+        return []
+    interpreter, rest = os.path.basename(words[0]), words[1:]
+    if interpreter == "env":  # #!/usr/bin/env [-S] python3 [flags]
+        while rest and rest[0].startswith("-"):
+            rest = rest[1:]
+        if not rest:
+            return []
+        interpreter, rest = os.path.basename(rest[0]), rest[1:]
+    if _PYTHON_NAME.match(interpreter):
+        return _disabling_flags(rest)
+    return []
+
+
+def plan(command: list[str], *, name: str | None = None, exit_on_thread_death: bool = False,
+         environ: dict[str, str] | None = None) -> Plan:
+    """What ``launch`` will exec (raises UsageError for a command the shim cannot ride along)."""
+    env = dict(os.environ if environ is None else environ)
+    if command[:1] == ["--"]:
+        command = command[1:]
+    if not command:
+        raise UsageError("launch: give the server command after --, e.g. "
+                         "mlxwatch launch -- mlx_lm.server --model MODEL --port 8080")
+    first = command[0]
+    if os.sep in first:
+        executable = first if os.access(first, os.X_OK) and os.path.isfile(first) else None
+    else:
+        executable = shutil.which(first, path=env.get("PATH", os.defpath))
+    if executable is None:
+        raise UsageError(f"launch: {first}: command not found (PATH={env.get('PATH', os.defpath)}); "
+                         "give its full path, e.g. ~/.local/bin/mlx_lm.server")
+    blocked = check_python_flags(executable, command)
+    if blocked:
+        raise UsageError(f"launch: the shim cannot load in {first}: its Python runs with {', '.join(blocked)}; "
+                         "run the interpreter without it: mlxwatch launch -- /path/to/python /path/to/script ...")
+    existing = env.get("PYTHONPATH")
+    env["PYTHONPATH"] = str(BOOT_DIR) + (os.pathsep + existing if existing else "")
+    env[layout.ACTIVE_ENV] = "1"
+    env[layout.BOOT_ENV] = str(BOOT_DIR)
+    if name:
+        env[layout.NAME_ENV] = name
+    else:
+        env.pop(layout.NAME_ENV, None)
+    if exit_on_thread_death:
+        env[layout.EXIT_ENV] = "1"
+    else:
+        env.pop(layout.EXIT_ENV, None)
+    warnings = []
+    directory = layout.runtime_dir(env)
+    problem = layout.ensure_private_dir(directory)
+    if problem:
+        warnings.append(f"runtime dir unusable ({problem}): the server starts without heartbeat or stacks on demand")
+    else:
+        clean_runtime_dir(directory, os.getpid())
+    return Plan(executable, list(command), env, warnings)
+
+
+def clean_runtime_dir(directory: str, own_pid: int, now: float | None = None) -> int:
+    """Remove files of processes gone for more than ``layout.KEEP_DEAD_SECONDS``, and any left
+    by an earlier process with the PID this one (about to become the server) has. Best effort."""
+    now = time.time() if now is None else now
+    removed = 0
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return 0
+    for entry in names:
+        m = _FILE.match(entry)
+        if not m:
+            continue
+        pid = int(m.group(1))
+        path = os.path.join(directory, entry)
+        try:
+            if pid != own_pid:
+                if _alive(pid) or now - os.lstat(path).st_mtime < layout.KEEP_DEAD_SECONDS:
+                    continue
+            os.unlink(path)
+            removed += 1
+        except OSError:
+            continue
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def launch(command: list[str], *, name: str | None = None, exit_on_thread_death: bool = False) -> NoReturn:
+    """Exec the server command with the shim; returns only by raising (UsageError, OSError)."""
+    p = plan(command, name=name, exit_on_thread_death=exit_on_thread_death)
+    for warning in p.warnings:
+        print(f"mlxwatch launch: {warning}", file=sys.stderr)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(p.executable, p.argv, p.env)
