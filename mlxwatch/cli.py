@@ -65,6 +65,10 @@ def build_parser() -> argparse.ArgumentParser:
     cap.add_argument("--snapshots", type=int, help="py-spy dumps (default 3)")
     cap.add_argument("--spacing", type=_duration_arg, help="time between dumps (default 2s)")
     cap.add_argument("--ceiling", type=_duration_arg, help="hard limit for the whole capture (default 60s)")
+    cap.add_argument("--stacks", choices=("auto", "pyspy", "shim", "sample"),
+                     help="Python stacks from: auto (the launch shim if the server has it, else py-spy), pyspy, "
+                          "shim (faulthandler via `mlxwatch launch`, no root) or sample (none; macOS sample only) "
+                          "(default: capture.stacks, else auto)")
     cap.add_argument("--json", action="store_true", help="print the manifest as JSON, no progress display")
 
     bundle = sub.add_parser("bundle", help="look at or export a bundle")
@@ -213,7 +217,7 @@ def cmd_capture(args: argparse.Namespace, out: Console) -> int:
         pid=args.pid, out_dir=bundles_dir(config, args.out), label=label, url=url, log=log,
         snapshots=args.snapshots or cap.snapshots, spacing=args.spacing or cap.spacing,
         ceiling=args.ceiling or cap.ceiling, sudo=cap.sudo, log_tail_lines=cap.log_tail_lines,
-        keep=cap.keep, max_bytes=cap.max_bytes,
+        keep=cap.keep, max_bytes=cap.max_bytes, stacks=args.stacks or cap.stacks,
     )
     if args.json:
         bundle = asyncio.run(capture_bundle(request))

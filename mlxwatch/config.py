@@ -59,6 +59,7 @@ class ProbeConfig:
     grace_ceiling: float = 600.0  # most extra time that visible progress may buy
     endpoint_timeout: float = 5.0  # /health and /v1/models
     startup_timeout: float = 600.0  # after a restart: large models take minutes to load
+    stall_timeout: float = 60.0  # launch shim: requests in flight and no token this long -> suspect at once
 
 
 @dataclass(frozen=True)
@@ -91,6 +92,7 @@ class InstanceConfig:
     pid_file: Path | None = None
     probe: ProbeConfig = field(default_factory=ProbeConfig)
     restart: RestartConfig = field(default_factory=RestartConfig)
+    shim: str = "auto"  # launch shim heartbeat: auto (use it when present) | required (warn when missing) | off
 
     @property
     def port(self) -> int:
@@ -110,6 +112,7 @@ class CaptureConfig:
     log_tail_lines: int = 400
     keep: int = 50  # newest bundles kept per directory
     max_bytes: int = 2 * 1024**3  # all bundles together
+    stacks: str = "auto"  # Python stack source: auto (shim if present, else py-spy) | pyspy | shim | sample
 
 
 @dataclass(frozen=True)
@@ -675,6 +678,7 @@ def _probe(sec: _Section) -> ProbeConfig:
         "grace_ceiling": _positive_duration,
         "endpoint_timeout": _positive_duration,
         "startup_timeout": _positive_duration,
+        "stall_timeout": _positive_duration,
     }))
     sec.done()
     if probe.first_token_timeout > probe.timeout:
@@ -767,8 +771,13 @@ def _instance(sec: _Section, base: Path) -> InstanceConfig:
     pid_file = sec.take("pid_file", _path(base), None)
     probe = _probe(sec.section("probe"))
     restart = _restart(sec.data.pop("restart", None), sec.key_path("restart"), sec.file)
+    shim = sec.take("shim", _choice(SHIM_MODES), "auto")
     sec.done()
-    return InstanceConfig(name, url, log, pid_file, probe, restart)
+    return InstanceConfig(name, url, log, pid_file, probe, restart, shim)
+
+
+SHIM_MODES = ("auto", "required", "off")
+STACK_SOURCES = ("auto", "pyspy", "shim", "sample")
 
 
 def _capture(sec: _Section, base: Path) -> CaptureConfig:
@@ -781,6 +790,7 @@ def _capture(sec: _Section, base: Path) -> CaptureConfig:
         "log_tail_lines": _positive_int,
         "keep": _positive_int,
         "max_bytes": _size,
+        "stacks": _choice(STACK_SOURCES),
     }))
     sec.done()
     return cap

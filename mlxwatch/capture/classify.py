@@ -25,6 +25,7 @@ the verdict and what the capture saw, and the confidence drops one step.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 from mlxwatch.capture.pyspy import ThreadStack, generation_thread
 from mlxwatch.serverlog import LogMarkers
@@ -59,6 +60,7 @@ class Evidence:
     log_progress_now: tuple[int, int] | None = None  # its latest X/Y
     log_admissions: int = 0  # other requests admitted (POST ... 200) during the window: not progress
     verdict: str | None = None  # the watchdog's reason for its verdict; None for a manual capture
+    shim: Any = None  # the launch shim's heartbeat findings (mlxwatch.capture.shimstacks.ShimFindings), if any
 
 
 @dataclass
@@ -117,6 +119,7 @@ def _classify(ev: Evidence) -> Classification:
         lines.append("process status is 'stopped' (SIGSTOP or a debugger): it runs nothing")
     if ev.probe_ran and not ev.endpoints_answered:
         lines.append("the probe failed and /health and /v1/models did not answer either: HTTP itself is stuck")
+        lines += ev.shim.stale if ev.shim is not None else []
         return Classification("wedged", "high", lines)
 
     gens = [generation_thread(s) for s in ev.snapshots]
@@ -134,7 +137,8 @@ def _classify(ev: Evidence) -> Classification:
     if progress:
         lines += progress
         lines.append("no token yet, but work is visibly advancing: not a hang (yet)")
-        return Classification("busy", "medium", lines)
+        exact = ev.shim is not None and bool(ev.shim.busy)  # counted inside the server, not inferred
+        return Classification("busy", "high" if exact else "medium", lines)
 
     present = [g for g in gens if g is not None]
     # Process CPU decides, not the generation thread's own: MLX evaluates on its own worker
@@ -146,6 +150,9 @@ def _classify(ev: Evidence) -> Classification:
         thread = f" (generation thread itself: {ev.generation_cpu:.0f}%)" if ev.generation_cpu is not None else ""
         lines.append(f"process CPU over the window: {cpu:.0f}% of one core{thread}")
 
+    decided = _from_shim(ev, present, cpu, lines, competing)
+    if decided is not None:
+        return decided
     if not present:
         competing.append(f"no stacks: {ev.stacks_error or 'py-spy gave none'}")
         if not ev.probe_ran:  # neither delivery nor stacks: an idle server would look the same
@@ -191,6 +198,8 @@ def _dead_thread_signals(ev: Evidence, gens: list[ThreadStack | None]) -> list[s
         found.append("/health answered 503 (mlx-lm >= 0.32 says so when its generation thread died)")
     if ev.probe_failure == "thread_died":
         found.append("the server answered the probe with 'generation thread died'")
+    if ev.shim is not None:
+        found += ev.shim.dead
     return found
 
 
@@ -201,6 +210,8 @@ def _progress_signals(ev: Evidence) -> list[str]:
     if ev.log_progress_advanced:
         now = f" (now {ev.log_progress_now[0]}/{ev.log_progress_now[1]})" if ev.log_progress_now else ""
         found.append(f"log: 'Prompt processing progress' of another prompt advanced during the window{now}")
+    if ev.shim is not None:
+        found += ev.shim.busy
     return found
 
 
@@ -214,3 +225,37 @@ def _from_cpu_only(cpu: float | None, lines: list[str], competing: list[str]) ->
     if cpu is not None and cpu >= BUSY_CPU:
         return Classification("livelock", "low", lines, competing)
     return Classification("unknown", "low", lines, competing)
+
+
+def _from_shim(ev: Evidence, present: list[ThreadStack], cpu: float | None, lines: list[str],
+               competing: list[str]) -> Classification | None:
+    """The launch shim's heartbeat decides livelock or blocked from inside the batch loop: steps
+    taken with no token emitted is a livelock, no step with requests in flight is a block, and a
+    heartbeat that stopped is a native call holding the GIL (or a stopped process). Stacks and
+    CPU corroborate (high confidence) or compete (medium). None: the shim says nothing here."""
+    shim = ev.shim
+    if shim is None or not (shim.livelock or shim.blocked or shim.stale):
+        return None
+    identical = len(present) >= 2 and len({g.signature() for g in present}) == 1
+    if present:
+        top = present[-1].frames[0].where if present[-1].frames else "?"
+        lines.append(f"generation thread stack {'identical' if identical else 'changing'} across "
+                     f"{len(present)} snapshot(s); innermost: {top}")
+    if shim.livelock:
+        lines += shim.livelock
+        against = []
+        if cpu is not None and cpu < IDLE_CPU:
+            against.append(f"yet the process CPU is idle ({cpu:.0f}%)")
+        return Classification("livelock", "medium" if against else "high", lines, competing + against)
+    if shim.blocked:
+        lines += shim.blocked
+        against = []
+        if cpu is not None and cpu >= BUSY_CPU:
+            against.append(f"the process CPU is busy ({cpu:.0f}%): one long native computation?")
+        if len(present) >= 2 and not identical:
+            against.append("the generation thread's stack changed between snapshots")
+        return Classification("blocked", "medium" if against else "high", lines, competing + against)
+    lines += shim.stale
+    if "stopped" in ev.process_statuses:
+        return Classification("wedged", "high", lines, competing)
+    return Classification("blocked", "medium", lines, competing)

@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any, Awaitable, Callable
 
 from mlxwatch import __version__
-from mlxwatch.capture import macos, pyspy
+from mlxwatch.capture import macos, pyspy, shimstacks
 from mlxwatch.capture.bundle import BundleWriter, prune
 from mlxwatch.capture.classify import Classification, Evidence, classify
 from mlxwatch.capture.commands import Runner, run_command
@@ -86,6 +86,7 @@ class CaptureRequest:
     max_bytes: int = 2 * 1024**3
     verdict: str | None = None  # the watchdog's reason for judging the server hung; None: manual capture
     probe_linger: float = PROBE_LINGER  # 0: a given-up probe closes its stream at once
+    stacks: str = "auto"  # Python stacks from: auto (the launch shim if present, else py-spy) | pyspy | shim | sample
 
 
 @dataclass
@@ -135,6 +136,7 @@ class _Capture:
         self.markers: LogMarkers | None = None
         self.process: dict = {}
         self.versions: dict = {}
+        self.shim_window: shimstacks.ShimWindow | None = None  # the launch shim's heartbeat over the window
 
     def now(self) -> float:
         return time.monotonic() - self.t0
@@ -202,6 +204,7 @@ async def capture_bundle(req: CaptureRequest, *, runner: Runner = run_command, o
             asyncio.ensure_future(cap.step("stacks", lambda rec: _stacks(cap, rec))),
             asyncio.ensure_future(cap.step("cpu", lambda rec: _cpu(cap, rec))),
             asyncio.ensure_future(cap.step("probe", lambda rec: _probe(cap, rec))),
+            asyncio.ensure_future(cap.step("heartbeat", lambda rec: shimstacks.watch_window(cap, rec))),
         ]
         await cap.phase(
             *window,
@@ -240,6 +243,13 @@ async def _stacks(cap: _Capture, rec: _Step) -> None:
         rec.outcome, rec.error = "skipped", "no process to inspect"
         cap.stacks_error = rec.error
         return
+    if req.stacks == "sample":
+        rec.outcome, rec.error = "skipped", "capture.stacks is sample: no Python stacks (macOS sample is the stack source)"
+        cap.stacks_error = rec.error
+        return
+    if req.stacks in ("shim", "auto") and (await shimstacks.take_stacks(cap, rec, required=req.stacks == "shim")
+                                           or req.stacks == "shim"):
+        return  # the launch shim's faulthandler dumps (auto: py-spy when the process has no shim)
     exe = await asyncio.to_thread(pyspy.find_py_spy)
     if exe is None:
         rec.outcome, rec.error = "failed", "py-spy not found on PATH (pip install py-spy)"
@@ -533,6 +543,8 @@ def _evidence(cap: _Capture) -> tuple[Evidence, LogWindow | None]:
         ev.models_status = cap.report.models.status
         ev.endpoints_answered = cap.report.health.answered or cap.report.models.answered
     ev.log = cap.markers
+    if cap.shim_window is not None:
+        ev.shim = cap.shim_window.findings(cap.report.generation.tokens if cap.report is not None else 0)
     window = None
     if cap.markers is not None and cap.log_window_text is not None:
         window = log_window(cap.log_before, cap.log_window_text, _probe_totals(cap))
@@ -557,12 +569,14 @@ def _finish(cap: _Capture) -> Bundle:
                    "create_time": cap.process.get("create_time"), "cmdline": cap.process.get("cmdline")},
         "verdict": req.verdict,
         "settings": {"snapshots": req.snapshots, "spacing": req.spacing, "ceiling": req.ceiling, "sudo": req.sudo,
-                     "probe_first_token_timeout": cap.probe_first_token, "probe_linger": req.probe_linger},
+                     "probe_first_token_timeout": cap.probe_first_token, "probe_linger": req.probe_linger,
+                     "stacks": req.stacks},
         "duration": round(cap.now(), 3),
         "steps": [s.to_dict() for s in cap.steps],
         "cpu": {"process": evidence.process_cpu, "generation_thread": evidence.generation_cpu,
                 "statuses": evidence.process_statuses},
         "log_window": window.to_dict() if window else None,
+        "shim": cap.shim_window.to_dict() if cap.shim_window is not None else None,
         "versions": cap.versions,
         "classification": classification.to_dict(),
     }

@@ -52,6 +52,19 @@ def render_summary(manifest: dict[str, Any], snapshots: list[tuple[float, list[T
     out += ["", "## CPU over the window", ""]
     out.append(f"- process: {_pct(cpu.get('process'))}; generation thread: {_pct(cpu.get('generation_thread'))}; "
                f"status: {', '.join(cpu.get('statuses') or ['?'])}")
+    shim = manifest.get("shim") or {}
+    if shim.get("found"):  # the launch shim's heartbeat (mlxwatch launch): counted inside the server
+        out += ["", "## Launch shim heartbeat", ""]
+        for when in ("start", "end"):
+            hb = shim.get(when)
+            if hb:
+                out.append(f"- {when}: seam {hb['seam']}, thread {hb['thread']}, {hb['in_flight']} in flight, "
+                           f"{hb['tokens']} tokens, {hb['steps']} steps, no token for {hb['since_last_token']}s, "
+                           f"stalled {hb['stalled_for']}s, heartbeat {hb['age']}s old")
+        change = shim.get("change")
+        if change:
+            out.append(f"- over {change['seconds']:.1f}s: {change['steps']} steps, {change['tokens']} tokens, "
+                       f"{change['prompt_tokens']} prompt tokens")
     if markers:
         out += ["", "## Log markers", ""]
         for key in ("last_prompt_progress", "last_completion"):
