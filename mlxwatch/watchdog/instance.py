@@ -25,6 +25,7 @@ from typing import Awaitable, Callable
 
 import httpx
 
+from mlxwatch import heartbeat
 from mlxwatch.capture import Bundle, CaptureRequest, capture_bundle
 from mlxwatch.config import CaptureConfig, InstanceConfig
 from mlxwatch.errors import MlxwatchError
@@ -36,6 +37,8 @@ from mlxwatch.watchdog.journal import Incident, Journal
 from mlxwatch.watchdog.notify import Notifier
 from mlxwatch.watchdog.progress import ProgressTracker
 from mlxwatch.watchdog.restart import OK, RestartContext, RestartOutcome, describe, restart
+from mlxwatch.watchdog.shimwatch import POLL as SHIM_POLL
+from mlxwatch.watchdog.shimwatch import ShimWatch
 from mlxwatch.watchdog.state import StateFile, take_resume
 
 log = logging.getLogger("mlxwatch.watchdog")
@@ -79,6 +82,7 @@ class InstanceWatcher:
     lingering: asyncio.Task | None = None  # the last failed probe's stream, still being read
     client: httpx.AsyncClient | None = None
     said: set[str] = field(default_factory=set)  # notes already logged once
+    shimwatch: ShimWatch | None = None  # the launch shim's heartbeat readings (see "launch shim" below)
 
     def __post_init__(self) -> None:
         p, r = self.inst.probe, self.inst.restart
@@ -137,7 +141,7 @@ class InstanceWatcher:
                 await self._sleep(random.uniform(0, min(self.inst.probe.interval, 5.0)))  # spread instances out
                 while not self.stop.is_set():
                     await self.cycle()
-                    await self._sleep(self.next_delay() * random.uniform(0.9, 1.1))
+                    await self._sleep_watching_shim(self.next_delay() * random.uniform(0.9, 1.1))
             finally:
                 await self._end_linger()
                 self.client = None
@@ -205,7 +209,7 @@ class InstanceWatcher:
         for note in progress.notes:
             self._say(note)
         self.failed_reports = [*self.failed_reports[-(KEPT_FAILED_REPORTS - 1):], report]
-        if not self.detect.failure(now, list(progress.signals)):
+        if not self.detect.failure(now, list(progress.signals) + await self._shim_on_failure(report)):
             if progress.signals:
                 log.info("%s: no token, but progress holds the verdict: %s", self.name, "; ".join(progress.signals))
             self._save()
@@ -321,7 +325,7 @@ class InstanceWatcher:
         request = CaptureRequest(
             pid=server.pid if server else None, out_dir=self.shared.bundles_dir, label=self.name, url=self.inst.url,
             log=self.inst.log or self.tracker.log, snapshots=cap.snapshots, spacing=cap.spacing,
-            ceiling=cap.ceiling, sudo=cap.sudo,
+            ceiling=cap.ceiling, sudo=cap.sudo, stacks=cap.stacks,
             log_tail_lines=cap.log_tail_lines, probe_first_token_timeout=min(p.first_token_timeout, 10.0),
             probe_timeout=min(p.timeout, 20.0), prior_probes=[r.to_dict() for r in self.failed_reports],
             keep=cap.keep, max_bytes=cap.max_bytes, verdict=_verdict_text(self.failed_reports, inc.stranger),
@@ -413,6 +417,66 @@ class InstanceWatcher:
         assert self.incident is not None
         self.shared.journal.record(event, self.incident, state=state, **extra)
         self._save(last_incident=_incident_summary(self.incident))
+
+    # --- launch shim (`mlxwatch launch`): the proven server's heartbeat as signals for the policy
+    # (mlxwatch.watchdog.shimwatch). Without a heartbeat every method here is a no-op.
+
+    def _shim(self) -> ShimWatch:
+        if self.shimwatch is None:
+            self.shimwatch = ShimWatch()
+        self.shimwatch.mode, self.shimwatch.stall_timeout = self.inst.shim, self.inst.probe.stall_timeout  # reloads
+        self.shimwatch.reset_for(self.identity.pid if self.identity else None)
+        return self.shimwatch
+
+    async def _shim_read(self) -> heartbeat.Heartbeat | None:
+        watch = self._shim()
+        if watch.mode == "off" or self.identity is None:
+            return None
+        hb, problem = await asyncio.to_thread(heartbeat.find, self.identity.pid, self.identity.create_time)
+        if hb is None and watch.mode == "required":
+            self._say(f"shim: required, but the server (PID {self.identity.pid}) has none: {problem}")
+        return hb
+
+    async def _shim_on_failure(self, report: CheckReport) -> list[str]:
+        """A failed probe: the heartbeat's busy lines hold the verdict like prompt progress; a
+        stall it shows makes this failure decisive (the heartbeat was the first failure)."""
+        hb = await self._shim_read()
+        judged = self._shim().judge(hb, report.generation.tokens)
+        for line in judged.evidence + judged.busy:
+            log.info("%s: %s", self.name, line)
+        if judged.stall and not judged.busy:
+            self.detect.failures = max(self.detect.failures, self.detect.failures_needed - 1)
+        return judged.busy
+
+    async def _sleep_watching_shim(self, seconds: float) -> None:
+        """``_sleep``, reading the heartbeat every ``SHIM_POLL`` s meanwhile: a stall (requests in
+        flight and no token for stall_timeout, a stale heartbeat, a dead thread) makes the
+        server suspect at once and ends the wait, so the next probe runs now. Without a
+        heartbeat this is ``_sleep`` after one read."""
+        loop = asyncio.get_running_loop()
+        end = loop.time() + seconds
+        while not self.stop.is_set():
+            left = end - loop.time()
+            if left <= 0:
+                return
+            if (self.inst.shim == "off" or self.identity is None or self.incident is not None
+                    or self.detect.state not in (policy.HEALTHY, policy.SUSPECT)):
+                await self._sleep(left)
+                return
+            hb = await self._shim_read()
+            if hb is None:
+                await self._sleep(left)
+                return
+            judged = self._shim().judge(hb)
+            if self._shim().first_time(judged):
+                log.warning("%s: %s: suspect, probing now", self.name, judged.stall)
+                self.shared.journal.note("shim_stall", instance=self.name, pid=hb.pid, reason=judged.stall,
+                                         evidence=judged.evidence, heartbeat=hb.summary())
+                if self.detect.state == policy.HEALTHY:
+                    self.detect.state = policy.SUSPECT
+                    self._save()
+                return
+            await self._sleep(min(left, SHIM_POLL))
 
     def _say(self, note: str | None) -> None:
         """Log a condition once (a missing log is worth one line, not one per probe)."""

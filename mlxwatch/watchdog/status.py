@@ -49,11 +49,24 @@ def collect_status(config: Config, state_dir: Path) -> dict[str, Any]:
                                                               "recovered_at", "seconds_to_recovery")},
             "open_incident": open_incidents.get(name) and {"id": open_incidents[name]["id"],
                                                            "stopped_at_event": open_incidents[name]["event"]},
+            "shim": _shim_status(s),
         })
     return {"state_dir": str(state_dir), "state_problem": problem,
             "daemon": {**daemon, "running": running, "pid": holder if running and holder > 0 else daemon.get("pid"),
                        "stalled": stalled},
             "instances": instances}
+
+
+def _shim_status(s: dict) -> dict | None:
+    """The launch shim's heartbeat of the recorded server (started by `mlxwatch launch`), if any."""
+    from mlxwatch import heartbeat
+
+    server = s.get("server") if isinstance(s.get("server"), dict) else {}
+    pid, created = server.get("pid"), server.get("create_time")
+    if not isinstance(pid, int) or isinstance(pid, bool):
+        return None
+    hb, _ = heartbeat.find(pid, float(created) if isinstance(created, (int, float)) else None)
+    return hb.summary() if hb is not None else None
 
 
 def _restarts_in_window(s: dict, config: Config, name: str) -> int:
@@ -92,6 +105,11 @@ def render_status(status: dict[str, Any], console: Console) -> None:
             str(i["failures"]), inc_text, str(i["restarts_in_window"]),
         )
     console.print(table)
+    for i in status["instances"]:
+        if i.get("shim"):
+            from mlxwatch.heartbeat import describe
+
+            console.print(f"{i['name']}: {describe(i['shim'])}", markup=False)
     for i in status["instances"]:
         if i["open_incident"]:
             o = i["open_incident"]
