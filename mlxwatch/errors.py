@@ -5,7 +5,8 @@
     ├── UsageError         a command-line value is wrong (CLI exit 2)
     ├── ProcessGoneError   the target PID does not exist (CLI exit 1)
     ├── RestartError       a restart method could not run or failed
-    └── StateError         the state dir is held by another daemon or unusable (CLI exit 2)
+    ├── StateError         the state dir is held by another daemon or unusable (CLI exit 2)
+    └── BundleError        a path is not a bundle or archive, or it cannot be read or exported (CLI exit 2)
 
 Library code raises these; only ``mlxwatch.cli`` turns them into messages and exit codes.
 Probe failures are not exceptions: a probe always returns a result that says what went wrong.
@@ -43,3 +44,7 @@ class RestartError(MlxwatchError):
 
 class StateError(MlxwatchError):
     """The state directory cannot be used: another daemon holds it, or a file there is not a file."""
+
+
+class BundleError(MlxwatchError):
+    """A path is not a bundle (or an exported archive of one), or it cannot be read or exported."""

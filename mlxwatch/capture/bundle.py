@@ -22,6 +22,7 @@ import os
 import re
 import shutil
 import socket
+import stat
 import threading
 import time
 import uuid
@@ -136,8 +137,92 @@ class BundleWriter:
         return final
 
 
+MAX_MANIFEST_BYTES = 16 * 1024 * 1024  # a manifest is kilobytes; anything bigger is not ours
+
+
 def load_manifest(bundle: Path) -> dict[str, Any]:
-    return json.loads((bundle / MANIFEST).read_text())
+    """The bundle's manifest. Raises ``BundleError`` (one line) if it is missing or unreadable."""
+    from mlxwatch.errors import BundleError
+
+    path = bundle / MANIFEST
+    try:
+        data = read_bounded(path, MAX_MANIFEST_BYTES)
+        manifest = json.loads(data.decode("utf-8"))
+    except FileNotFoundError:
+        raise BundleError(f"{bundle} is not a bundle (no {MANIFEST})") from None
+    except OSError as exc:
+        raise BundleError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    except ValueError as exc:  # not JSON, not UTF-8, or too large
+        raise BundleError(f"{path}: unreadable ({exc})") from None
+    if not isinstance(manifest, dict):
+        raise BundleError(f"{path}: unreadable (not a JSON object)")
+    return manifest
+
+
+def read_bounded(path: Path, limit: int) -> bytes:
+    """A regular file's bytes, at most ``limit`` (ValueError beyond); never opens a FIFO or device."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ValueError(f"{path.name} is not a regular file")
+        with os.fdopen(os.dup(fd), "rb") as fh:
+            data = fh.read(limit + 1)
+    finally:
+        os.close(fd)
+    if len(data) > limit:
+        raise ValueError(f"{path.name} is larger than {limit} bytes")
+    return data
+
+
+def bundle_entries(root: Path) -> list[dict[str, Any]]:
+    """Every bundle under ``root`` for a listing, newest first: complete ones with their
+    classification, and ``-incomplete`` ones (a capture that was killed) marked as such.
+
+    Each entry: ``name``, ``path``, ``created_at`` (ISO, UTC), ``ts``, ``instance`` (the label,
+    or ``pid-N`` for a manual capture), ``pid``, ``kind``, ``confidence``, ``watchdog`` (True
+    when a watchdog verdict led to it), ``size`` (bytes) and ``state`` (complete | incomplete
+    | unreadable)."""
+    from mlxwatch.errors import BundleError
+
+    if not root.is_dir():
+        return []
+    entries = []
+    for path in root.iterdir():
+        try:
+            if path.name.startswith(".") or not path.is_dir() or path.is_symlink():
+                continue
+            has_manifest = (path / MANIFEST).is_file()
+            mtime = path.stat().st_mtime
+        except OSError:
+            continue
+        if not has_manifest and not path.name.endswith("-incomplete"):
+            continue  # not ours
+        entry: dict[str, Any] = {"name": path.name, "path": str(path), "ts": mtime, "instance": None, "pid": None,
+                                 "kind": None, "confidence": None, "watchdog": None, "size": _size(path)}
+        if not has_manifest:
+            entry["state"] = "incomplete"
+        else:
+            try:
+                manifest = load_manifest(path)
+                entry["state"] = "complete"
+            except BundleError:
+                manifest, entry["state"] = {}, "unreadable"
+            target = manifest.get("target") if isinstance(manifest.get("target"), dict) else {}
+            c = manifest.get("classification") if isinstance(manifest.get("classification"), dict) else {}
+            entry.update(pid=target.get("pid"), kind=c.get("kind"), confidence=c.get("confidence"),
+                         watchdog=manifest.get("verdict") is not None if manifest else None)
+            entry["instance"] = target.get("label") or (f"pid-{target['pid']}" if target.get("pid") else None)
+            created = manifest.get("created_at")
+            if isinstance(created, str):
+                try:
+                    entry["ts"] = datetime.fromisoformat(created).timestamp()
+                except ValueError:
+                    pass
+        if entry["instance"] is None:  # <label>-<UTC time>-<id>[-incomplete]
+            entry["instance"] = path.name.removesuffix("-incomplete").rsplit("-", 2)[0]
+        entry["created_at"] = datetime.fromtimestamp(entry["ts"], timezone.utc).isoformat()
+        entries.append(entry)
+    return sorted(entries, key=lambda e: e["ts"], reverse=True)
 
 
 def list_bundles(root: Path) -> list[Path]:
@@ -149,7 +234,14 @@ def list_bundles(root: Path) -> list[Path]:
 
 
 def _size(path: Path) -> int:
-    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+    total = 0
+    for f in path.rglob("*"):
+        try:
+            if f.is_file() and not f.is_symlink():
+                total += f.stat().st_size
+        except OSError:  # removed meanwhile (pruned, or a capture finishing)
+            continue
+    return total
 
 
 def prune(root: Path, keep: int, max_bytes: int, protect: Path | None = None) -> list[Path]:

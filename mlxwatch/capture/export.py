@@ -16,10 +16,13 @@ import json
 import re
 import tarfile
 import time
+import zlib
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
-from mlxwatch.capture.bundle import MANIFEST, load_manifest
+from mlxwatch.capture.bundle import MANIFEST, MAX_MANIFEST_BYTES, SUMMARY, load_manifest, read_bounded
+from mlxwatch.errors import BundleError
 from mlxwatch.probes.generation import DESCRIPTIONS
 
 _KEEP_LOG_LINE = [
@@ -150,19 +153,48 @@ def redact_file(relname: str, data: bytes, verdict: str | None = None) -> bytes:
     return redact_home(text).encode()
 
 
-def export_bundle(bundle: Path, out: Path | None = None, redact: bool = False) -> Path:
-    """Write ``<bundle>[-redacted].tar.gz`` (or ``out``); never overwrites an existing file."""
+def archive_name(bundle: Path, redact: bool = False) -> str:
+    return f"{bundle.name}{'-redacted' if redact else ''}.tar.gz"
+
+
+def export_bundle(bundle: Path, out: Path | None = None, redact: bool = False,
+                  on_skip: Callable[[str], None] | None = None) -> Path:
+    """Write the bundle as ``.tar.gz`` and return its path; never overwrites (FileExistsError).
+
+    ``out`` is None (``<bundle>[-redacted].tar.gz`` beside the bundle), an existing directory
+    (that name inside it) or a file name ending in ``.tar.gz``. The archive holds one top folder
+    named after the bundle and only the files its manifest lists (never an earlier archive or a
+    stray file); a listed file that is missing or is not a regular file inside the bundle is
+    left out and passed to ``on_skip``. Raises ``BundleError`` for a path that is not a bundle,
+    an ``out`` that is not a directory or a ``.tar.gz`` name, or one inside the bundle."""
+    bundle = bundle.resolve()  # "." names a bundle too; member names come from its real name
     manifest = load_manifest(bundle)
-    out = out or bundle.parent / f"{bundle.name}{'-redacted' if redact else ''}.tar.gz"
-    if out.exists():
-        raise FileExistsError(f"{out} exists; not overwriting")
+    listed = manifest.get("files")
+    if not isinstance(listed, dict):
+        raise BundleError(f"{bundle / MANIFEST}: has no file list; not a bundle this mlxwatch can export")
+    if out is None:
+        target = bundle.parent / archive_name(bundle, redact)
+    elif out.is_dir():
+        target = out / archive_name(bundle, redact)
+    elif out.name.endswith(".tar.gz"):
+        target = out
+    else:
+        raise BundleError(f"{out}: give an existing directory or a file name ending in .tar.gz")
+    target = target.parent.resolve() / target.name
+    if target.is_relative_to(bundle):
+        raise BundleError(f"{target} is inside the bundle {bundle}; write the archive elsewhere (--out DIR)")
+    if target.exists():
+        raise FileExistsError(f"{target} exists; not overwriting")
     files: dict[str, dict] = {}
     members: list[tuple[str, bytes]] = []
-    for path in sorted(p for p in bundle.rglob("*") if p.is_file()):
-        relname = path.relative_to(bundle).as_posix()
+    for relname in sorted(listed):
         if relname == MANIFEST:
             continue
-        data = path.read_bytes()
+        data = _member(bundle, relname)
+        if data is None:
+            if on_skip is not None:
+                on_skip(relname)
+            continue
         if redact:
             data = redact_file(relname, data, manifest.get("verdict"))
         files[relname] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
@@ -172,7 +204,10 @@ def export_bundle(bundle: Path, out: Path | None = None, redact: bool = False) -
             manifest = _replace_strings(manifest, manifest["verdict"], redact_verdict(manifest["verdict"]))
         manifest = json.loads(redact_home(json.dumps({**manifest, "files": files, "redacted": True,
                                                        "redaction": REDACTED_FILES_NOTE})))
-        manifest["target"]["cmdline"] = [redact_home(a) for a in manifest["target"].get("cmdline") or []]
+        if isinstance(manifest.get("target"), dict):
+            manifest["target"]["cmdline"] = [redact_home(a) for a in manifest["target"].get("cmdline") or []]
+    else:
+        manifest = {**manifest, "files": files}  # what the archive holds
     members.append((MANIFEST, json.dumps(manifest, indent=2, sort_keys=True).encode()))
     buffer = io.BytesIO()
     with tarfile.open(fileobj=buffer, mode="w:gz") as tar:
@@ -182,5 +217,71 @@ def export_bundle(bundle: Path, out: Path | None = None, redact: bool = False) -
             tar.addfile(info, io.BytesIO(data))
     from mlxwatch.storage import write_new
 
-    write_new(out, buffer.getvalue())
-    return out
+    write_new(target, buffer.getvalue())
+    return target
+
+
+MAX_MEMBER_BYTES = 64 * 1024 * 1024  # bundle files are capped well below this (logs, stacks: MBs)
+
+
+def _member(bundle: Path, relname: str) -> bytes | None:
+    """A listed file's bytes, or None if it is missing, escapes the bundle or is not a regular file."""
+    if not isinstance(relname, str) or relname.startswith("/") or ".." in Path(relname).parts:
+        return None
+    path = bundle / relname
+    try:
+        if path.is_symlink() or not path.resolve().is_relative_to(bundle):
+            return None
+        return read_bounded(path, MAX_MEMBER_BYTES)
+    except (OSError, ValueError):
+        return None
+
+
+@dataclass
+class ArchiveView:
+    """What ``bundle show`` needs from an exported archive."""
+
+    path: Path
+    name: str  # the archive's top folder: the bundle's name
+    manifest: dict[str, Any] | None
+    summary: str | None
+
+
+MAX_ARCHIVE_MEMBERS = 10_000
+
+
+def read_archive(path: Path) -> ArchiveView:
+    """Read ``summary.md`` and ``manifest.json`` from an exported bundle archive (without
+    extracting anything). Raises ``BundleError`` for anything that is not one."""
+    found: dict[str, bytes] = {}
+    tops: set[str] = set()
+    try:
+        with tarfile.open(path, "r:gz") as tar:
+            for count, member in enumerate(tar, 1):
+                if count > MAX_ARCHIVE_MEMBERS:
+                    break
+                parts = member.name.split("/")
+                if parts[0]:
+                    tops.add(parts[0])
+                if len(parts) == 2 and parts[1] in (MANIFEST, SUMMARY) and member.isfile():
+                    if member.size > MAX_MANIFEST_BYTES:
+                        raise BundleError(f"{path}: {member.name} is larger than {MAX_MANIFEST_BYTES} bytes")
+                    handle = tar.extractfile(member)
+                    found[parts[1]] = handle.read() if handle is not None else b""
+                    if len(found) == 2:
+                        break
+    except (tarfile.TarError, OSError, EOFError, zlib.error) as exc:
+        raise BundleError(f"{path}: not a readable .tar.gz bundle archive ({exc})") from None
+    if not found:
+        raise BundleError(f"{path}: an archive, but not of a bundle (no <bundle>/{MANIFEST} or {SUMMARY})")
+    manifest = None
+    if MANIFEST in found:
+        try:
+            manifest = json.loads(found[MANIFEST].decode("utf-8"))
+        except ValueError as exc:
+            raise BundleError(f"{path}: its {MANIFEST} is unreadable ({exc})") from None
+        if not isinstance(manifest, dict):
+            raise BundleError(f"{path}: its {MANIFEST} is not a JSON object")
+    summary = found[SUMMARY].decode("utf-8", errors="replace") if SUMMARY in found else None
+    name = sorted(tops)[0] if len(tops) == 1 else path.name.removesuffix(".tar.gz")
+    return ArchiveView(path, name, manifest, summary)

@@ -24,7 +24,7 @@ def render_summary(manifest: dict[str, Any], snapshots: list[tuple[float, list[T
     elif verdict:
         out.append(f"- watchdog verdict: hung ({verdict})")
     out += [
-        f"- target: PID {manifest['target']['pid']} {manifest['target'].get('label', '')}".rstrip(),
+        f"- target: PID {manifest['target']['pid']} {manifest['target'].get('label') or ''}".rstrip(),
         f"- created: {manifest['created_at']} on {manifest['host']}",
     ]
     if manifest["target"].get("url"):
