@@ -38,6 +38,14 @@ PROBE_PROMPT = "mlxwatch liveness probe. Reply with OK."
 THREAD_DIED_TEXT = "generation thread died"  # mlx-lm >= 0.32's error once its generation thread is gone
 MAX_BODY_BYTES = 256 * 1024  # a 4-token stream is ~2 KB; anything near this is broken
 LINGER_MAX_BYTES = MAX_BODY_BYTES  # a late reply is the same reply, only late: same bound
+# Each streamed token is one SSE chunk of JSON (~300 bytes, more with a long model path): a
+# probe that asks for more tokens may receive proportionally more before it is "too large".
+BYTES_PER_TOKEN = 4096
+
+
+def body_limit(max_tokens: int) -> int:
+    """The most a healthy reply to ``max_tokens`` tokens may weigh (also the lingering bound)."""
+    return max(MAX_BODY_BYTES, max_tokens * BYTES_PER_TOKEN)
 MAX_TRANSCRIPT_EVENTS = 200
 MAX_EVENT_TEXT = 500
 
@@ -172,7 +180,8 @@ async def probe_generation(
     That task is ``result.lingering``: it never raises, and cancelling it closes the stream.
     """
     loop = asyncio.get_running_loop()
-    run = _Run(url, loop, first_token_timeout=first_token_timeout, timeout=timeout, linger=linger)
+    run = _Run(url, loop, first_token_timeout=first_token_timeout, timeout=timeout, linger=linger,
+               max_body=body_limit(max_tokens))
     body = {
         "messages": [{"role": "user", "content": prompt}],
         "max_tokens": max_tokens,
@@ -211,9 +220,11 @@ class _Run:
     """
 
     def __init__(
-        self, url: str, loop: asyncio.AbstractEventLoop, *, first_token_timeout: float, timeout: float, linger: float
+        self, url: str, loop: asyncio.AbstractEventLoop, *, first_token_timeout: float, timeout: float, linger: float,
+        max_body: int = MAX_BODY_BYTES,
     ) -> None:
         self.loop = loop
+        self.max_body = max_body
         self.t0 = loop.time()
         self.result = GenerationProbeResult(url=url, started_at=time.time())
         self.first_token_timeout = first_token_timeout
@@ -395,8 +406,8 @@ async def _stream(client: httpx.AsyncClient, url: str, body: dict[str, Any], run
 def _judge_chunk(chunk: bytes, parser: SSEParser, run: _Run) -> None:
     res = run.result
     res.body_bytes += len(chunk)
-    if res.body_bytes > MAX_BODY_BYTES:
-        raise run.fail(Failure.TOO_LARGE, f"more than {MAX_BODY_BYTES} bytes")
+    if res.body_bytes > run.max_body:
+        raise run.fail(Failure.TOO_LARGE, f"more than {run.max_body} bytes")
     try:
         events = parser.feed(chunk)
     except LineTooLong as exc:
@@ -413,8 +424,8 @@ def _read_late(chunk: bytes, parser: SSEParser, run: _Run) -> bool:
     if not run.lingering:
         return False  # linger 0: the cutoff is on its way; read nothing more
     res.late_bytes += len(chunk)
-    if res.late_bytes > LINGER_MAX_BYTES:
-        run.end_linger(False, f"stopped reading after {LINGER_MAX_BYTES} late bytes")
+    if res.late_bytes > run.max_body:
+        run.end_linger(False, f"stopped reading after {run.max_body} late bytes")
         return False
     try:
         events = parser.feed(chunk)
