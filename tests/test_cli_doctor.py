@@ -1,0 +1,211 @@
+"""`mlxwatch doctor` on machines this one is not: a Mac without root, a Linux whose ptrace scope
+refuses py-spy, a launchd label that is not loaded, a systemd unit that does not exist, a hook
+that is not executable, a log the server does not write. Each is one finding with a fix.
+(The real server's case is in ``test_cli_real.py``.)"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from mlxwatch import launchctl
+from mlxwatch.capture.commands import CommandResult
+from mlxwatch.config import CaptureConfig, Config, InstanceConfig, RestartConfig
+from mlxwatch.doctor import FAIL, OK, SKIP, WARN, Env, diagnose, exit_code, pyspy_hint
+from mlxwatch.process import ProcessIdentity, ServerLookup
+
+
+class Report:
+    def __init__(self, healthy=True, reason="ok"):
+        self.healthy, self.reason = healthy, reason
+        self.generation = type("G", (), {"tokens": 4 if healthy else 0, "ttft": 0.05 if healthy else None})()
+
+
+def env(**over) -> Env:
+    """A machine where everything works, unless told otherwise."""
+    server = ProcessIdentity(4242, 1.0, ("python", "-m", "mlx_lm.server"), ("127.0.0.1", 8080))
+
+    async def runner(argv, timeout):
+        if argv[-1] == "--version":
+            return CommandResult(list(argv), 0, b"py-spy 0.4.3\n", b"", 0.1)
+        return CommandResult(list(argv), 0, b"Thread 1 ...", b"", 0.1)
+
+    async def check(inst):
+        return Report()
+
+    values = dict(platform="linux", euid=1000, runner=runner, which=lambda name: f"/usr/bin/{name}",
+                  find_py_spy=lambda: "/venv/bin/py-spy", lookup=lambda inst: ServerLookup(identity=server),
+                  check=check, open_files=lambda pid: {}, ptrace_scope=lambda: 0,
+                  job_status=lambda label, domain, uid: launchctl.JobStatus(f"gui/501/{label}", True, 4242,
+                                                                            "running", None, None, "loaded"),
+                  launchctl_available=lambda: True)
+    values.update(over)
+    return Env(**values)
+
+
+def config(tmp_path: Path, **inst) -> Config:
+    return Config(tmp_path / "c.yaml", (InstanceConfig("gemma", "http://127.0.0.1:8080", **inst),), tmp_path / "state",
+                  (), CaptureConfig())
+
+
+async def run(cfg, e, tmp_path) -> dict[str, object]:
+    findings = await diagnose(cfg, tmp_path / "c.yaml", None, tmp_path / "state", env=e)
+    return {(f.instance, f.check): f for f in findings}, exit_code(findings)
+
+
+async def test_all_good_but_the_log_is_warned_about(tmp_path):
+    """A proven server, a healthy probe, py-spy reads it: exit 0; no log configured is a warning."""
+    found, code = await run(config(tmp_path), env(), tmp_path)
+    assert code == 0
+    assert found[("gemma", "server")].status == OK and "PID 4242" in found[("gemma", "server")].message
+    assert found[("gemma", "stacks")].status == OK
+    assert found[("gemma", "log")].status == WARN and "set the instance's log" in found[("gemma", "log")].fix
+    assert found[(None, "sample")].status == SKIP
+
+
+async def test_py_spy_refused_on_linux_names_ptrace_scope(tmp_path):
+    """Measured: "Failed to get process executable name" passed on verbatim, no hint."""
+    async def runner(argv, timeout):
+        if argv[-1] == "--version":
+            return CommandResult(list(argv), 0, b"py-spy 0.4.3\n", b"", 0.1)
+        return CommandResult(list(argv), 1, b"", b"Error: Failed to get process executable name. Check that the "
+                             b"process is running.\nReason: Permission denied (os error 13)\n", 0.1,
+                             "exit 1: Error: Failed to get process executable name. Check that the process is running.")
+
+    found, code = await run(config(tmp_path), env(runner=runner, ptrace_scope=lambda: 1), tmp_path)
+    stacks = found[("gemma", "stacks")]
+    assert code == 1 and stacks.status == FAIL
+    assert "kernel.yama.ptrace_scope is 1" in stacks.fix and "setcap cap_sys_ptrace+ep /venv/bin/py-spy" in stacks.fix
+
+
+async def test_macos_without_root_or_sudo_says_how_to_allow_py_spy(tmp_path):
+    found, code = await run(config(tmp_path), env(platform="darwin", euid=501), tmp_path)
+    assert code == 1
+    assert found[("gemma", "stacks")].status == FAIL and "capture.sudo" in found[("gemma", "stacks")].fix
+    assert found[(None, "spindump")].status in (WARN, OK) or "not found" in found[(None, "spindump")].message
+
+
+async def test_launchd_label_not_loaded(tmp_path):
+    not_loaded = lambda label, domain, uid: launchctl.JobStatus(  # noqa: E731
+        f"gui/{uid}/{label}", False, detail=f"launchctl print gui/{uid}/{label}: Could not find service")
+    cfg = config(tmp_path, restart=RestartConfig("launchd", target="com.example.mlx", uid=501))
+    found, code = await run(cfg, env(job_status=not_loaded), tmp_path)
+    restart = found[("gemma", "restart")]
+    assert code == 1 and restart.status == FAIL and "Could not find service" in restart.message
+    assert "launchctl bootstrap gui/501 ~/Library/LaunchAgents/com.example.mlx.plist" in restart.fix
+
+
+async def test_launchd_restart_on_linux(tmp_path):
+    cfg = config(tmp_path, restart=RestartConfig("launchd", target="com.example.mlx", uid=501))
+    found, _ = await run(cfg, env(launchctl_available=lambda: False), tmp_path)
+    assert found[("gemma", "restart")].status == FAIL and "only on macOS" in found[("gemma", "restart")].message
+
+
+@pytest.mark.parametrize("stdout, returncode, error, status", [
+    (b"loaded\n", 0, None, OK),
+    (b"not-found\n", 0, None, FAIL),
+    (b"", None, "systemctl: not found", FAIL),
+])
+async def test_systemd_unit(stdout, returncode, error, status, tmp_path):
+    async def runner(argv, timeout):
+        if argv[0] == "systemctl":
+            assert argv == ["systemctl", "--user", "show", "--property=LoadState", "--value", "mlx.service"]
+            return CommandResult(list(argv), returncode, stdout, b"", 0.1, error)
+        return CommandResult(list(argv), 0, b"py-spy 0.4.3\n", b"", 0.1)
+
+    cfg = config(tmp_path, restart=RestartConfig("systemd", target="mlx.service", user=True))
+    found, _ = await run(cfg, env(runner=runner), tmp_path)
+    assert found[("gemma", "restart")].status == status
+
+
+async def test_restart_hook_must_be_an_executable_file(tmp_path):
+    script = tmp_path / "restart.sh"
+    script.write_text("#!/bin/sh\n")
+    cfg = config(tmp_path, restart=RestartConfig("command", argv=(str(script), "{name}")))
+    found, _ = await run(cfg, env(), tmp_path)
+    assert found[("gemma", "restart")].status == FAIL and "chmod +x" in found[("gemma", "restart")].fix
+    script.chmod(0o755)
+    found, _ = await run(cfg, env(), tmp_path)
+    assert found[("gemma", "restart")].status == OK
+    cfg = config(tmp_path, restart=RestartConfig("command", argv=("no-such-restarter",)))
+    found, _ = await run(cfg, env(which=lambda name: None), tmp_path)
+    assert found[("gemma", "restart")].status == FAIL and "not on PATH" in found[("gemma", "restart")].message
+
+
+async def test_log_that_the_server_does_not_write(tmp_path):
+    """A log path that exists but is not the server's stdout/stderr: a warning naming what it writes."""
+    log = tmp_path / "server.log"
+    log.write_text("x\n")
+    other = tmp_path / "other.log"
+    other.write_text("")
+    st = os.stat(other)
+    found, code = await run(config(tmp_path, log=log), env(open_files=lambda pid: {(st.st_dev, st.st_ino): str(other)}),
+                            tmp_path)
+    assert code == 0 and found[("gemma", "log")].status == WARN
+    assert f"does not write {log}" in found[("gemma", "log")].message and str(other) in found[("gemma", "log")].message
+    st = os.stat(log)
+    found, _ = await run(config(tmp_path, log=log), env(open_files=lambda pid: {(st.st_dev, st.st_ino): str(log)}),
+                         tmp_path)
+    assert found[("gemma", "log")].status == OK and "written by PID 4242" in found[("gemma", "log")].message
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda p: None, "does not exist"),
+    (lambda p: os.mkfifo(p), "is not a regular file"),
+])
+async def test_log_missing_or_not_a_file(make, message, tmp_path):
+    log = tmp_path / "server.log"
+    make(log)
+    found, code = await run(config(tmp_path, log=log), env(), tmp_path)
+    assert code == 1 and found[("gemma", "log")].status == FAIL and message in found[("gemma", "log")].message
+
+
+async def test_a_stranger_on_the_port_and_nothing_listening(tmp_path):
+    stranger = ServerLookup(stranger="port 8080 taken by PID 7: python3 -m http.server")
+    found, code = await run(config(tmp_path), env(lookup=lambda inst: stranger,
+                                                 check=lambda inst: _unhealthy()), tmp_path)
+    assert code == 1 and found[("gemma", "server")].status == FAIL and "pid_file" in found[("gemma", "server")].fix
+    assert found[("gemma", "probe")].status == FAIL
+    found, code = await run(config(tmp_path), env(lookup=lambda inst: ServerLookup(detail="nothing listens")), tmp_path)
+    assert found[("gemma", "probe")].status == SKIP and found[("gemma", "stacks")].status == SKIP
+
+
+async def _unhealthy():
+    return Report(False, "HTTP error: HTTP 404")
+
+
+async def test_no_config_and_bad_config(tmp_path):
+    findings = await diagnose(None, tmp_path / "c.yaml", None, tmp_path / "state", env=env())
+    assert findings[0].status == FAIL and "mlxwatch config init" in findings[0].fix and exit_code(findings) == 1
+    findings = await diagnose(None, tmp_path / "c.yaml", "c.yaml: probe.timeout: must be ...", tmp_path, env=env())
+    assert findings[0].status == FAIL and findings[0].message == "c.yaml: probe.timeout: must be ..."
+
+
+async def test_state_dir_that_cannot_be_written(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    findings = await diagnose(config(tmp_path), tmp_path / "c.yaml", None, blocker / "state", env=env())
+    state = next(f for f in findings if f.check == "state dir")
+    assert state.status == FAIL and "is not a directory" in state.message
+
+
+async def test_py_spy_missing(tmp_path):
+    found, code = await run(config(tmp_path), env(find_py_spy=lambda: None), tmp_path)
+    assert code == 1 and found[(None, "py-spy")].status == FAIL and "pip install py-spy" in found[(None, "py-spy")].fix
+    assert found[("gemma", "stacks")].status == SKIP
+
+
+@pytest.mark.parametrize("error, platform, euid, sudo, scope, expected", [
+    ("exit 1: Error: Failed to get process executable name", "linux", 1000, False, 1, "ptrace_scope is 1"),
+    ("Permission denied (os error 13)", "linux", 1000, False, 0, "run mlxwatch as the server's user, or as root"),
+    ("Operation not permitted (os error 1)", "linux", 0, False, 1, "--cap-add SYS_PTRACE"),
+    ("This program requires root on OSX", "darwin", 501, False, None, None),
+    ("Permission denied", "darwin", 501, False, None, "capture.sudo"),
+    ("sudo: a password is required", "darwin", 501, True, None, "sudoers rule"),
+    ("Failed to find python version from target process", "linux", 1000, False, 0, None),
+])
+def test_pyspy_hint(error, platform, euid, sudo, scope, expected):
+    hint = pyspy_hint(error, platform, euid, sudo, scope, "/venv/bin/py-spy")
+    assert (hint is None) if expected is None else (expected in hint)
