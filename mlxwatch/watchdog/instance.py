@@ -340,6 +340,7 @@ class InstanceWatcher:
         inc.bundle, inc.kind, inc.confidence = str(bundle.path), bundle.classification.kind, bundle.classification.confidence
         log.warning("%s: captured %s (%s, %s confidence)", self.name, bundle.path, inc.kind, inc.confidence)
         self._change(policy.CAPTURING, "captured")
+        self.shared.notifier.fire("captured", inc.to_dict())  # kind, confidence and bundle are known now
 
     async def _restart(self, inc: Incident, server: ProcessIdentity | None) -> bool:
         self._change(policy.RESTARTING, "restarting")
