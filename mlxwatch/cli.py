@@ -1,7 +1,10 @@
 """The ``mlxwatch`` command line: parse arguments, call the core, print, exit.
 
 Exit codes: 0 success / healthy, 1 unhealthy or target missing, 2 usage or config error.
-Only this module prints to stderr or calls ``sys.exit``.
+Only this module prints to stderr or calls ``sys.exit``. Every error is one line on stderr
+naming the file, field or value and what to do; no traceback reaches the user (set
+``MLXWATCH_DEBUG=1`` to see one for an internal error). Defaults shown by ``--help`` are read
+from the config dataclasses (``ProbeConfig``, ``CaptureConfig``), never retyped.
 """
 
 from __future__ import annotations
@@ -9,87 +12,191 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
+import time
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 from rich.console import Console
 
 from mlxwatch import __version__
-from mlxwatch.config import Config, InstanceConfig, ProbeConfig, load_config, resolve_config_path
-from mlxwatch.durations import parse_duration
+from mlxwatch.config import (
+    MAX_COUNT, CaptureConfig, Config, InstanceConfig, ProbeConfig, load_config, resolve_config_path,
+)
+from mlxwatch.durations import format_duration, parse_duration
 from mlxwatch.errors import ConfigError, MlxwatchError, ProcessGoneError, StateError, UsageError
 
 EXIT_OK, EXIT_UNHEALTHY, EXIT_USAGE = 0, 1, 2
+EXIT_PIPE = 141  # stdout closed by the reader (`| head`): what a shell reports for SIGPIPE
+DEBUG_ENV = "MLXWATCH_DEBUG"
+
+_PROBE, _CAPTURE = ProbeConfig(), CaptureConfig()  # the one source of every default shown in --help
+
+
+def _human_duration(seconds: float) -> str:
+    """A default as a config file would say it: ``90s``, ``10m``, ``1h``, ``500ms``."""
+    if seconds < 1:
+        return f"{seconds * 1000:g}ms"
+    for unit, size in (("h", 3600), ("m", 60)):
+        if seconds >= size and seconds % size == 0:
+            return f"{seconds / size:g}{unit}"
+    return f"{seconds:g}s"
 
 
 def _duration_arg(text: str) -> float:
     try:
         seconds = parse_duration(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a duration: {text!r} (try 30, 30s, 5m)") from None
+    except ValueError as exc:
+        why = "not a duration" if str(exc) == "not a duration" else str(exc)
+        raise argparse.ArgumentTypeError(f"{why}: {text!r} (try 30, 30s, 5m)") from None
     if seconds <= 0:
-        raise argparse.ArgumentTypeError(f"must be positive: {text!r}")
+        raise argparse.ArgumentTypeError(f"must be a positive duration: {text!r} (try 30, 30s, 5m)")
     return seconds
+
+
+def _count_arg(text: str) -> int:
+    try:
+        value = int(text, 10)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a whole number: {text!r}") from None
+    if not 0 < value <= MAX_COUNT:
+        raise argparse.ArgumentTypeError(f"must be a whole number from 1 to {MAX_COUNT}: {text!r}")
+    return value
+
+
+MAX_PID = 2**31 - 1
+
+
+def _pid_arg(text: str) -> int:
+    try:
+        value = int(text, 10)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a PID is a positive whole number (got {text!r})") from None
+    if not 0 < value <= MAX_PID:
+        raise argparse.ArgumentTypeError(f"a PID is a positive whole number (got {text!r})")
+    return value
 
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # one line, exit 2, like every other bad input
-        raise UsageError(f"{self.prog}: {message}")
+        where = self.prog.removeprefix("mlxwatch").strip()
+        sub = next((a for a in self._actions if isinstance(a, argparse._SubParsersAction)), None)
+        if sub is not None and "the following arguments are required" in message:
+            kind = "a subcommand" if where else "a command"
+            message = f"give {kind}: {', '.join(sub.choices)}"
+        raise UsageError(f"{where + ': ' if where else ''}{message} (see `{self.prog} --help`)")
+
+
+def _leaf(sub: Any, name: str, help: str, description: str | None = None) -> argparse.ArgumentParser:
+    """A subcommand that takes ``--config`` after its name too (``mlxwatch run --config X``).
+    SUPPRESS: given here it wins; not given, the top-level ``--config`` stays."""
+    parser = sub.add_parser(name, help=help, description=description or help[:1].upper() + help[1:] + ".")
+    parser.add_argument("--config", default=argparse.SUPPRESS, metavar="FILE", help=CONFIG_HELP)
+    return parser
+
+
+CONFIG_HELP = "config file (default: $MLXWATCH_CONFIG, else ~/.config/mlxwatch/config.yaml)"
 
 
 def build_parser() -> argparse.ArgumentParser:
+    P, C = _PROBE, _CAPTURE
+    d = _human_duration
     parser = _Parser(prog="mlxwatch", description="Watchdog and hang diagnostics for mlx_lm.server.")
     parser.add_argument("--version", action="version", version=f"mlxwatch {__version__}")
-    parser.add_argument("--config", help="config file (default: $MLXWATCH_CONFIG or ~/.config/mlxwatch/config.yaml)")
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    parser.add_argument("--config", metavar="FILE", help=CONFIG_HELP)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True, parser_class=_Parser)
 
-    cfg = sub.add_parser("config", help="config file tools")
-    cfg_sub = cfg.add_subparsers(dest="config_command", required=True, parser_class=_Parser)
-    validate = cfg_sub.add_parser("validate", help="check a config file and print what it watches")
-    validate.add_argument("path", nargs="?", help="config file (default: as --config)")
-
-    check = sub.add_parser("check", help="probe a server once; exit 0 healthy, 1 unhealthy")
+    check = _leaf(sub, "check", "probe a server once (or until healthy with --wait); exit 0 healthy, 1 unhealthy")
     check.add_argument("url", nargs="?", help="server base URL, e.g. http://127.0.0.1:8080")
-    check.add_argument("--instance", help="take URL and probe settings from this config instance")
-    check.add_argument("--timeout", type=_duration_arg, help="whole-probe limit (default 120s)")
-    check.add_argument("--first-token-timeout", type=_duration_arg, help="limit for the first token (default: min(60s, --timeout))")
-    check.add_argument("--max-tokens", type=int, default=None, help="tokens to ask for (default 4)")
+    check.add_argument("--instance", metavar="NAME", help="take the URL and probe settings from this config instance")
+    check.add_argument("--timeout", type=_duration_arg, metavar="DURATION",
+                       help=f"limit for the whole probe (default {d(P.timeout)}; with --instance its probe.timeout)")
+    check.add_argument("--first-token-timeout", type=_duration_arg, metavar="DURATION",
+                       help=f"limit for the first token (default {d(P.first_token_timeout)}, at most --timeout; "
+                            "with --instance its probe.first_token_timeout)")
+    check.add_argument("--max-tokens", type=_count_arg, metavar="N",
+                       help=f"tokens to ask for (default {P.max_tokens}; with --instance its probe.max_tokens)")
+    check.add_argument("--wait", type=_duration_arg, metavar="DURATION",
+                       help="probe again (every second after a quick failure) until one probe is healthy or "
+                            "DURATION has passed: for a server still loading in CI; a probe started in time "
+                            "may run its own --timeout past DURATION")
     check.add_argument("--json", action="store_true", help="print the full report as JSON")
-    cap = sub.add_parser("capture", help="capture an evidence bundle from a server process now")
-    cap.add_argument("pid", type=int, help="the mlx_lm.server process ID")
-    cap.add_argument("--out", help="directory for bundles (default: config capture.dir or <state dir>/bundles)")
-    cap.add_argument("--url", help="server base URL: adds /health, /v1/models and a generation probe")
-    cap.add_argument("--log", help="server log file: adds the tail and markers")
-    cap.add_argument("--instance", help="take URL and log from this config instance")
-    cap.add_argument("--snapshots", type=int, help="py-spy dumps (default 3)")
-    cap.add_argument("--spacing", type=_duration_arg, help="time between dumps (default 2s)")
-    cap.add_argument("--ceiling", type=_duration_arg, help="hard limit for the whole capture (default 60s)")
+
+    cap = _leaf(sub, "capture", "capture an evidence bundle from a running mlx-lm server now")
+    cap.add_argument("pid", nargs="?", type=_pid_arg, metavar="PID",
+                     help="the mlx-lm server's process ID (with --instance: default the instance's server)")
+    cap.add_argument("--instance", metavar="NAME", help="take the URL, log and server process from this config instance")
+    cap.add_argument("--url", help="server base URL (default: the address PID listens on): adds /health, "
+                                   "/v1/models and a generation probe")
+    cap.add_argument("--log", metavar="FILE", help="the server's log file: adds the tail and markers")
+    cap.add_argument("--out", metavar="DIR|FILE.tar.gz",
+                     help="an existing directory to write the bundle in, or a new FILE.tar.gz to also write it "
+                          "as an archive (default: capture.dir, else <state dir>/bundles)")
+    cap.add_argument("--snapshots", type=_count_arg, metavar="N",
+                     help=f"py-spy dumps (default {C.snapshots}, or the config's capture.snapshots)")
+    cap.add_argument("--spacing", type=_duration_arg, metavar="DURATION",
+                     help=f"time between dumps (default {d(C.spacing)}, or capture.spacing)")
+    cap.add_argument("--ceiling", type=_duration_arg, metavar="DURATION",
+                     help=f"hard limit for the whole capture (default {d(C.ceiling)}, or capture.ceiling)")
+    cap.add_argument("--force", action="store_true",
+                     help="capture PID even though it is not the mlx-lm server listening at the URL")
     cap.add_argument("--stacks", choices=("auto", "pyspy", "shim", "sample"),
                      help="Python stacks from: auto (the launch shim if the server has it, else py-spy), pyspy, "
                           "shim (faulthandler via `mlxwatch launch`, no root) or sample (none; macOS sample only) "
                           "(default: capture.stacks, else auto)")
     cap.add_argument("--json", action="store_true", help="print the manifest as JSON, no progress display")
 
-    bundle = sub.add_parser("bundle", help="look at or export a bundle")
-    bundle_sub = bundle.add_subparsers(dest="bundle_command", required=True, parser_class=_Parser)
-    show = bundle_sub.add_parser("show", help="print a bundle's summary")
-    show.add_argument("dir")
-    export = bundle_sub.add_parser("export", help="write a bundle as .tar.gz")
-    export.add_argument("dir")
-    export.add_argument("--redact", action="store_true", help="remove message contents, environment values, home paths")
-    export.add_argument("--out", help="output file (default: beside the bundle)")
-    run_p = sub.add_parser("run", help="run the watchdog daemon in the foreground")
-    run_p.add_argument("--state-dir", help="journal and state (default: config state_dir, else the platform's)")
-    run_p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    bundle = sub.add_parser("bundle", help="list, show or export evidence bundles",
+                            description="List, show or export evidence bundles.")
+    bundle_sub = bundle.add_subparsers(dest="bundle_command", metavar="SUBCOMMAND", required=True, parser_class=_Parser)
+    listing = _leaf(bundle_sub, "list", "list bundles, newest first")
+    listing.add_argument("--dir", metavar="DIR", help="where to look (default: capture.dir, else <state dir>/bundles)")
+    listing.add_argument("--instance", metavar="NAME", help="only this instance's bundles")
+    listing.add_argument("--json", action="store_true", help="print the list as JSON")
+    show = _leaf(bundle_sub, "show", "print a bundle's summary (a directory, a .tar.gz, or a name from bundle list)")
+    show.add_argument("bundle", metavar="BUNDLE", help="bundle directory, exported .tar.gz, or bundle name")
+    show.add_argument("--json", action="store_true", help="print the manifest as JSON instead")
+    export = _leaf(bundle_sub, "export", "write a bundle as a .tar.gz (never overwrites)")
+    export.add_argument("bundle", metavar="BUNDLE", help="bundle directory or bundle name")
+    export.add_argument("--redact", action="store_true",
+                        help="remove message contents, environment values and home paths (for a public issue)")
+    export.add_argument("--out", metavar="DIR|FILE.tar.gz",
+                        help="an existing directory, or a new FILE.tar.gz (default: beside the bundle)")
 
-    status = sub.add_parser("status", help="show each instance's state and last incident")
-    status.add_argument("--state-dir")
-    status.add_argument("--json", action="store_true")
+    run_p = _leaf(sub, "run", "run the watchdog daemon in the foreground")
+    run_p.add_argument("--state-dir", metavar="DIR", help="journal and state (default: config state_dir, else the platform's)")
+    run_p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+                       help="log detail (default INFO: one line per event)")
 
-    resume = sub.add_parser("resume", help="allow restarts again for an instance that was given up")
-    resume.add_argument("name")
-    resume.add_argument("--state-dir")
+    status = _leaf(sub, "status", "show each instance's state, last probe and last incident; exit 0 all healthy, "
+                                  "1 some instance not healthy or no daemon running")
+    status.add_argument("--state-dir", metavar="DIR", help="state to read (default: config state_dir, else the platform's)")
+    status.add_argument("--json", action="store_true", help="print the status as JSON")
+    status.add_argument("--watch", nargs="?", const=2.0, type=_duration_arg, metavar="INTERVAL",
+                        help="show it again every INTERVAL (default 2s) until Ctrl-C")
+    status.add_argument("--count", type=_count_arg, metavar="N", help="with --watch: stop after N updates")
+
+    resume = _leaf(sub, "resume", "allow restarts again for an instance that was given up")
+    resume.add_argument("name", metavar="NAME", help="the instance's name in the config")
+    resume.add_argument("--state-dir", metavar="DIR", help="state dir (default: config state_dir, else the platform's)")
+    resume.add_argument("--json", action="store_true", help="print the request as JSON")
+
+    doctor = _leaf(sub, "doctor", "check that mlxwatch can do its job here, one line per check with a fix; "
+                                  "exit 0 all good, 1 something to fix")
+    doctor.add_argument("--instance", metavar="NAME", help="check only this instance")
+    doctor.add_argument("--state-dir", metavar="DIR", help="state dir (default: config state_dir, else the platform's)")
+    doctor.add_argument("--json", action="store_true", help="print the findings as JSON")
+
+    cfg = sub.add_parser("config", help="write, check or show a config file", description="Write, check or show a config file.")
+    cfg_sub = cfg.add_subparsers(dest="config_command", metavar="SUBCOMMAND", required=True, parser_class=_Parser)
+    validate = _leaf(cfg_sub, "validate", "check a config file and print what it watches")
+    validate.add_argument("path", nargs="?", metavar="PATH", help="config file (default: as --config)")
+    validate.add_argument("--json", action="store_true", help="print the validated config as JSON")
+    init = _leaf(cfg_sub, "init", "write a starter config for the mlx-lm servers running now (never overwrites)")
+    init.add_argument("--out", metavar="FILE", help="where to write it (default: as --config)")
+    init.add_argument("--print", dest="print_only", action="store_true", help="print it instead of writing a file")
+    _leaf(cfg_sub, "example", "print the commented example config")
 
     agent = sub.add_parser("launchd", help="launchd agent for the daemon (macOS)")
     agent_sub = agent.add_subparsers(dest="launchd_command", required=True, parser_class=_Parser)
@@ -117,15 +224,26 @@ def build_parser() -> argparse.ArgumentParser:
                              "written), so launchd's KeepAlive restarts the server at once")
     launch.add_argument("server_command", nargs=argparse.REMAINDER, metavar="-- COMMAND ...",
                         help="the server command, unchanged")
-    demo = sub.add_parser("demo", help="watch a tiny real mlx_lm.server through a livelock and its recovery")
+    demo = _leaf(sub, "demo", "watch a tiny real mlx_lm.server through a livelock and its recovery")
     demo.add_argument("--keep", action="store_true", help="keep the demo's model and server log too")
     return parser
 
 
+def _err() -> Console:
+    return Console(stderr=True, highlight=False, soft_wrap=True)
+
+
+def _explicit_config(args: argparse.Namespace) -> bool:
+    from mlxwatch.config import CONFIG_ENV
+
+    return bool(args.config or os.environ.get(CONFIG_ENV))
+
+
 def _load_optional(args: argparse.Namespace) -> Config:
-    """The config if one exists at the resolved path; defaults if the user has none."""
+    """The config if one exists at the resolved path; defaults if the user has none. A config
+    named by --config or $MLXWATCH_CONFIG must exist."""
     path = resolve_config_path(args.config)
-    if args.config or path.exists():
+    if _explicit_config(args) or path.exists():
         return load_config(path)
     return Config()
 
@@ -143,15 +261,101 @@ def _load(args: argparse.Namespace, path: str | None = None) -> Config:
     return load_config(resolve_config_path(path or args.config))
 
 
+def _out_target(text: str, command: str) -> tuple[Path | None, Path | None]:
+    """``--out`` means the same for every command: an existing directory, or a new file whose
+    name ends in ``.tar.gz`` in an existing directory. Returns (directory, archive)."""
+    path = Path(text).expanduser()
+    if path.name.endswith(".tar.gz"):
+        if path.exists():
+            raise UsageError(f"{command}: --out {path} exists; not overwriting (give a new name)")
+        if not path.parent.is_dir():
+            raise UsageError(f"{command}: --out {path}: no such directory {path.parent} (create it first)")
+        return None, path
+    if path.is_dir():
+        return path, None
+    if path.exists():
+        raise UsageError(f"{command}: --out {path} is a file, not a directory "
+                         "(give a directory, or a new file name ending in .tar.gz)")
+    if path.suffix.lower() in (".zip", ".tar", ".gz", ".tgz", ".bz2", ".xz", ".zst", ".7z"):
+        raise UsageError(f"{command}: --out {path}: archives are gzip tarballs, so the name must end in .tar.gz")
+    raise UsageError(f"{command}: --out {path}: no such directory "
+                     "(create it first, or give a file name ending in .tar.gz)")
+
+
+def _url_arg(command: str, text: str, field: str = "--url") -> str:
+    from mlxwatch.config import parse_base_url  # the same URL rule as the config file
+
+    try:
+        return parse_base_url(text)
+    except ValueError as exc:
+        raise UsageError(f"{command}: {field + ' ' if field else ''}{exc} (got {text!r})") from None
+
+
+def cmd_config(args: argparse.Namespace, out: Console) -> int:
+    return {"validate": cmd_config_validate, "init": cmd_config_init,
+            "example": cmd_config_example}[args.config_command](args, out)
+
+
 def cmd_config_validate(args: argparse.Namespace, out: Console) -> int:
     config = _load(args, args.path)
-    out.print(f"{config.path}: ok, {len(config.instances)} instance(s)")
+    if args.json:
+        from dataclasses import asdict
+
+        data = {"path": str(config.path), "valid": True, **{k: v for k, v in asdict(config).items() if k != "path"}}
+        print(json.dumps(data, indent=2, default=str))
+        return EXIT_OK
+    out.print(f"{config.path}: ok, {len(config.instances)} instance(s)", markup=False, highlight=False)
     for inst in config.instances:
         p, r = inst.probe, inst.restart
         out.print(
             f"  {inst.name}: {inst.url} probe every {p.interval:g}s, first token {p.first_token_timeout:g}s, "
-            f"total {p.timeout:g}s, verdict after {p.failures} failures; restart {r.method} {r.target or ' '.join(r.argv)}".rstrip()
+            f"total {p.timeout:g}s, verdict after {p.failures} failures; restart {r.method} {r.target or ' '.join(r.argv)}".rstrip(),
+            markup=False, highlight=False,
         )
+    return EXIT_OK
+
+
+def cmd_config_init(args: argparse.Namespace, out: Console) -> int:
+    from mlxwatch.discover import find_servers, starter_config
+    from mlxwatch.storage import write_new
+
+    path = Path(args.out).expanduser() if args.out else resolve_config_path(args.config)
+    if not args.print_only and path.exists():
+        raise UsageError(f"config init: {path} exists; not overwriting (`mlxwatch config validate {path}` checks it; "
+                         "--out FILE writes elsewhere, --print shows the new one)")
+    if not args.print_only and args.out and not path.parent.is_dir():
+        raise UsageError(f"config init: --out {path}: no such directory {path.parent} (create it first)")
+    servers = find_servers()
+    if not servers:
+        _err().print("mlxwatch: config init: no mlx-lm server is running, so there is nothing to watch yet "
+                     "(start your server first, or start from `mlxwatch config example`)", markup=False)
+        return EXIT_UNHEALTHY
+    text = starter_config(servers)
+    if args.print_only:
+        sys.stdout.write(text)
+        return EXIT_OK
+    created = not path.parent.exists()
+    path.parent.mkdir(parents=True, exist_ok=True)  # the default ~/.config/mlxwatch is normally missing
+    try:
+        write_new(path, text.encode())
+    except FileExistsError:
+        raise UsageError(f"config init: {path} exists; not overwriting") from None
+    out.print(f"wrote {path}" + (f" (created {path.parent})" if created else "") + f": {len(servers)} instance(s)",
+              markup=False, highlight=False)
+    for s in servers:
+        restart = (f"launchd {s.launchd_label}" if s.launchd_label else f"systemd {s.systemd_unit}"
+                   if s.systemd_unit else "none (edit restart:)")
+        out.print(f"  {s.name}: {s.url} (PID {s.pid}); log {s.log or 'not found'}; restart {restart}",
+                  markup=False, highlight=False)
+    hint = f" --config {path}" if args.out else ""
+    out.print(f"next: `mlxwatch{hint} doctor`, then `mlxwatch{hint} run`", markup=False, highlight=False)
+    return EXIT_OK
+
+
+def cmd_config_example(args: argparse.Namespace, out: Console) -> int:
+    from importlib import resources
+
+    sys.stdout.write(resources.files("mlxwatch").joinpath("data/mlxwatch.example.yaml").read_text(encoding="utf-8"))
     return EXIT_OK
 
 
@@ -163,13 +367,7 @@ def _check_target(args: argparse.Namespace) -> tuple[str, ProbeConfig]:
         return inst.url, inst.probe
     if not args.url:
         raise UsageError("check: give a URL (e.g. http://127.0.0.1:8080) or --instance NAME")
-    from mlxwatch.config import parse_base_url  # the same URL rule as the config file
-
-    try:
-        url = parse_base_url(args.url)
-    except ValueError as exc:
-        raise UsageError(f"check: {exc} (got {args.url!r})") from None
-    return url, ProbeConfig()
+    return _url_arg("check", args.url, ""), ProbeConfig()
 
 
 def cmd_check(args: argparse.Namespace, out: Console) -> int:
@@ -178,83 +376,269 @@ def cmd_check(args: argparse.Namespace, out: Console) -> int:
 
     url, probe = _check_target(args)
     timeout = args.timeout or probe.timeout
-    first = args.first_token_timeout or (min(probe.first_token_timeout, timeout) if args.timeout else probe.first_token_timeout)
+    first = args.first_token_timeout or min(probe.first_token_timeout, timeout)
     if first > timeout:
         raise UsageError(f"check: --first-token-timeout ({first:g}s) exceeds --timeout ({timeout:g}s)")
-    max_tokens = args.max_tokens if args.max_tokens is not None else probe.max_tokens
-    if max_tokens <= 0:
-        raise UsageError(f"check: --max-tokens must be positive (got {max_tokens})")
+    max_tokens = args.max_tokens or probe.max_tokens
+    err = _err()
 
     async def go():
         async with make_client() as client:
-            return await run_check(
-                client, url, first_token_timeout=first, timeout=timeout,
-                max_tokens=max_tokens, endpoint_timeout=min(probe.endpoint_timeout, timeout),
-            )
+            loop = asyncio.get_running_loop()
+            started, probes, said = loop.time(), 0, None
+            while True:
+                began = loop.time()
+                probes += 1
+                report = await run_check(
+                    client, url, first_token_timeout=first, timeout=timeout,
+                    max_tokens=max_tokens, endpoint_timeout=min(probe.endpoint_timeout, timeout),
+                )
+                waited = loop.time() - started
+                if report.healthy or args.wait is None or waited >= args.wait:
+                    return report, waited, probes
+                if report.reason != said:  # one line per change, not one per probe
+                    said = report.reason
+                    err.print(f"waiting for {url} ({format_duration(waited)} of {format_duration(args.wait)}): "
+                              f"{report.reason}", markup=False)
+                pause = min(1.0 - (loop.time() - began), args.wait - waited)  # quick failures: once a second
+                if pause > 0:
+                    await asyncio.sleep(pause)
 
-    report = asyncio.run(go())
+    report, waited, probes = asyncio.run(go())
     if args.json:
-        print(json.dumps(report.to_dict(), indent=2))
+        data = report.to_dict()
+        if args.wait is not None:
+            data["waited"] = {"seconds": round(waited, 3), "probes": probes}
+        print(json.dumps(data, indent=2))
     else:
-        render_check(report, out)
+        render_check(report, out, waited=(waited, probes) if args.wait is not None else None)
     return EXIT_OK if report.healthy else EXIT_UNHEALTHY
 
 
+def _lookup(inst: InstanceConfig):
+    from mlxwatch.doctor import _lookup_instance
+
+    return _lookup_instance(inst)
+
+
+def _listening_url(pid: int, cmdline: tuple[str, ...]) -> str | None:
+    """Where a server process listens, as a URL a local client would use (None: nowhere yet)."""
+    from mlxwatch.discover import _url
+    from mlxwatch.process import own_listeners, server_port
+
+    listeners = own_listeners(pid)
+    if not listeners:
+        return None
+    wanted = server_port(cmdline)
+    return _url([a for a in listeners if a[1] == wanted] or listeners)
+
+
+def _not_the_server(pid: int, cmdline: tuple[str, ...], url: str | None, inst: InstanceConfig | None) -> str | None:
+    """Why ``pid`` is not the mlx-lm server at ``url`` (proven as the daemon proves it), or None."""
+    from mlxwatch.process import is_mlx_server, lookup_server, short_cmdline
+
+    if url is None:
+        if is_mlx_server(cmdline):
+            return None
+        return f"PID {pid} is not an mlx-lm server ({short_cmdline(cmdline)})"
+    found = _lookup(inst) if inst is not None and inst.url == url else lookup_server(url)
+    if found.identity is not None and found.identity.pid == pid:
+        return None
+    what = f"PID {pid} ({short_cmdline(cmdline)}) is not the mlx-lm server listening at {url}"
+    if found.identity is not None:
+        return f"{what}: that is {found.identity.describe()}"
+    return f"{what}: {found.stranger or found.detail or 'nothing listens there'}"
+
+
 def cmd_capture(args: argparse.Namespace, out: Console) -> int:
-    from mlxwatch.capture import CaptureRequest, capture_bundle
+    from mlxwatch.capture import CaptureRequest, capture_bundle, export_bundle
     from mlxwatch.process import ProcessIdentity
 
     config = _load_optional(args)
-    url, log, label = args.url, Path(args.log).expanduser() if args.log else None, None
-    if args.instance:
-        inst = config.instance(args.instance)
-        url, log, label = url or inst.url, log or inst.log, inst.name
-    if args.snapshots is not None and args.snapshots <= 0:
-        raise UsageError(f"capture: --snapshots must be positive (got {args.snapshots})")
-    ProcessIdentity.of(args.pid)  # a PID that does not exist: one line, exit 1
+    inst = config.instance(args.instance) if args.instance else None
+    url = _url_arg("capture", args.url) if args.url else inst.url if inst else None
+    log = _log_arg(args.log) if args.log else inst.log if inst else None
+    out_dir, archive = _out_target(args.out, "capture") if args.out else (None, None)
+    err = _err()
+    if args.pid is None:
+        if inst is None:
+            raise UsageError("capture: give the server's PID, or --instance NAME to capture the server of a "
+                             "config instance")
+        found = _lookup(inst)
+        if found.identity is None:
+            raise ProcessGoneError(f"capture: no mlx-lm server proven for {inst.name} at {inst.url}: {found.detail} "
+                                   "(give its PID to capture another process, with --force)")
+        pid, label, log = found.identity.pid, inst.name, log or found.log
+    else:
+        ident = ProcessIdentity.of(args.pid)  # a PID that does not exist: one line, exit 1
+        pid = ident.pid
+        problem = _not_the_server(pid, ident.cmdline, url, inst)
+        if problem and not args.force:
+            raise UsageError(f"capture: {problem}; check the PID{' and the URL' if url else ''}, "
+                             "or add --force to capture it anyway")
+        if problem:
+            err.print(f"mlxwatch: capture --force: {problem}; capturing it anyway", markup=False)
+        label = inst.name if inst is not None and not problem else None
+        if url is None and not problem:
+            url = _listening_url(pid, ident.cmdline)
+            if url:
+                err.print(f"mlxwatch: capture: probing {url}, where PID {pid} listens", markup=False)
     cap = config.capture
     request = CaptureRequest(
-        pid=args.pid, out_dir=bundles_dir(config, args.out), label=label, url=url, log=log,
+        pid=pid, out_dir=out_dir or bundles_dir(config), label=label, url=url, log=log,
         snapshots=args.snapshots or cap.snapshots, spacing=args.spacing or cap.spacing,
         ceiling=args.ceiling or cap.ceiling, sudo=cap.sudo, log_tail_lines=cap.log_tail_lines,
         keep=cap.keep, max_bytes=cap.max_bytes, stacks=args.stacks or cap.stacks,
     )
     if args.json:
         bundle = asyncio.run(capture_bundle(request))
-        print(json.dumps({"path": str(bundle.path), **bundle.manifest}, indent=2, default=str))
-        return EXIT_OK
-    from mlxwatch.reports import CaptureProgress
+    else:
+        from mlxwatch.reports import CaptureProgress
 
-    with CaptureProgress(out) as progress:
-        bundle = asyncio.run(capture_bundle(request, on_step=progress.update))
-    c = bundle.classification
-    out.print(f"[bold]{c.kind}[/] ({c.confidence} confidence)")
-    for line in c.evidence:
-        out.print(f"  - {line}", markup=False)
-    for line in c.competing:
-        out.print(f"  ? {line}", markup=False)
-    out.print(str(bundle.path), markup=False, highlight=False)
+        with CaptureProgress(out) as progress:
+            bundle = asyncio.run(capture_bundle(request, on_step=progress.update))
+            progress.finish(bundle.manifest.get("steps") or [])
+    written = export_bundle(bundle.path, archive) if archive else None
+    hint = _stacks_hint(bundle.manifest, cap.sudo)
+    if args.json:
+        print(json.dumps({"path": str(bundle.path), "archive": str(written) if written else None,
+                          **bundle.manifest}, indent=2, default=str))
+    else:
+        c = bundle.classification
+        out.print(f"[bold]{c.kind}[/] ({c.confidence} confidence)")
+        for line in c.evidence:
+            out.print(f"  - {line}", markup=False)
+        for line in c.competing:
+            out.print(f"  ? {line}", markup=False)
+        out.print(str(bundle.path), markup=False, highlight=False)
+        if written:
+            out.print(f"archive: {written}", markup=False, highlight=False)
+    if hint:
+        err.print(f"mlxwatch: capture: no Python stacks: {hint}", markup=False)
     return EXIT_OK
 
 
-def _bundle_dir(text: str) -> Path:
+def _stacks_hint(manifest: dict[str, Any], sudo: bool) -> str | None:
+    """What to do when py-spy was refused the server (ptrace rights, root on macOS)."""
+    from mlxwatch.doctor import pyspy_hint, read_ptrace_scope
+
+    step = next((s for s in manifest.get("steps") or [] if s.get("name") == "stacks"), None)
+    if not step or not step.get("error"):
+        return None
+    return pyspy_hint(step["error"], sys.platform, os.geteuid(), sudo, read_ptrace_scope())
+
+
+def _log_arg(text: str) -> Path:
+    import stat as stat_mod
+
     path = Path(text).expanduser()
-    if not (path / "manifest.json").is_file():
-        raise UsageError(f"bundle: {path} is not a bundle (no manifest.json)")
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        raise UsageError(f"capture: --log {path}: no such file (give the file the server's stdout and stderr go to)") from None
+    except OSError as exc:
+        raise UsageError(f"capture: --log {path}: {exc.strerror or exc}") from None
+    if not stat_mod.S_ISREG(mode):
+        raise UsageError(f"capture: --log {path} is not a regular file (give the server's log file)")
     return path
 
 
-def cmd_bundle(args: argparse.Namespace, out: Console) -> int:
-    from mlxwatch.capture import export_bundle
+def _find_bundle(text: str, args: argparse.Namespace, command: str) -> Path:
+    """A bundle directory or archive given by path, or by name inside the bundles dir."""
+    path = Path(text).expanduser()
+    if path.exists():
+        return path
+    if text and "/" not in text and text not in (".", ".."):
+        candidate = bundles_dir(_load_optional(args)) / text
+        if candidate.exists():
+            return candidate
+    raise UsageError(f"bundle {command}: {text!r}: no such bundle directory or archive "
+                     "(`mlxwatch bundle list` shows the bundles)")
 
-    path = _bundle_dir(args.dir)
-    if args.bundle_command == "show":
-        print((path / "summary.md").read_text(), end="")
-        return EXIT_OK
+
+def cmd_bundle(args: argparse.Namespace, out: Console) -> int:
+    from mlxwatch.errors import BundleError
+
     try:
-        written = export_bundle(path, Path(args.out).expanduser() if args.out else None, redact=args.redact)
+        return {"list": _bundle_list, "show": _bundle_show, "export": _bundle_export}[args.bundle_command](args, out)
+    except BundleError as exc:
+        prefix = f"bundle {args.bundle_command}: "
+        raise exc if str(exc).startswith(prefix) else BundleError(prefix + str(exc)) from None
+
+
+def _bundle_list(args: argparse.Namespace, out: Console) -> int:
+    from mlxwatch.capture.bundle import bundle_entries
+    from mlxwatch.reports import render_bundle_list
+
+    root = Path(args.dir).expanduser() if args.dir else bundles_dir(_load_optional(args))
+    if args.dir and not root.is_dir():
+        raise UsageError(f"bundle list: --dir {root}: no such directory")
+    entries = [e for e in bundle_entries(root) if not args.instance or e["instance"] == args.instance]
+    if args.json:
+        print(json.dumps({"dir": str(root), "bundles": entries}, indent=2, default=str))
+    else:
+        render_bundle_list(str(root), entries, out)
+    return EXIT_OK
+
+
+MAX_SUMMARY_BYTES = 16 * 1024 * 1024
+
+
+def _bundle_show(args: argparse.Namespace, out: Console) -> int:
+    from mlxwatch.capture.bundle import MANIFEST, SUMMARY, load_manifest, read_bounded
+    from mlxwatch.capture.export import read_archive
+    from mlxwatch.errors import BundleError
+
+    path = _find_bundle(args.bundle, args, "show")
+    if path.is_dir():
+        has_manifest, has_summary = (path / MANIFEST).is_file(), (path / SUMMARY).is_file()
+        if not has_manifest and not has_summary:
+            what = ("an incomplete bundle (its capture was interrupted); look at its files directly"
+                    if path.name.endswith("-incomplete") else
+                    "not a bundle (no manifest.json or summary.md); `mlxwatch bundle list` shows the bundles")
+            raise BundleError(f"bundle show: {path} is {what}")
+        if args.json:
+            print(json.dumps(load_manifest(path), indent=2, default=str))
+            return EXIT_OK
+        if not has_summary:
+            raise BundleError(f"bundle show: {path} has no {SUMMARY} (a damaged bundle?); "
+                              f"`mlxwatch bundle show --json {path}` prints its manifest")
+        try:
+            text = read_bounded(path / SUMMARY, MAX_SUMMARY_BYTES).decode("utf-8", errors="replace")
+        except (OSError, ValueError) as exc:
+            raise BundleError(f"bundle show: {path / SUMMARY}: cannot read: {exc}") from None
+        sys.stdout.write(text)
+        return EXIT_OK
+    if not path.is_file():
+        raise BundleError(f"bundle show: {path} is not a bundle directory or a .tar.gz archive")
+    view = read_archive(path)
+    if args.json:
+        if view.manifest is None:
+            raise BundleError(f"bundle show: {path} has no {MANIFEST}")
+        print(json.dumps(view.manifest, indent=2, default=str))
+    elif view.summary is None:
+        raise BundleError(f"bundle show: {path} has no {SUMMARY}; `mlxwatch bundle show --json {path}` prints its manifest")
+    else:
+        sys.stdout.write(view.summary)
+    return EXIT_OK
+
+
+def _bundle_export(args: argparse.Namespace, out: Console) -> int:
+    from mlxwatch.capture import export_bundle
+    from mlxwatch.errors import BundleError
+
+    path = _find_bundle(args.bundle, args, "export")
+    if not path.is_dir():
+        raise BundleError(f"bundle export: {path} is not a bundle directory")
+    out_dir, archive = _out_target(args.out, "bundle export") if args.out else (None, None)
+    skipped: list[str] = []
+    try:
+        written = export_bundle(path, archive or out_dir, redact=args.redact, on_skip=skipped.append)
     except FileExistsError as exc:
-        raise UsageError(f"bundle export: {exc}") from None
+        raise UsageError(f"bundle export: {exc} (give --out a new name or another directory)") from None
+    if skipped:
+        _err().print(f"mlxwatch: bundle export: {len(skipped)} file(s) listed in the manifest are missing from "
+                     f"the bundle and were left out: {', '.join(skipped[:5])}", markup=False)
     print(written)
     return EXIT_OK
 
@@ -269,17 +653,23 @@ def cmd_run(args: argparse.Namespace, out: Console) -> int:
     import logging
     import signal
 
+    from mlxwatch.logfile import RotatingStderr
     from mlxwatch.watchdog.daemon import Daemon
 
     path = resolve_config_path(args.config)
-    if not path.exists() and not args.config:
-        raise UsageError(f"no config at {path}: nothing to watch. Write one (see mlxwatch.example.yaml) "
-                         "or run `mlxwatch demo` to see the watchdog work on a tiny local server")
+    if not path.exists() and not _explicit_config(args):
+        raise UsageError(f"no config at {path}: nothing to watch. Write one with `mlxwatch config init` "
+                         "(finds running mlx-lm servers) or see `mlxwatch config example`; "
+                         "`mlxwatch demo` shows the watchdog work on a tiny local server")
     config = load_config(path)
     if not config.instances:
-        raise ConfigError(str(path), "instances", "no instances to watch")
-    logging.basicConfig(level=args.log_level, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        raise ConfigError(str(path), "instances", "no instances to watch (`mlxwatch config init` writes a starter)")
+    handler = RotatingStderr()
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=args.log_level, handlers=[handler], force=True)
+    if args.log_level != "DEBUG":  # httpx logs every request at INFO: three lines per probe, not events
+        for noisy in ("httpx", "httpcore"):
+            logging.getLogger(noisy).setLevel(logging.WARNING)
     daemon = Daemon(config, _state_dir(config, args.state_dir))
 
     async def go() -> None:
@@ -295,26 +685,111 @@ def cmd_run(args: argparse.Namespace, out: Console) -> int:
 
 
 def cmd_status(args: argparse.Namespace, out: Console) -> int:
-    from mlxwatch.watchdog.status import collect_status, render_status
+    from mlxwatch.watchdog.status import collect_status, render_status, status_exit_code, status_lines
 
+    if args.count is not None and args.watch is None:
+        raise UsageError("status: --count needs --watch")
     config = _load_optional(args)
-    status = collect_status(config, _state_dir(config, args.state_dir))
-    if args.json:
-        print(json.dumps(status, indent=2, default=str))
-    else:
-        render_status(status, out)
-    return EXIT_OK
+    state_dir = _state_dir(config, args.state_dir)
+
+    def once() -> tuple[dict, int]:
+        status = collect_status(config, state_dir)
+        return status, status_exit_code(status)
+
+    if args.watch is None:
+        status, code = once()
+        if args.json:
+            print(json.dumps({**status, "exit_code": code}, indent=2, default=str))
+        else:
+            render_status(status, out)
+        return code
+    code, shown = EXIT_UNHEALTHY, 0
+    live = None
+    if not args.json and out.is_terminal:
+        from rich.console import Group
+        from rich.live import Live
+        from rich.text import Text
+
+        live = Live(console=out, auto_refresh=False, transient=False)
+        live.start()
+    try:
+        while True:
+            status, code = once()
+            shown += 1
+            if args.json:
+                print(json.dumps({**status, "exit_code": code}, default=str), flush=True)
+            elif live is not None:
+                stamp = time.strftime("%H:%M:%S")
+                lines = status_lines(status, out.width)
+                live.update(Group(Text(f"every {format_duration(args.watch)}, at {stamp} (Ctrl-C stops)"), *lines),
+                            refresh=True)
+            else:
+                if shown > 1:
+                    out.print()
+                out.print(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')}", markup=False, highlight=False)
+                render_status(status, out)
+                out.file.flush()
+            if args.count is not None and shown >= args.count:
+                return code
+            time.sleep(args.watch)
+    except KeyboardInterrupt:
+        return code  # the last status's code: a watch stopped by hand still says how things were
+    finally:
+        if live is not None:
+            live.stop()
 
 
 def cmd_resume(args: argparse.Namespace, out: Console) -> int:
-    from mlxwatch.watchdog.state import request_resume
+    from mlxwatch.watchdog.lock import lock_holder
+    from mlxwatch.watchdog.state import load_state, request_resume
 
-    config = _load_optional(args)
-    if config.instances:
-        config.instance(args.name)  # an unknown name is a config error, not a silent no-op
-    path = request_resume(_state_dir(config, args.state_dir), args.name)
-    out.print(f"resume requested for {args.name} ({path}); the daemon applies it at its next probe")
+    path = resolve_config_path(args.config)
+    if not _explicit_config(args) and not path.exists():
+        raise UsageError(f"resume: no config at {path}, so no instance is known; give --config FILE "
+                         "(the config the daemon runs with)")
+    config = load_config(path)
+    inst = config.instance(args.name)  # an unknown name is a config error, not a silent no-op
+    state_dir = _state_dir(config, args.state_dir)
+    saved, _ = load_state(state_dir)
+    record = saved.get("instances", {}).get(inst.name, {})
+    state = record.get("state") if isinstance(record.get("state"), str) else None
+    holder = lock_holder(state_dir)
+    request = request_resume(state_dir, inst.name)
+    if args.json:
+        print(json.dumps({"instance": inst.name, "request": str(request), "state": state,
+                          "daemon_running": holder is not None, "state_dir": str(state_dir)}, indent=2))
+        return EXIT_OK
+    when = ("the daemon applies it at its next probe" if holder is not None else
+            f"no daemon runs on {state_dir} now: the next one applies it when it starts")
+    out.print(f"resume requested for {inst.name} ({request}); {when}", markup=False, highlight=False)
+    if state != "gave_up":
+        out.print(f"note: {inst.name} is not given up (state {state or 'not recorded yet'}); resuming only clears its "
+                  "restart history", markup=False, highlight=False)
     return EXIT_OK
+
+
+def cmd_doctor(args: argparse.Namespace, out: Console) -> int:
+    from mlxwatch.doctor import diagnose, exit_code, render_findings
+    from mlxwatch.watchdog.daemon import bundles_dir_for
+
+    path = resolve_config_path(args.config)
+    config, problem = None, None
+    if _explicit_config(args) or path.exists():
+        try:
+            config = load_config(path)
+        except ConfigError as exc:
+            problem = str(exc)
+    if args.instance and config is not None:
+        config.instance(args.instance)  # an unknown name: one line, exit 2
+    state_dir = _state_dir(config or Config(), args.state_dir)
+    bundles = bundles_dir_for(config, state_dir) if config is not None else None
+    findings = asyncio.run(diagnose(config, path, problem, state_dir, bundles, only=args.instance))
+    if args.json:
+        print(json.dumps({"ok": exit_code(findings) == 0, "config": str(path), "state_dir": str(state_dir),
+                          "findings": [f.to_dict() for f in findings]}, indent=2))
+    else:
+        render_findings(findings, out, path, state_dir)
+    return exit_code(findings)
 
 
 def cmd_launchd(args: argparse.Namespace, out: Console) -> int:
@@ -363,13 +838,14 @@ def cmd_demo(args: argparse.Namespace, out: Console) -> int:
 
 
 COMMANDS: dict[str, Callable[[argparse.Namespace, Console], int]] = {
-    "config": cmd_config_validate,
+    "config": cmd_config,
     "check": cmd_check,
     "capture": cmd_capture,
     "bundle": cmd_bundle,
     "run": cmd_run,
     "status": cmd_status,
     "resume": cmd_resume,
+    "doctor": cmd_doctor,
     "demo": cmd_demo,
     "launchd": cmd_launchd,
     "launch": cmd_launch,
@@ -380,12 +856,36 @@ def main(argv: Sequence[str] | None = None) -> None:
     sys.exit(run(argv))
 
 
+def _leaf_parser(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.ArgumentParser:
+    """The (sub)parser of the command that was run: follow each subparsers action's choice."""
+    while True:
+        sub = next((a for a in parser._actions if isinstance(a, argparse._SubParsersAction)), None)
+        chosen = getattr(args, sub.dest, None) if sub is not None else None
+        if chosen not in (sub.choices if sub is not None else {}):
+            return parser
+        parser = sub.choices[chosen]
+
+
+def _silence_stdout() -> None:
+    """The reader of stdout went away (`| head`): later writes, and the interpreter's own flush
+    at exit, go to /dev/null instead of raising BrokenPipeError again."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError, AttributeError):  # a captured or closed stdout
+        pass
+
+
 def run(argv: Sequence[str] | None = None, out: Console | None = None) -> int:
     """Run one command and return its exit code (tests call this directly)."""
     out = out or Console(highlight=False, soft_wrap=True)
-    err = Console(stderr=True, highlight=False, soft_wrap=True)
+    err = _err()
     try:
-        args = build_parser().parse_args(argv)
+        parser = build_parser()
+        args, extra = parser.parse_known_args(argv)
+        if extra:  # reported by the subcommand that was given them, so its --help is the one named
+            _leaf_parser(parser, args).error(f"unrecognized arguments: {' '.join(extra)}")
         return COMMANDS[args.command](args, out)
     except (ConfigError, UsageError, StateError) as exc:
         err.print(f"mlxwatch: {exc}", markup=False)
@@ -394,8 +894,23 @@ def run(argv: Sequence[str] | None = None, out: Console | None = None) -> int:
         err.print(f"mlxwatch: {exc}", markup=False)
         return EXIT_UNHEALTHY
     except MlxwatchError as exc:
+        from mlxwatch.errors import BundleError
+
         err.print(f"mlxwatch: {exc}", markup=False)
-        return EXIT_UNHEALTHY
+        return EXIT_USAGE if isinstance(exc, BundleError) else EXIT_UNHEALTHY
     except KeyboardInterrupt:
         err.print("mlxwatch: interrupted")
         return 130
+    except BrokenPipeError:
+        _silence_stdout()
+        return EXIT_PIPE
+    except OSError as exc:  # a file or directory the command needed: named, one line
+        where = f"{exc.filename}: " if exc.filename else ""
+        err.print(f"mlxwatch: {where}{exc.strerror or exc}", markup=False)
+        return EXIT_UNHEALTHY
+    except Exception as exc:  # a bug: still one line; the traceback on request
+        if os.environ.get(DEBUG_ENV):
+            raise
+        err.print(f"mlxwatch: internal error: {type(exc).__name__}: {exc} "
+                  f"(please report it; {DEBUG_ENV}=1 shows the traceback)", markup=False)
+        return EXIT_UNHEALTHY

@@ -58,7 +58,7 @@ def run_demo(console: Console, keep: bool = False) -> int:
         server.stop()
         if not keep:
             shutil.rmtree(server_dir, ignore_errors=True)
-    _report(console, Journal(state_dir), state_dir)
+    _report(console, Journal(state_dir), state_dir, server_dir if keep else None)
     return 0 if ok else 1
 
 
@@ -110,9 +110,13 @@ async def _until(predicate, timeout: float) -> bool:
     return False
 
 
-def _report(console: Console, journal: Journal, state_dir: Path) -> None:
+def _report(console: Console, journal: Journal, state_dir: Path, kept: Path | None = None) -> None:
+    """What happened, and what is left on disk (``kept``: the server dir, with ``--keep``)."""
     records = [r for r in journal.records() if r.get("instance") == "demo"]
     if not records:
+        console.print(f"Kept {state_dir} (journal and state); the server was stopped"
+                      + (f", its log and model are kept in {kept}." if kept else " and the model removed."),
+                      markup=False, highlight=False)
         return
     last = records[-1]
     console.rule("incident")
@@ -128,5 +132,9 @@ def _report(console: Console, journal: Journal, state_dir: Path) -> None:
     if last.get("seconds_to_recovery") is not None:
         console.print(f"recovered {last['seconds_to_recovery']:.1f}s after the first failed probe")
     console.print(f"journal:        {journal.path}", markup=False, highlight=False)
-    console.print(f"Kept {state_dir} (bundle and journal) for you to read; the server and model are gone.",
-                  markup=False, highlight=False)
+    if kept:
+        console.print(f"Kept {state_dir} (bundle and journal) for you to read; the server was stopped, its log "
+                      f"and the model are kept in {kept}.", markup=False, highlight=False)
+    else:
+        console.print(f"Kept {state_dir} (bundle and journal) for you to read; the server was stopped and the "
+                      "model removed.", markup=False, highlight=False)

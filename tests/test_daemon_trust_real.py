@@ -217,7 +217,7 @@ class DaemonProcess:
     def status(self) -> dict:
         out = subprocess.run([sys.executable, "-m", "mlxwatch", "--config", str(self.config), "status", "--json"],
                              capture_output=True, text=True, timeout=60)
-        assert out.returncode == 0, out.stderr
+        assert out.returncode in (0, 1), out.stderr  # 1: not every instance healthy, or no daemon
         return json.loads(out.stdout)
 
     async def until_event(self, event: str, after: int, timeout: float) -> dict:
