@@ -256,3 +256,33 @@ def test_replace_atomically_leaves_no_temp_file_on_enospc(tmp_path, monkeypatch)
     assert info.value.errno == errno.ENOSPC and len(calls) == 2
     assert path.read_bytes() == b"old content"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["state.json"]
+
+
+async def test_a_hook_that_starts_a_background_server_and_exits_0_succeeds_at_once():
+    """Measured: a restart hook doing the usual `server &` and exiting 0 was recorded as failed
+    after its whole timeout (the background child kept the output pipes open), and asyncio
+    logged "_GatheringFuture exception was never retrieved". The hook's own exit decides now,
+    and its background child (the user's server) is left running."""
+    import os
+    import signal
+    import time
+
+    from mlxwatch.capture.commands import run_command
+
+    t0 = time.monotonic()
+    result = await run_command(["/bin/sh", "-c", "sleep 300 & echo started; exit 0"], 20.0)
+    try:
+        assert result.ok, result.error
+        assert result.returncode == 0 and result.stdout.strip() == b"started"
+        assert time.monotonic() - t0 < 10
+        os.killpg(result_pgid(result), 0)  # the background child is still alive (not killed by us)
+    finally:
+        try:
+            os.killpg(result_pgid(result), signal.SIGKILL)  # the session we started: its PID is its id
+        except ProcessLookupError:
+            pass
+
+
+def result_pgid(result) -> int:
+    """The hook's session id: run_command starts each tool in a new session led by its PID."""
+    return result.pid

@@ -132,7 +132,7 @@ async def test_clean_stop_in_any_state_is_closed_coherently_by_the_next_start(tm
     async with Running(cfg, **overrides) as again:
         await again.until(lambda: "closed" in again.events(), what="closed")
         closed = next(r for r in again.journal.records() if r["event"] == "closed")
-        assert closed["id"] == records[-1]["id"] and closed["stopped_at_event"] == "interrupted"
+        assert closed["id"] == records[-1]["id"] and closed["stopped_at_event"] == records[-1]["state"]
         assert closed["stopped_reason"] == "daemon stopped" and "stopped mid-incident" in closed["reason"]
         assert closed["state"] == records[-1]["state"]
     assert records[-1]["id"] not in [r["id"] for r in again.journal.open_incidents()]
@@ -208,23 +208,35 @@ async def test_a_crashing_watcher_is_logged_journaled_and_restarted(tmp_path, ca
     assert any(r.exc_info and "boom in lookup" in str(r.exc_info[1]) for r in caplog.records)
 
 
-async def test_a_full_disk_while_journaling_does_not_kill_the_watcher(tmp_path, monkeypatch):
-    """ENOSPC on a journal write is a watcher error, recorded and survived, not a silent death."""
+async def test_a_full_disk_while_journaling_does_not_stop_the_watcher(tmp_path, monkeypatch, caplog):
+    """Measured: ENOSPC on a journal write crashed the watcher at every restart, so nothing was
+    probed until the disk was freed, and status still said healthy. Now the record waits in
+    memory, the watcher goes on, and the journal gets every record, in order, once it can."""
     real = journal_module.append_record
-    failed = []
+    full = {"on": False, "seen": False}
 
     def append(path, record):
-        if record["event"] == "verdict" and not failed:
-            failed.append(record)
+        if record["event"] == "verdict" and not full["seen"]:
+            full["on"] = full["seen"] = True
+        if full["on"]:
             raise OSError(errno.ENOSPC, "No space left on device")
         real(path, record)
 
     monkeypatch.setattr(journal_module, "append_record", append)
     cfg = config(tmp_path / "state", f"http://127.0.0.1:{free_port()}")
+    caplog.set_level(logging.ERROR, "mlxwatch")
     async with Running(cfg) as run:
-        await run.until(lambda: "awaiting_recovery" in run.events(), what="a verdict after the full disk")
-    assert failed and run.daemon.watcher_errors == 1
-    assert "No space left" in next(r for r in run.journal.records() if r["event"] == "watcher_error")["error"]
+        await run.until(lambda: run.daemon.watchers["gone"].detect.state == "hung" and run.daemon.journal.backlog,
+                        what="the incident to go on with the disk full")
+        assert "verdict" not in run.events()
+        probed = run.daemon.state.instance("gone")["last_probe"]["at"]
+        await run.until(lambda: run.daemon.state.instance("gone")["last_probe"]["at"] > probed, what="more probes")
+        full["on"] = False  # space again: the next record brings the backlog with it
+        run.daemon.journal.note("test_marker")
+    events = run.events()
+    assert events.index("verdict") < events.index("captured") < events.index("awaiting_recovery") < events.index("test_marker")
+    assert run.daemon.watcher_errors == 0
+    assert sum("cannot write the journal" in r.message for r in caplog.records) == 1
 
 
 # --- one daemon per state dir
@@ -318,6 +330,9 @@ async def test_a_stranger_on_the_port_is_reported_and_never_signalled(tmp_path, 
     assert verdict["stranger"].startswith(f"port {url.rsplit(':', 1)[1]} taken by PID {stranger.pid}")
     assert "nothing_to_restart" in run.events() and "restart" not in run.events()
     assert stranger.poll() is None  # still running: never signalled
+    captured = next(r for r in run.journal.records() if r["event"] == "captured")
+    evidence = json.loads((Path(captured["bundle"]) / "manifest.json").read_text())["classification"]["evidence"]
+    assert any(f"taken by PID {stranger.pid}" in line and "never captured or signalled" in line for line in evidence)
 
 
 def test_lookup_matches_the_exact_address_not_only_the_port(standin):
@@ -459,3 +474,46 @@ async def test_a_restart_left_running_by_a_killed_daemon_gets_its_startup_time(t
         assert "verdict" not in again.events()[again.events().index("closed"):]
     async with Running(cfg) as later:  # no restart left running this time: an ordinary crashed verdict
         await later.until(lambda: later.events().count("verdict") >= 2)
+
+
+async def test_renaming_an_instance_mid_incident_does_not_open_a_second_incident(tmp_path, standin):
+    """Measured: renaming `b` to `b2` (same URL) during a restart started `b2` at once, which
+    opened a second incident and ran a second restart for the same outage."""
+    (url,), mode, _ = standin("hang")
+    cfg = config(tmp_path / "state", url, name="b")
+    async with Running(cfg) as run:
+        await run.until(lambda: "awaiting_recovery" in run.events())
+        run.cfg = replace(cfg, instances=(replace(cfg.instances[0], name="b2"),))
+        run.reload.set()
+        await run.until(lambda: "b2" in run.daemon.pending)
+        await asyncio.sleep(1.0)
+        assert set(run.daemon.watchers) == {"b"}  # b2 waits for b's incident on the same address
+        mode.write_text("ok")
+        await run.until(lambda: set(run.daemon.watchers) == {"b2"}, what="the rename applied")
+    assert run.events().count("verdict") == 1
+
+
+def test_a_deleted_or_misshapen_state_file_is_rebuilt_from_the_journal(tmp_path, caplog):
+    """Measured: a deleted state.json silently reset the restart budget, and one whose `daemon`
+    was a list stopped the daemon with an internal error."""
+    journal = Journal(tmp_path)
+    now = time.time()
+    journal_module.append_record(journal.path, {"ts": now, "event": "restart", "instance": "a", "id": "i",
+                                                "restarts": [{"at": now - 5, "result": "ok"}]})
+    with caplog.at_level(logging.WARNING, "mlxwatch"):
+        assert StateFile(tmp_path, journal.path).instance("a")["restarts"] == [now - 5]  # no state.json at all
+        (tmp_path / "state.json").write_text('{"instances": {}, "daemon": []}')
+        assert StateFile(tmp_path, journal.path).instance("a")["restarts"] == [now - 5]
+    assert caplog.text.count("rebuilt from the journal") == 2
+
+
+def test_restart_times_from_the_future_do_not_hold_the_budget(tmp_path):
+    """A clock stepped back (or a bad state file) must not keep an instance given up for a day."""
+    from mlxwatch.watchdog.flapguard import FlapGuard
+
+    now = 1_000_000.0
+    guard = FlapGuard(budget=2, window=1800, backoff=1, max_backoff=10, cooldown=3600,
+                      restarts=[now - 10, now + 86400], gave_up_at=now + 86400)
+    assert guard.forget_future(now) is True
+    assert guard.restarts == [now - 10] and guard.gave_up_at == now
+    assert guard.cooled_down(now + 3600)

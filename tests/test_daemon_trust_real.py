@@ -291,11 +291,11 @@ instances:
             daemon.stop(signal.SIGTERM)
             status = daemon.status()
             assert status["daemon"]["running"] is False
-            assert status["instances"][0]["open_incident"]["stopped_at_event"] == "interrupted"
+            assert status["instances"][0]["open_incident"]["stopped_at_event"] == "capturing"
             mark = len(daemon.records())
             daemon.start()
             closed = await daemon.until_event("closed", mark, 30)
-            assert closed["stopped_at_event"] == "interrupted"
+            assert closed["stopped_at_event"] == "capturing"
             await daemon.until_event("verdict", mark, 60)
             await healthy_again(mark)
 

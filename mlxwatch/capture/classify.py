@@ -107,6 +107,9 @@ def _classify(ev: Evidence) -> Classification:
 
     if not ev.process_alive:
         lines.append("the server process is gone")
+        held = (ev.verdict or "").partition("port ")[2] if "taken by PID" in (ev.verdict or "") else ""
+        if held:  # the watchdog found a stranger on the port: gone is our server, not that one
+            lines.append(f"port {held} (not the server: never captured or signalled)")
         if ev.log and ev.log.insufficient_memory:
             lines.append(f"log: {ev.log.insufficient_memory[-1]} ({METAL_ABORTS})")
         return Classification("crashed", "high", lines)

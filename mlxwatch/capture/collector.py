@@ -229,7 +229,8 @@ async def capture_bundle(req: CaptureRequest, *, runner: Runner = run_command, o
 async def _process(cap: _Capture, rec: _Step) -> None:
     if cap.req.pid is None:
         cap.process = {"pid": None, "errors": {"process": "no server process found"}}
-        rec.outcome, rec.error = "failed", "no server process found (nothing listening on the port)"
+        rec.outcome, rec.error = "failed", ("no server process could be proven at the URL (nothing listens "
+                                            "there, or another program holds the port: see the verdict)")
         return
     cap.process = await asyncio.to_thread(describe_process, cap.req.pid)
     await cap.write_json("process.json", cap.process)

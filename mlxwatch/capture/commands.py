@@ -36,6 +36,7 @@ class CommandResult:
     duration: float
     error: str | None = None
     truncated: bool = False
+    pid: int | None = None  # the tool's PID, which also names its session (start_new_session)
 
     @property
     def ok(self) -> bool:
@@ -70,7 +71,7 @@ async def run_command(argv: Sequence[str], timeout: float) -> CommandResult:
         raise
     truncated = stdout.truncated or stderr.truncated
     result = CommandResult(argv, proc.returncode, stdout.data, stderr.data,
-                           time.monotonic() - started, truncated=truncated)
+                           time.monotonic() - started, truncated=truncated, pid=proc.pid)
     if proc.returncode != 0:
         result.error = f"exit {proc.returncode}: {error_line(stderr.data or stdout.data)}"
         if truncated:
@@ -131,10 +132,41 @@ async def communicate_bounded(proc: asyncio.subprocess.Process, cap: int, *, std
         finally:
             proc.stdin.close()
 
-    _, out, err = await asyncio.gather(feed(), read_bounded(proc.stdout, cap, tail=tail),
-                                       read_bounded(proc.stderr, cap, tail=tail))
+    reading = asyncio.ensure_future(asyncio.gather(
+        feed(), read_bounded(proc.stdout, cap, tail=tail), read_bounded(proc.stderr, cap, tail=tail)))
+    exited = asyncio.ensure_future(_exited(proc))
+    try:
+        await asyncio.wait({reading, exited}, return_when=asyncio.FIRST_COMPLETED)
+        if not reading.done():
+            # The child exited, but a process it started (a hook's `server &`) holds its pipes:
+            # take what is buffered for a moment, then close them so the reads end with it.
+            await asyncio.wait({reading}, timeout=PIPE_GRACE)
+            if not reading.done():
+                _close_pipes(proc)
+        _, out, err = await reading
+    finally:
+        exited.cancel()
+        if not reading.done():
+            reading.cancel()
+            reading.add_done_callback(_retrieve)
     await proc.wait()
     return out, err
+
+
+PIPE_GRACE = 0.5  # seconds to read what an exited child left in its pipes
+
+
+async def _exited(proc: asyncio.subprocess.Process) -> None:
+    """Until the child has exited. ``proc.wait()`` would also wait for its pipes to close
+    (Python 3.11), which a grandchild may keep open for good; the return code is set at exit."""
+    while proc.returncode is None:
+        await asyncio.sleep(0.05)
+
+
+def _retrieve(future: asyncio.Future) -> None:
+    """Mark a cancelled gather's outcome as seen (else asyncio logs "exception was never retrieved")."""
+    if not future.cancelled():
+        future.exception()
 
 
 def error_line(output: bytes) -> str:
@@ -173,6 +205,7 @@ async def end_process(proc: asyncio.subprocess.Process,
                 continue
     finally:
         drain.cancel()
+        drain.add_done_callback(_retrieve)
         _close_pipes(proc)
 
 

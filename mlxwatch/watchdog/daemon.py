@@ -28,8 +28,8 @@ from pathlib import Path
 from typing import Callable
 
 from mlxwatch.capture.bundle import adopt_partials
-from mlxwatch.config import Config, InstanceConfig, default_state_dir
-from mlxwatch.errors import ConfigError
+from mlxwatch.config import Config, InstanceConfig, default_state_dir, same_address
+from mlxwatch.errors import ConfigError, StateError
 from mlxwatch.watchdog.instance import InstanceWatcher, Shared
 from mlxwatch.watchdog.journal import Journal
 from mlxwatch.watchdog.lock import StateDirLock
@@ -74,16 +74,24 @@ class Daemon:
 
     async def run(self, stop: asyncio.Event, reload: asyncio.Event | None = None,
                   load_config: Callable[[], Config] | None = None) -> None:
-        """Run until ``stop`` is set. Raises ``StateError`` if another daemon holds the state dir."""
-        self.lock.acquire()
+        """Run until ``stop`` is set. Raises ``StateError`` if another daemon holds the state dir
+        or it cannot be used (read-only, not a directory, ...)."""
+        try:
+            self.lock.acquire()
+        except OSError as exc:
+            raise StateError(f"cannot use the state dir {self.state_dir}: {exc.strerror or exc}") from None
         try:
             await self._run(stop, reload or asyncio.Event(), load_config)
         finally:
             self.lock.release()
 
     async def _run(self, stop: asyncio.Event, reload: asyncio.Event, load_config) -> None:
-        self.journal = Journal(self.state_dir)
-        self.state = StateFile(self.state_dir, self.journal.path)
+        try:
+            self.journal = Journal(self.state_dir)
+            self.state = StateFile(self.state_dir, self.journal.path)
+            self.state.flush()  # a state dir we cannot write is a start-up error, not a silent one
+        except OSError as exc:
+            raise StateError(f"cannot use the state dir {self.state_dir}: {exc.strerror or exc}") from None
         self.journal.note("daemon_start", pid=os.getpid(), instances=[i.name for i in self.config.instances])
         left_open = self.close_left_open()
         bundles = bundles_dir_for(self.config, self.state_dir)
@@ -91,7 +99,7 @@ class Daemon:
             log.warning("kept an unfinished bundle from an interrupted capture: %s", path)
         now = time.time()
         self.state.set_daemon(pid=os.getpid(), started_at=now, running=True, stopped_at=None, last_tick=now,
-                              watcher_errors=0)
+                              watcher_errors=0, last_reload=None)
         self.shared = Shared(journal=self.journal, state=self.state, state_dir=self.state_dir,
                              notifier=Notifier(self.config.notify), capture=self.config.capture,
                              bundles_dir=bundles, **self.overrides)
@@ -224,7 +232,7 @@ class Daemon:
                 self.pending[name] = wanted.get(name)
         for name, inst in wanted.items():
             if name not in self.watchers:
-                self._start(inst)
+                self.pending[name] = inst  # started by _apply_pending: maybe after an incident ends
         self._apply_pending()
         self._reloaded(True, f"config reloaded: watching {', '.join(self.watchers) or 'none'}")
 
@@ -233,22 +241,31 @@ class Daemon:
         self.state.set_daemon(last_reload={"at": time.time(), "ok": ok, "message": message})
 
     def _apply_pending(self) -> None:
-        """Apply changed instances whose watchers have no open incident."""
+        """Apply changed, added and removed instances, except where an incident is open.
+
+        A change waits for its own watcher's incident; a new instance waits for any open
+        incident on its address (a rename mid-incident must not open a second incident, and
+        run a second restart, for the same outage)."""
         for name, inst in list(self.pending.items()):
-            watcher = self.watchers[name]
-            if watcher.busy_with_incident:
+            watcher = self.watchers.get(name)
+            busy = watcher is not None and watcher.busy_with_incident
+            if inst is not None and not busy:
+                busy = any(w.busy_with_incident and same_address(w.inst.url, inst.url)
+                           for w in self.watchers.values())
+            if busy:
                 if f"pending:{name}" not in self._errors_logged:
                     self._errors_logged.add(f"pending:{name}")
                     log.warning("%s: config changed mid-incident; applying it when the incident ends", name)
                 continue
             self._errors_logged.discard(f"pending:{name}")
             del self.pending[name]
-            watcher.stop.set()
-            task = self.tasks.pop(name)
-            task.cancel()  # ends at its next await; awaited at shutdown
-            self.retired.add(task)
-            task.add_done_callback(self.retired.discard)
-            del self.watchers[name]
+            if watcher is not None:
+                watcher.stop.set()
+                task = self.tasks.pop(name)
+                task.cancel()  # ends at its next await; awaited at shutdown
+                self.retired.add(task)
+                task.add_done_callback(self.retired.discard)
+                del self.watchers[name]
             if inst is not None:
                 self._start(inst)
             else:

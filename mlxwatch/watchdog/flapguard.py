@@ -49,5 +49,16 @@ class FlapGuard:
         self.restarts = []
         self.gave_up_at = None
 
+    def forget_future(self, now: float, slack: float = 60.0) -> bool:
+        """Times later than ``now`` (the clock stepped back, or a bad state file) would hold the
+        budget spent, or the instance given up, for as long as the step: restart times from the
+        future are dropped and a future gave-up time becomes ``now``. True if anything changed."""
+        restarts = [t for t in self.restarts if t <= now + slack]
+        changed = len(restarts) != len(self.restarts)
+        self.restarts = restarts
+        if self.gave_up_at is not None and self.gave_up_at > now + slack:
+            self.gave_up_at, changed = now, True
+        return changed
+
     def restarts_in_window(self, now: float) -> int:
         return len(self._recent(now))

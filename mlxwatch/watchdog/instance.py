@@ -91,6 +91,9 @@ class InstanceWatcher:
         self.guard = FlapGuard(r.budget, r.window, r.backoff, r.max_backoff, r.cooldown,
                                restarts=[float(t) for t in saved.get("restarts") or [] if isinstance(t, (int, float))],
                                gave_up_at=saved.get("gave_up_at") if isinstance(saved.get("gave_up_at"), (int, float)) else None)
+        if self.guard.forget_future(self.shared.clock()):
+            log.warning("%s: restart times later than now in the state file (the clock stepped back?): "
+                        "dropped", self.inst.name)
         if self.guard.gave_up_at is not None:
             self.detect.state = policy.GAVE_UP
         server = saved.get("server")
@@ -200,7 +203,7 @@ class InstanceWatcher:
         if report.healthy:
             await self._healthy(report, now)
             return
-        log.info("%s: probe failed: %s", self.name, report.reason)
+        log.info("%s: probe failed: %s", self.name, _one_line(report.reason))
         if self.detect.state == policy.GAVE_UP or self.incident is not None:
             return  # gave up, or waiting for a server we may not restart to come back by itself
         if not self.seen_healthy and await self._starting(now):
@@ -291,7 +294,7 @@ class InstanceWatcher:
             restart_method=describe(self.inst.restart), stranger=stranger,
         )
         log.warning("%s: HUNG after %d failed probe(s) (incident %s): %s", self.name, len(self.failed_reports),
-                    inc.id, self.failed_reports[-1].reason)
+                    inc.id, _one_line(self.failed_reports[-1].reason))
         if stranger:
             log.warning("%s: %s: not the server; it is not captured, signalled or passed to a hook", self.name, stranger)
         self._change(policy.HUNG, "verdict")
@@ -343,17 +346,21 @@ class InstanceWatcher:
         self.shared.notifier.fire("captured", inc.to_dict())  # kind, confidence and bundle are known now
 
     async def _restart(self, inc: Incident, server: ProcessIdentity | None) -> bool:
-        self._change(policy.RESTARTING, "restarting")
+        # The attempt counts from the moment it starts: a daemon stopped or killed mid-restart
+        # has still spent it (the state file and the journal both have it).
         at = self.shared.clock()
         self.guard.record_restart(at)
+        attempt = {"at": at, "result": "running", "detail": ""}
+        inc.restarts.append(attempt)
+        self._change(policy.RESTARTING, "restarting")
         try:
             outcome = await self.shared.restart_fn(RestartContext(self.inst, server, inc.bundle))
         except (MlxwatchError, OSError) as exc:
-            inc.restarts.append({"at": at, "result": "failed", "detail": str(exc)})
-            log.error("%s: restart failed: %s", self.name, exc)
+            attempt.update(result="failed", detail=str(exc))
+            log.error("%s: restart failed: %s", self.name, _one_line(str(exc)))
             self._change(policy.RESTARTING, "restart_failed", error=str(exc))
             return False
-        inc.restarts.append({"at": at, "result": outcome.result, "detail": outcome.detail})
+        attempt.update(result=outcome.result, detail=outcome.detail)
         log.warning("%s: restart: %s", self.name, outcome.detail)
         self._change(policy.RESTARTING, "restart" if outcome.result == OK else outcome.result)
         self.seen_healthy, self.restarted_at, self.identity = False, at, None  # a new process will be recorded
@@ -410,14 +417,6 @@ class InstanceWatcher:
         if self.detect.state == policy.GAVE_UP:
             self.detect.success()
         self._save()
-
-    # --- bookkeeping
-
-    def _change(self, state: str, event: str, **extra: object) -> None:
-        self.detect.state = state
-        assert self.incident is not None
-        self.shared.journal.record(event, self.incident, state=state, **extra)
-        self._save(last_incident=_incident_summary(self.incident))
 
     # --- launch shim (`mlxwatch launch`): the proven server's heartbeat as signals for the policy
     # (mlxwatch.watchdog.shimwatch). Without a heartbeat every method here is a no-op.
@@ -479,6 +478,14 @@ class InstanceWatcher:
                 return
             await self._sleep(min(left, SHIM_POLL))
 
+    # --- bookkeeping
+
+    def _change(self, state: str, event: str, **extra: object) -> None:
+        self.detect.state = state
+        assert self.incident is not None
+        self.shared.journal.record(event, self.incident, state=state, **extra)
+        self._save(last_incident=_incident_summary(self.incident))
+
     def _say(self, note: str | None) -> None:
         """Log a condition once (a missing log is worth one line, not one per probe)."""
         if note and note not in self.said:
@@ -494,6 +501,12 @@ class InstanceWatcher:
             server=self.identity.to_dict() if self.identity else None,
             incident=self.incident.id if self.incident else None, **fields,
         )
+
+
+def _one_line(text: str, limit: int = 300) -> str:
+    """A server's text (an HTML error page, say) in one log line: one line per event."""
+    flat = " ".join(text.split())
+    return flat if len(flat) <= limit else flat[: limit - 1] + "…"
 
 
 def _verdict_text(reports: list[CheckReport], stranger: str | None) -> str:

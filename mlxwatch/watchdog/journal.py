@@ -29,7 +29,8 @@ log = logging.getLogger("mlxwatch.watchdog")
 
 JOURNAL_NAME = "incidents.jsonl"
 CLOSING_EVENTS = ("recovered", "gave_up", "closed")
-RECORD_FIELDS = ("ts", "event")  # set by the journal itself, never copied from an older record
+RECORD_FIELDS = ("ts", "event")
+MAX_BACKLOG = 1000  # records kept in memory while the journal cannot be written  # set by the journal itself, never copied from an older record
 
 
 @dataclass
@@ -58,18 +59,40 @@ class Journal:
         self.path = private_dir(state_dir) / JOURNAL_NAME
         self.observers: list[Callable[[dict[str, Any]], None]] = []
         self._observer_errors: set[str] = set()
+        self.backlog: list[dict[str, Any]] = []  # records a full disk kept us from writing, oldest first
+        self.write_error: str | None = None
 
     def record(self, event: str, incident: Incident, **extra: Any) -> dict[str, Any]:
         entry = {"ts": time.time(), "event": event, **incident.to_dict(), **extra}
-        append_record(self.path, entry)
+        self._append(entry)
         self._tell(entry)
         return entry
 
     def note(self, event: str, **fields: Any) -> None:
         """A record that belongs to no incident (daemon start, resume requests)."""
         entry = {"ts": time.time(), "event": event, **fields}
-        append_record(self.path, entry)
+        self._append(entry)
         self._tell(entry)
+
+    def _append(self, entry: dict[str, Any]) -> None:
+        """Write ``entry`` after any backlog. A write that fails (a full disk) never stops the
+        watcher that made it: the record waits in memory (bounded) and the next append writes
+        it first, in order. Logged once per failing streak."""
+        self.backlog.append(entry)
+        try:
+            while self.backlog:
+                append_record(self.path, self.backlog[0])
+                self.backlog.pop(0)
+        except OSError as exc:
+            if self.write_error is None:
+                log.error("cannot write the journal %s: %s; %d record(s) kept in memory until it can",
+                          self.path, exc.strerror or exc, len(self.backlog))
+            self.write_error = str(exc)
+            del self.backlog[:-MAX_BACKLOG]
+            return
+        if self.write_error is not None:
+            log.warning("journal written again (it had failed: %s)", self.write_error)
+            self.write_error = None
 
     def _tell(self, entry: dict[str, Any]) -> None:
         for observer in list(self.observers):
@@ -89,8 +112,10 @@ class Journal:
         entry = {k: v for k, v in rec.items() if k not in RECORD_FIELDS}
         if "reason" in entry:
             entry["stopped_reason"] = entry.pop("reason")
-        entry.update(ts=time.time(), event="closed", reason=reason, stopped_at_event=rec.get("event"))
-        append_record(self.path, entry)
+        stopped_at = rec.get("state") if rec.get("event") == "interrupted" and rec.get("state") else rec.get("event")
+        entry.update(ts=time.time(), event="closed", reason=reason, stopped_at_event=stopped_at)
+        self._append(entry)
+        self._tell(entry)
         return entry
 
     def records(self) -> list[dict[str, Any]]:

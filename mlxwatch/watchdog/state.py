@@ -42,6 +42,9 @@ class StateFile:
         self.dir = private_dir(state_dir)
         self.path = state_dir / STATE_NAME
         self.data, self.problem = load_state(state_dir)
+        if self.problem is None and not self.data["instances"] and journal_path is not None \
+                and _has_records(journal_path):
+            self.problem = "is missing while the journal is not"  # deleted: never a silent reset
         if self.problem is not None and journal_path is not None:
             self.data = rebuild_from_journal(journal_path)
             log.warning("%s %s; restart history and gave-up times rebuilt from the journal (%d instance(s))",
@@ -125,13 +128,21 @@ def load_state(state_dir: Path) -> tuple[dict[str, Any], str | None]:
         data = json.loads(path.read_bytes().decode("utf-8"))
     except (OSError, ValueError) as exc:
         return empty, f"is unreadable ({type(exc).__name__})"
-    if not isinstance(data, dict) or not isinstance(data.get("instances", {}), dict):
+    if not isinstance(data, dict) or not isinstance(data.get("instances", {}), dict) \
+            or not isinstance(data.get("daemon", {}), dict):
         return empty, "does not hold a state object"
     data.setdefault("instances", {})
     for name, record in list(data["instances"].items()):
         if not isinstance(record, dict):
             return empty, f"holds a malformed record for {name!r}"
     return data, None
+
+
+def _has_records(journal_path: Path) -> bool:
+    try:
+        return journal_path.stat().st_size > 0
+    except OSError:
+        return False
 
 
 def rebuild_from_journal(journal_path: Path) -> dict[str, Any]:
