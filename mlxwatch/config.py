@@ -576,6 +576,10 @@ def parse_base_url(value: Any) -> str:
         raise ValueError("must be a URL such as http://127.0.0.1:8080")
     if parts.path not in ("", "/") or parts.query or parts.fragment:
         raise ValueError("must be the server's base URL, without a path")
+    if parts.username is not None or parts.password is not None:
+        raise ValueError("must not hold a user or password (mlx-lm has no authentication)")
+    if parts.port == 0:
+        raise ValueError("must name a real port (not 0)")
     return text.rstrip("/")
 
 
