@@ -115,7 +115,7 @@ def _report(console: Console, journal: Journal, state_dir: Path, kept: Path | No
     records = [r for r in journal.records() if r.get("instance") == "demo"]
     if not records:
         console.print(f"Kept {state_dir} (journal and state); the server was stopped"
-                      + (f", its log and model are kept in {kept}." if kept else " and the model removed."),
+                      + (f", its log and the model are kept in {kept}." if kept else " and the model removed."),
                       markup=False, highlight=False)
         return
     last = records[-1]

@@ -789,3 +789,110 @@ async def test_readme_macos_notification_example_passes_the_text_as_an_argument(
     args = json.loads((tmp_path / "args.json").read_text())
     assert args == ["-e", "on run a", "-e", 'display notification (item 1 of a) with title "mlxwatch"', "-e", "end run",
                     'evil" & do shell script "x: gave_up livelock']
+
+
+# --- more of what a newcomer trips over
+
+
+def test_capture_says_what_to_do_when_py_spy_is_refused(tmp_path, sleeper, monkeypatch, capsys):
+    """Measured: py-spy's "Failed to get process executable name" passed on verbatim, exit 0, no hint."""
+    from mlxwatch.capture import Bundle, Classification
+
+    async def fake_capture(request, on_step=None):
+        manifest = {"steps": [{"name": "stacks", "outcome": "failed",
+                               "error": "snapshot 1: exit 1: Error: Failed to get process executable name. "
+                                        "Check that the process is running."}]}
+        return Bundle(tmp_path / "b", Classification("unknown", "low", ["x"]), manifest)
+
+    monkeypatch.setattr("mlxwatch.capture.capture_bundle", fake_capture)
+    monkeypatch.setattr("mlxwatch.doctor.read_ptrace_scope", lambda: 1)
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    assert cli.run(["capture", str(sleeper), "--force", "--out", str(tmp_path), "--json"]) == 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[0].startswith("mlxwatch: capture --force: PID") and "capturing it anyway" in err[0]
+    assert err[1].startswith("mlxwatch: capture: no Python stacks: kernel.yama.ptrace_scope is 1")
+    assert "sudo setcap cap_sys_ptrace+ep" in err[1]
+
+
+def test_resume_json_and_what_it_says_about_the_state(tmp_path, capsys):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"state_dir: {tmp_path / 'state'}\ninstances: [{{name: gemma, url: 'http://127.0.0.1:1'}}]\n")
+    (tmp_path / "state").mkdir()
+    (tmp_path / "state" / "state.json").write_text('{"instances": {"gemma": {"state": "gave_up"}}}')
+    assert cli.run(["resume", "gemma", "--config", str(cfg), "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data == {"instance": "gemma", "request": str(tmp_path / "state" / "resume" / "gemma"), "state": "gave_up",
+                    "daemon_running": False, "state_dir": str(tmp_path / "state")}
+    assert cli.run(["resume", "gemma", "--config", str(cfg)]) == 0
+    out = capsys.readouterr().out
+    assert "no daemon runs on" in out and "not given up" not in out
+
+
+def test_demo_keep_says_what_was_kept(tmp_path):
+    """Measured: `demo --keep` ended with "the server and model are gone" when they were kept."""
+    from mlxwatch.demo import _report
+    from mlxwatch.watchdog.journal import Journal
+
+    from mlxwatch.watchdog.journal import Incident
+
+    for with_incident in (False, True):
+        if with_incident:
+            Journal(tmp_path).record("recovered", Incident("demo", kind="livelock", seconds_to_recovery=12.0))
+        for kept, expected in ((tmp_path / "server", f"its log and the model are kept in {tmp_path / 'server'}"),
+                               (None, "the model removed")):
+            console = Console(file=io.StringIO(), width=300)
+            _report(console, Journal(tmp_path), tmp_path, kept)
+            text = console.file.getvalue()
+            assert expected in text and "are gone" not in text
+
+
+async def test_after_recovery_status_shows_the_recovery_probe(tmp_path):
+    """Measured: after a recovery `status` said healthy with "last probe: failed". A daemon
+    watching a stand-in that hangs, then answers again after the restart: healthy and ok."""
+    import asyncio
+
+    from mlxwatch.capture import Bundle, Classification
+    from mlxwatch.config import Config, InstanceConfig, RestartConfig
+    from mlxwatch.watchdog.daemon import Daemon
+    from mlxwatch.watchdog.journal import Journal
+    from mlxwatch.watchdog.restart import OK, RestartOutcome
+    from mlxwatch.watchdog.status import collect_status, status_lines
+
+    port = free_port()
+    mode = tmp_path / "mode"
+    mode.write_text("hang")
+    standin = subprocess.Popen([sys.executable, "-m", "mlxwatch.lab.standin", "--ports", str(port),
+                                "--mode-file", str(mode)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert standin.stdout.readline().strip() == "ready"
+
+        async def capture(request):
+            return Bundle(tmp_path / "b", Classification("blocked", "high", []), {})
+
+        async def restart(ctx):
+            mode.write_text("ok")
+            return RestartOutcome(OK, "stand-in answers again")
+
+        probe = ProbeConfig(interval=0.2, suspect_interval=0.1, first_token_timeout=0.5, timeout=1.0, failures=1,
+                            endpoint_timeout=0.3, startup_timeout=30.0)
+        cfg = Config(None, (InstanceConfig("gemma", f"http://127.0.0.1:{port}", None, None, probe,
+                                           RestartConfig("command", argv=("true",), backoff=0.1)),),
+                     tmp_path / "state", (), CaptureConfig())
+        daemon = Daemon(cfg, cfg.state_dir, shared_overrides={"capture_fn": capture, "restart_fn": restart})
+        stop = asyncio.Event()
+        task = asyncio.create_task(daemon.run(stop))
+        journal = Journal(cfg.state_dir)
+        deadline = time.monotonic() + 60
+        while not any(r["event"] == "recovered" for r in journal.records()):
+            assert time.monotonic() < deadline and not task.done(), [r["event"] for r in journal.records()]
+            await asyncio.sleep(0.05)
+        stop.set()
+        await asyncio.wait_for(task, 30)
+    finally:
+        standin.kill()
+        standin.wait(10)
+        standin.stdout.close()
+    (inst,) = collect_status(cfg, cfg.state_dir)["instances"]
+    assert inst["state"] == "healthy" and inst["last_probe"]["ok"] is True
+    text = "\n".join(t.plain for t in status_lines(collect_status(cfg, cfg.state_dir), 80))
+    assert "last probe:" not in text and "recovered" in text
