@@ -246,4 +246,6 @@ def test_capture_cli_then_show_and_export(lab, tmp_path):
     export = subprocess.run(cli + ["bundle", "export", str(bundle), "--redact"], capture_output=True, text=True, timeout=60)
     assert export.returncode == 0 and Path(export.stdout.strip()).name == f"{bundle.name}-redacted.tar.gz"
     bad = subprocess.run(cli + ["bundle", "show", str(tmp_path)], capture_output=True, text=True, timeout=60)
-    assert bad.returncode == 2 and bad.stderr.strip() == f"mlxwatch: bundle: {tmp_path} is not a bundle (no manifest.json)"
+    assert bad.returncode == 2 and bad.stderr.strip() == (f"mlxwatch: bundle show: {tmp_path} is not a bundle (no "
+                                                          "manifest.json or summary.md); `mlxwatch bundle list` shows "
+                                                          "the bundles")
