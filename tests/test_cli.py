@@ -896,3 +896,18 @@ async def test_after_recovery_status_shows_the_recovery_probe(tmp_path):
     assert inst["state"] == "healthy" and inst["last_probe"]["ok"] is True
     text = "\n".join(t.plain for t in status_lines(collect_status(cfg, cfg.state_dir), 80))
     assert "last probe:" not in text and "recovered" in text
+
+
+def test_status_names_the_state_a_clean_stop_interrupted(tmp_path):
+    """An incident a SIGTERM interrupted is shown at the state it was in, not at "interrupted"."""
+    from mlxwatch.config import Config, InstanceConfig
+    from mlxwatch.watchdog.journal import Incident, Journal
+    from mlxwatch.watchdog.status import collect_status, status_lines
+
+    inc = Incident("gemma")
+    Journal(tmp_path).record("restarting", inc, state="restarting")
+    Journal(tmp_path).record("interrupted", inc, state="restarting")
+    status = collect_status(Config(instances=(InstanceConfig("gemma", "http://127.0.0.1:1"),)), tmp_path)
+    assert status["instances"][0]["open_incident"]["stopped_at_event"] == "restarting"
+    text = "\n".join(t.plain for t in status_lines(status, 200))
+    assert f"gemma: incident {inc.id} open: daemon stopped at restarting" in text
