@@ -911,3 +911,22 @@ def test_status_names_the_state_a_clean_stop_interrupted(tmp_path):
     assert status["instances"][0]["open_incident"]["stopped_at_event"] == "restarting"
     text = "\n".join(t.plain for t in status_lines(status, 200))
     assert f"gemma: incident {inc.id} open: daemon stopped at restarting" in text
+
+
+def test_stderr_and_stdout_of_a_launchd_like_process_rotate_together(tmp_path):
+    """As under launchd (stdout and stderr to one file): after rotation both write to the new file."""
+    log = tmp_path / "daemon.log"
+    script = ("import logging, sys\n"
+              "from mlxwatch.logfile import RotatingStderr\n"
+              "h = RotatingStderr(max_bytes=400, keep=2)\n"
+              "logging.basicConfig(level=logging.INFO, handlers=[h])\n"
+              "for i in range(20):\n"
+              "    logging.getLogger('t').info('event %02d %s', i, 'x' * 30)\n"
+              "print('stdout after', flush=True)\n"
+              "assert h.rotations >= 1\n")
+    with open(log, "ab") as out:
+        proc = subprocess.run([sys.executable, "-c", script], stdout=out, stderr=out, timeout=60)
+    assert proc.returncode == 0, log.read_text()
+    text = log.read_text()
+    assert "event 19" in text and "stdout after" in text
+    assert (tmp_path / "daemon.log.1").exists() and "event 00" not in text
