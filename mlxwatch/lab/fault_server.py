@@ -14,6 +14,8 @@ streaming code. Faults (the file's first word; empty or missing file = healthy):
 - ``spin``  return no results while burning CPU in real MLX work: the loop keeps stepping
             and nothing reaches any client (the livelock of mlx-lm #1493).
 - ``slow [SECONDS]`` delay each step (default 0.5 s); output stays correct.
+- ``gil``   hold the GIL forever in a native call (libc ``sleep`` through ctypes.PyDLL, which
+            keeps the GIL): no Python thread runs, HTTP included; 0% CPU.
 
 Once ``block`` has started it never returns; ``spin`` and ``slow`` follow the file each step.
 """
@@ -45,6 +47,14 @@ def _block_forever() -> None:
     threading.Event().wait()
 
 
+def _hold_gil_forever() -> None:
+    import ctypes
+
+    libc = ctypes.PyDLL(None)  # PyDLL: the GIL stays held during the call
+    while True:
+        libc.sleep(3600)
+
+
 def _spin_step() -> tuple[list, list]:
     import mlx.core as mx
 
@@ -69,6 +79,8 @@ def install(fault_file: str) -> None:
                 raise RuntimeError("[metal::malloc] Resource limit (499000) exceeded.")
             if fault == "block":
                 _block_forever()
+            if fault == "gil":
+                _hold_gil_forever()
             if fault == "spin":
                 return _spin_step()
             if fault == "slow":

@@ -10,6 +10,10 @@ real server's. A tiny random model is made in ``workdir``. Everything stays on 1
     server.relaunch()          # stop our PID, clear the fault, start again on the same port
     server.stop()
 
+``shim=()`` (or launch options such as ``("--exit-on-thread-death",)``) starts it through
+``mlxwatch launch`` instead, which execs the same command with the launch shim loaded: the PID
+and the command line are still the server's.
+
 The launch recipe is saved as ``lab.json`` beside the log so that ``python -m
 mlxwatch.lab.relaunch DIR`` (a watchdog restart hook) can do the same from another process.
 """
@@ -70,6 +74,7 @@ class LabServer:
     extra_args: tuple[str, ...] = ()
     pid: int = 0
     create_time: float = 0.0
+    shim: tuple[str, ...] | None = None  # None: no shim; else `mlxwatch launch` options
     _popen: subprocess.Popen | None = field(default=None, repr=False, compare=False)
 
     @property
@@ -101,10 +106,12 @@ class LabServer:
         port: int | None = None,
         extra_args: tuple[str, ...] = (),
         ready_timeout: float = 120.0,
+        shim: tuple[str, ...] | None = None,
     ) -> "LabServer":
         """Make the model if needed, launch, and wait until a real completion succeeds."""
         workdir.mkdir(parents=True, exist_ok=True)
-        server = cls(workdir, os.path.abspath(python), port or free_port(), tuple(extra_args))  # not resolved: a venv python is a symlink
+        server = cls(workdir, os.path.abspath(python), port or free_port(), tuple(extra_args),  # not resolved: a venv python is a symlink
+                     shim=tuple(shim) if shim is not None else None)
         make_tiny_model(python, server.model_dir)
         server._save_spec()
         server.launch(ready_timeout)
@@ -113,12 +120,14 @@ class LabServer:
     @classmethod
     def load(cls, workdir: Path) -> "LabServer":
         spec = json.loads((workdir / SPEC_NAME).read_text())
-        return cls(workdir, spec["python"], spec["port"], tuple(spec["extra_args"]), spec["pid"], spec["create_time"])
+        shim = spec.get("shim")
+        return cls(workdir, spec["python"], spec["port"], tuple(spec["extra_args"]), spec["pid"], spec["create_time"],
+                   shim=tuple(shim) if shim is not None else None)
 
     def _save_spec(self) -> None:
         spec = {
             "python": self.python, "port": self.port, "extra_args": list(self.extra_args),
-            "pid": self.pid, "create_time": self.create_time,
+            "pid": self.pid, "create_time": self.create_time, "shim": list(self.shim) if self.shim is not None else None,
         }
         tmp = self.workdir / (SPEC_NAME + ".tmp")
         tmp.write_text(json.dumps(spec))
@@ -126,8 +135,9 @@ class LabServer:
 
     def command(self) -> list[str]:
         script = Path(self.python).parent / "mlx_lm.server"  # the console script a user runs
+        launch = [] if self.shim is None else [sys.executable, "-m", "mlxwatch", "launch", *self.shim, "--"]
         return [
-            self.python, str(script),
+            *launch, self.python, str(script),
             "--model", str(self.model_dir), "--host", "127.0.0.1", "--port", str(self.port),
             *self.extra_args,
         ]
