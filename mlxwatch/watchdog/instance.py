@@ -473,6 +473,8 @@ class InstanceWatcher:
                 self.shared.journal.note("shim_stall", instance=self.name, pid=hb.pid, reason=judged.stall,
                                          evidence=judged.evidence, heartbeat=hb.summary())
                 if self.detect.state == policy.HEALTHY:
+                    if self.tracker.follower is not None:  # as probe() does for a healthy server:
+                        self._say(await asyncio.to_thread(self.tracker.prime))  # older lines are history
                     self.detect.state = policy.SUSPECT
                     self._save()
                 return
