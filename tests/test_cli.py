@@ -873,8 +873,10 @@ async def test_after_recovery_status_shows_the_recovery_probe(tmp_path):
             mode.write_text("ok")
             return RestartOutcome(OK, "stand-in answers again")
 
-        probe = ProbeConfig(interval=0.2, suspect_interval=0.1, first_token_timeout=0.5, timeout=1.0, failures=1,
-                            endpoint_timeout=0.3, startup_timeout=30.0)
+        # A long interval: the recovery probe is the last one before the daemon is stopped (a
+        # later probe on a loaded machine could fail its deadline and be what status shows).
+        probe = ProbeConfig(interval=30.0, suspect_interval=0.1, first_token_timeout=2.0, timeout=4.0, failures=1,
+                            endpoint_timeout=1.0, startup_timeout=30.0)
         cfg = Config(None, (InstanceConfig("gemma", f"http://127.0.0.1:{port}", None, None, probe,
                                            RestartConfig("command", argv=("true",), backoff=0.1)),),
                      tmp_path / "state", (), CaptureConfig())
