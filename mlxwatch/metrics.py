@@ -172,8 +172,10 @@ class Metrics:
         restarts = entry.get("restarts") if isinstance(entry.get("restarts"), list) else []
         for restart in restarts[track.restarts_counted:]:
             result = restart.get("result") if isinstance(restart, dict) else None
+            if result == "running":  # journaled as it starts; counted once its result is known
+                break
             self.restarts.labels(name, _label(result, RESTART_RESULTS)).inc()
-        track.restarts_counted = max(track.restarts_counted, len(restarts))
+            track.restarts_counted += 1
         if event == "recovered" and isinstance(entry.get("seconds_to_recovery"), (int, float)):
             self.last_recovery.labels(name).set(entry["seconds_to_recovery"])
         if event in ENDING_EVENTS:
