@@ -281,3 +281,62 @@ def test_answers_are_byte_identical_with_and_without_the_shim(server_python, lab
             server.stop()
     assert answers["shim"] == answers["plain"]
     assert all(a[0] == 200 for a in answers["plain"][:4])
+
+
+async def _watch_during_long_seeded_generation(server: LabServer, state_dir: Path, tokens: int) -> tuple[list, str]:
+    """Run the daemon (probes every second, 2 s to the first token, 2 failures make a verdict)
+    while another client streams a long seeded generation: seeded requests are served one at a
+    time, so every probe waits behind it. Returns the journal records and the daemon's log."""
+    import logging
+
+    p = ProbeConfig(interval=1.0, suspect_interval=1.0, first_token_timeout=2.0, timeout=4.0, failures=2,
+                    grace_ceiling=120.0, endpoint_timeout=2.0, startup_timeout=90.0, stall_timeout=30.0)
+    inst = InstanceConfig("lab", server.url, server.log_path, server.pid_file, p, RestartConfig())
+    config = Config(None, (inst,), state_dir, (), CaptureConfig(snapshots=1, spacing=0.5, ceiling=20.0))
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    logger = logging.getLogger("mlxwatch.watchdog")
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    stop = asyncio.Event()
+    daemon = Daemon(config, state_dir)
+    task = asyncio.create_task(daemon.run(stop))
+    done = threading.Event()
+
+    def generate() -> None:
+        body = {"messages": [{"role": "user", "content": "write"}], "max_tokens": tokens, "seed": 3, "stream": True}
+        with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body, trust_env=False, timeout=300) as r:
+            for _ in r.iter_raw():
+                pass
+        done.set()
+
+    try:
+        deadline = time.monotonic() + 120
+        while not hasattr(daemon, "state") or not (daemon.state.instance("lab").get("last_probe") or {}).get("ok"):
+            assert time.monotonic() < deadline, "never healthy"
+            await asyncio.sleep(0.1)
+        threading.Thread(target=generate, daemon=True).start()
+        while not done.is_set():
+            assert time.monotonic() < deadline, "the long generation did not finish"
+            await asyncio.sleep(0.2)
+    finally:
+        stop.set()
+        await task
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    return Journal(state_dir).records(), "\n".join(r.getMessage() for r in records)
+
+
+async def test_tokens_to_other_clients_hold_the_verdict_that_the_log_alone_cannot(shim_lab, lab, tmp_path):
+    """The case the log cannot see (README: "What stays invisible from outside the server"): a
+    probe queued behind another client's long non-batchable generation. Without the shim the
+    daemon judges that working server hung; with it, the tokens delivered to the other client
+    hold the verdict until the generation ends."""
+    tokens = 8000  # ~15 s on the tiny model, served alone
+    shimmed, said = await _watch_during_long_seeded_generation(shim_lab, tmp_path / "shim", tokens)
+    assert not [r for r in shimmed if r["event"] == "verdict"], said
+    assert "lab: shim: " in said and "token(s) delivered to other clients" in said
+    plain, said_plain = await _watch_during_long_seeded_generation(lab, tmp_path / "plain", tokens)
+    assert [r for r in plain if r["event"] == "verdict"], said_plain  # the false verdict the shim prevents
