@@ -51,7 +51,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import platform
 import time
 from dataclasses import dataclass
@@ -65,6 +64,7 @@ from prometheus_client.exposition import start_http_server
 from mlxwatch import __version__
 from mlxwatch.capture.classify import KINDS
 from mlxwatch.config import Config, MetricsConfig, ProbeConfig
+from mlxwatch.storage import replace_atomically
 from mlxwatch.watchdog.journal import Journal
 from mlxwatch.watchdog.policy import STATES
 from mlxwatch.watchdog.restart import NOTHING_TO_RESTART, OK
@@ -319,18 +319,7 @@ def write_textfile(path: Path, data: bytes) -> None:
     """Replace ``path`` atomically: node_exporter never reads half a file. The temp file's name
     does not end in .prom, so the collector ignores it. 0644: node_exporter may run as another
     user, and the file holds instance names and numbers only."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0), 0o644)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+    replace_atomically(path, data, mode=0o644)
 
 
 class MetricsExporter:

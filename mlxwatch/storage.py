@@ -43,9 +43,9 @@ def _write_all(fd: int, data: bytes) -> None:
         view = view[os.write(fd, view):]
 
 
-def _write_synced(path: Path, flags: int, data: bytes) -> None:
+def _write_synced(path: Path, flags: int, data: bytes, mode: int = FILE_MODE) -> None:
     """Open with ``flags``, write all of ``data``, fsync, close: the one way files are written."""
-    fd = os.open(path, os.O_WRONLY | flags, FILE_MODE)
+    fd = os.open(path, os.O_WRONLY | flags, mode)
     try:
         _write_all(fd, data)
         os.fsync(fd)
@@ -58,11 +58,12 @@ def write_new(path: Path, data: bytes) -> None:
     _write_synced(path, os.O_CREAT | os.O_EXCL, data)
 
 
-def replace_atomically(path: Path, data: bytes) -> None:
-    """Readers see the old content or the new, never a torn file; a failed write leaves no temp."""
+def replace_atomically(path: Path, data: bytes, mode: int = FILE_MODE) -> None:
+    """Readers see the old content or the new, never a torn file; a failed write leaves no temp.
+    The temp file is ``.<name>.<pid>.tmp``: hidden, and not matched by a reader's suffix."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
-        _write_synced(tmp, os.O_CREAT | os.O_TRUNC, data)
+        _write_synced(tmp, os.O_CREAT | os.O_TRUNC, data, mode)
         os.replace(tmp, path)
     except BaseException:
         try:
