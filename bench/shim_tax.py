@@ -1,0 +1,161 @@
+"""Shim tax: tokens/s of a real ``mlx_lm.server`` with and without the launch shim (issue 9).
+
+Two real servers on the same tiny model (CPU), one started plainly and one through ``mlxwatch
+launch``; both run for the whole benchmark, so load and thermal state are shared. A trial is one
+streamed generation of ``--tokens`` tokens, batched (the default path, ``BatchGenerator.next``
+per step) or seeded (served one at a time, through ``stream_generate``); its tokens/s is counted
+by the client from the first to the last content chunk. Trials of the two servers alternate in
+a shuffled order, ``--reps`` each. The noise is the spread of one condition's own trials; the
+shim's cost is within the noise when the medians differ by less than that spread::
+
+    python -m bench.shim_tax [--python .venvs/test/bin/python] [--reps 6] [--tokens 1500]
+
+Results go to stdout and ``bench/results/shim-tax.json``. Only the PIDs started here are stopped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+from mlxwatch.lab.server import LabServer, server_version
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def trial(url: str, tokens: int, seeded: bool) -> dict:
+    body = {"messages": [{"role": "user", "content": "write"}], "max_tokens": tokens, "stream": True,
+            "temperature": 0, **({"seed": 1} if seeded else {})}
+    arrivals = []
+    with httpx.Client(trust_env=False, timeout=600) as client:
+        with client.stream("POST", f"{url}/v1/chat/completions", json=body) as r:
+            for line in r.iter_lines():
+                if line.startswith("data:") and '"content"' in line:
+                    arrivals.append(time.monotonic())
+    span = arrivals[-1] - arrivals[0] if len(arrivals) > 1 else None
+    return {"tokens": len(arrivals), "tokens_per_s": (len(arrivals) - 1) / span if span else None}
+
+
+def wrapper_cost(batch: int = 8, calls: int = 200_000) -> dict:
+    """The counting wrapper's own cost per ``BatchGenerator.next`` call, in-process and without a
+    model: a ``next`` that returns one prompt response and ``batch`` generation responses, called
+    ``calls`` times unwrapped and wrapped (best of 5 rounds each). Load-independent enough to say
+    what the shim adds to each step; a real step costs milliseconds (tiny model on CPU) to tens of
+    milliseconds (a 26B model on a Mac)."""
+    from dataclasses import dataclass
+
+    from mlxwatch.shim import agent as shim_agent
+
+    @dataclass
+    class P:
+        uid: int
+        progress: tuple
+
+    @dataclass
+    class G:
+        uid: int
+        token: int
+        finish_reason: str | None
+
+    result = ([P(0, (10, 20))], [G(i, 7, None) for i in range(batch)])
+
+    def make():
+        class Gen:
+            def next(self):
+                return result
+
+            def insert_segments(self, segments, max_tokens=None):
+                return list(range(len(segments)))
+
+        return Gen
+
+    plain_cls, wrapped_cls = make(), make()
+    with tempfile.TemporaryDirectory() as tmp:
+        agent = shim_agent.Agent(time.time(), None, False, tmp)
+        shim_agent.patch_batch_generator(agent, wrapped_cls, "bench.Gen")
+        wrapped = wrapped_cls()
+        wrapped.insert_segments([[1]] * batch)
+
+        def best(gen) -> float:
+            times = []
+            for _ in range(5):
+                t0 = time.perf_counter()
+                for _ in range(calls):
+                    gen.next()
+                times.append((time.perf_counter() - t0) / calls)
+            return min(times)
+
+        base, counted = best(plain_cls()), best(wrapped)
+    return {"batch": batch, "calls": calls, "unwrapped_us": base * 1e6, "wrapped_us": counted * 1e6,
+            "added_us_per_step": (counted - base) * 1e6}
+
+
+def summarize(values: list[float]) -> dict:
+    return {"n": len(values), "median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--python", default=str(ROOT / ".venvs" / "test" / "bin" / "python"),
+                    help="the server's interpreter (mlx-lm installed)")
+    ap.add_argument("--reps", type=int, default=6)
+    ap.add_argument("--tokens", type=int, default=1500)
+    ap.add_argument("--seed", type=int, default=0, help="for the shuffled order")
+    args = ap.parse_args(argv)
+    rng = random.Random(args.seed)
+    costs = [wrapper_cost(batch) for batch in (1, 8, 32)]
+    for c in costs:
+        print(f"wrapper: {c['added_us_per_step']:.2f} us added per next() with {c['batch']} sequence(s) in the batch "
+              f"({c['unwrapped_us']:.2f} -> {c['wrapped_us']:.2f} us)", flush=True)
+    with tempfile.TemporaryDirectory(prefix="mlxwatch-shim-tax-") as tmp:
+        plain = LabServer.start(args.python, Path(tmp) / "plain")
+        shim_dir = Path(tmp) / "shim"
+        shim_dir.mkdir()
+        (shim_dir / "model").symlink_to(plain.model_dir)
+        shimmed = LabServer.start(args.python, shim_dir, shim=())
+        servers = {"plain": plain, "shim": shimmed}
+        try:
+            results: dict[str, dict[str, list[float]]] = {p: {"plain": [], "shim": []} for p in ("batched", "seeded")}
+            for path in ("batched", "seeded"):
+                for server in servers.values():  # warm-up, not counted
+                    trial(server.url, 200, path == "seeded")
+                order = [c for c in ("plain", "shim") for _ in range(args.reps)]
+                rng.shuffle(order)
+                for condition in order:
+                    got = trial(servers[condition].url, args.tokens, path == "seeded")
+                    if got["tokens_per_s"]:
+                        results[path][condition].append(got["tokens_per_s"])
+                    print(f"{path:8} {condition:5} {got['tokens']:5} tokens {got['tokens_per_s'] or 0:8.1f} tok/s",
+                          flush=True)
+        finally:
+            for server in servers.values():
+                server.stop()
+    report = {"mlx_lm": server_version(args.python), "tokens": args.tokens, "reps": args.reps,
+              "wrapper_cost": costs, "paths": {}}
+    for path, by in results.items():
+        p, s = summarize(by["plain"]), summarize(by["shim"])
+        noise = max(p["max"] - p["min"], s["max"] - s["min"])
+        diff = s["median"] - p["median"]
+        report["paths"][path] = {"plain": p, "shim": s, "median_difference": diff,
+                                 "median_difference_pct": 100 * diff / p["median"], "noise": noise,
+                                 "within_noise": abs(diff) <= noise, "trials": by}
+        print(f"{path}: plain {p['median']:.1f} ({p['min']:.1f}-{p['max']:.1f}) tok/s, "
+              f"shim {s['median']:.1f} ({s['min']:.1f}-{s['max']:.1f}) tok/s, "
+              f"difference {diff:+.1f} tok/s ({100 * diff / p['median']:+.1f}%), noise {noise:.1f} tok/s: "
+              f"{'within' if abs(diff) <= noise else 'OUTSIDE'} the noise")
+    out = ROOT / "bench" / "results" / "shim-tax.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2))
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
