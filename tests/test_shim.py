@@ -572,3 +572,19 @@ def test_shimwatch_turns_readings_into_stall_busy_and_evidence():
     stale.data["published_at"] -= 8
     j = w2.judge(stale)
     assert j.stall and "GIL" in j.stall
+
+
+def test_the_example_server_agent_runs_the_server_through_launch():
+    import plistlib
+
+    from mlxwatch.cli import build_parser
+
+    plist = plistlib.loads((ROOT / "launchd" / "com.example.mlx-server-shim.plist").read_bytes())
+    argv = plist["ProgramArguments"]
+    assert argv[0].endswith("/mlxwatch") and argv[1] == "launch"
+    args = build_parser().parse_args(argv[1:])
+    assert args.command == "launch" and args.exit_on_thread_death and args.name == "local"
+    server = args.server_command[1:] if args.server_command[:1] == ["--"] else args.server_command
+    assert server[:2] == ["@SERVER_BIN@/mlx_lm", "server"]  # the plain example's server command
+    assert plist["KeepAlive"] is True and plist["ProcessType"] == "Interactive"
+    assert plist["StandardOutPath"] == plist["StandardErrorPath"]

@@ -188,6 +188,8 @@ async def test_a_livelock_with_a_retrying_client_is_found_within_stall_timeout_p
     captured = next(r for r in records if r["event"] == "captured")
     assert "no token for" in stall["reason"] and stall["pid"] == shim_lab.pid
     assert stall["ts"] - switched >= STALL - 0.5  # not before the stall_timeout
+    print(f"stall journaled {stall['ts'] - switched:.1f}s and verdict {verdict['detected_at'] - switched:.1f}s "
+          "after the fault was switched on")
     assert verdict["detected_at"] - switched < FOUND_BOUND, (verdict["detected_at"] - switched, records)
     assert len(verdict["failures"]) == 1  # one probe confirmed what the heartbeat showed
     assert captured["kind"] == "livelock"
