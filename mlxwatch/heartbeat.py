@@ -249,7 +249,7 @@ def read(pid: int, create_time: float | None = None, directory: str | None = Non
     try:
         raw = _read_bounded(path)
     except FileNotFoundError:
-        return None, f"no heartbeat for PID {pid} in {directory} (not started by `mlxwatch launch`?)"
+        return None, f"no heartbeat for PID {pid} in {directory}"
     except (OSError, ShimError) as exc:
         return None, f"heartbeat unreadable: {exc}"
     now = time.time()

@@ -357,7 +357,7 @@ def test_capture_auto_falls_back_to_py_spy_without_a_shim(tmp_path, monkeypatch)
                                                            ceiling=10, stacks="auto")))
         assert calls  # py-spy was asked for
         steps = {s["name"]: s for s in bundle.manifest["steps"]}
-        assert steps["heartbeat"]["outcome"] == "skipped" and "no shim heartbeat" in steps["heartbeat"]["error"]
+        assert steps["heartbeat"]["outcome"] == "skipped" and "no launch shim" in steps["heartbeat"]["error"]
         bundle2 = asyncio.run(capture_bundle(CaptureRequest(pid=proc.pid, out_dir=tmp_path / "b", snapshots=1,
                                                             ceiling=10, stacks="shim")))
         steps = {s["name"]: s for s in bundle2.manifest["steps"]}
@@ -588,3 +588,15 @@ def test_the_example_server_agent_runs_the_server_through_launch():
     assert server[:2] == ["@SERVER_BIN@/mlx_lm", "server"]  # the plain example's server command
     assert plist["KeepAlive"] is True and plist["ProcessType"] == "Interactive"
     assert plist["StandardOutPath"] == plist["StandardErrorPath"]
+
+
+def test_a_server_without_a_heartbeat_is_not_read_again_every_probe():
+    from mlxwatch.watchdog.shimwatch import RECHECK_ABSENT
+
+    w = ShimWatch()
+    w.reset_for(10)
+    assert w.should_read(100.0)
+    w.absent(100.0)
+    assert not w.should_read(100.0 + RECHECK_ABSENT - 1) and w.should_read(100.0 + RECHECK_ABSENT)
+    w.reset_for(11)  # a new server process: looked at at once
+    assert w.should_read(100.0)

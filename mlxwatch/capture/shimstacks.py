@@ -191,7 +191,7 @@ async def watch_window(cap: Any, rec: Any) -> None:
     opened = time.monotonic()
     window.start, window.problem = await asyncio.to_thread(heartbeat.find, req.pid, create_time)
     if window.start is None:
-        rec.outcome, rec.error = "skipped", f"no shim heartbeat: {window.problem}"
+        rec.outcome, rec.error = "skipped", f"no launch shim in this process (`mlxwatch launch`): {window.problem}"
         return
     await cap.write_json("shim/heartbeat-start.json", window.start.data)
     await asyncio.sleep(max(0.0, opened + cap.window_seconds - time.monotonic()))

@@ -430,11 +430,13 @@ class InstanceWatcher:
 
     async def _shim_read(self) -> heartbeat.Heartbeat | None:
         watch = self._shim()
-        if watch.mode == "off" or self.identity is None:
+        if watch.mode == "off" or self.identity is None or not watch.should_read(self.shared.clock()):
             return None
         hb, problem = await asyncio.to_thread(heartbeat.find, self.identity.pid, self.identity.create_time)
-        if hb is None and watch.mode == "required":
-            self._say(f"shim: required, but the server (PID {self.identity.pid}) has none: {problem}")
+        if hb is None:
+            watch.absent(self.shared.clock())
+            if watch.mode == "required":
+                self._say(f"shim: required, but the server (PID {self.identity.pid}) has none: {problem}")
         return hb
 
     async def _shim_on_failure(self, report: CheckReport) -> list[str]:

@@ -28,6 +28,7 @@ from typing import Any
 from mlxwatch.heartbeat import Change, Heartbeat
 
 POLL = 2.0  # seconds between heartbeat reads while the watcher waits for its next probe
+RECHECK_ABSENT = 600.0  # a server found without a heartbeat is looked at again this often, not per probe
 PROMPT_ALLOWANCE = 512  # prompt tokens per reading a probe's own prompt could not account for
 
 
@@ -47,10 +48,19 @@ class ShimWatch:
     last: Heartbeat | None = None
     present: bool = False  # the last reading found a heartbeat for this process
     triggered: set = field(default_factory=set)  # stall episodes that already had their early probe
+    absent_until: float = 0.0  # this process had no heartbeat: do not look again before then
 
     def reset_for(self, pid: int | None) -> None:
         if pid != self.pid:
-            self.pid, self.last, self.present, self.triggered = pid, None, False, set()
+            self.pid, self.last, self.present, self.triggered, self.absent_until = pid, None, False, set(), 0.0
+
+    def should_read(self, now: float) -> bool:
+        """A process has or lacks the shim from its start: one that lacked it is not read again
+        before ``RECHECK_ABSENT`` (a healthy probe cycle costs no file read for it)."""
+        return now >= self.absent_until
+
+    def absent(self, now: float) -> None:
+        self.absent_until = now + RECHECK_ABSENT
 
     def judge(self, hb: Heartbeat | None, probe_tokens: int = 0) -> Judgement:
         """What this reading means; remembers it for the next one."""
