@@ -92,7 +92,7 @@ class BundleWriter:
 
     def adopt(self, relname: str) -> None:
         """Register a file a tool wrote itself inside the partial bundle (py-spy's siblings:
-        ``sample -f``, ``spindump -o``): private mode, listed with its hash."""
+        ``sample -file``): private mode, listed with its hash."""
         path = self.partial / relname
         if path.exists():
             os.chmod(path, 0o600)
