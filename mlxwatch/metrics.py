@@ -143,6 +143,7 @@ class Metrics:
         self.heartbeat = Gauge("mlxwatch_daemon_heartbeat_timestamp_seconds", "The daemon's last heartbeat", registry=r)
         self.running = Gauge("mlxwatch_daemon_running", "1 while the daemon runs; 0 once it stopped", registry=r)
         r.register(_BudgetCollector(self))
+        r.register(_ShimCollector(self))
         self.reload_ok.set(1)  # the config the daemon started with loaded, or it would not be running
         self.reload_time.set(clock())
         self.running.set(1)
@@ -282,6 +283,45 @@ class Metrics:
     def exposition(self) -> bytes:
         """The text a scrape gets (thread-safe)."""
         return generate_latest(self.registry)
+
+
+class _ShimCollector:
+    """With the launch shim (``mlxwatch launch``), what the server itself says it delivers: read
+    from its heartbeat at scrape time, as ``status`` shows it. Servers without the shim have no
+    sample (absent, not zero: "no data" is not "no tokens")."""
+
+    RATE = "mlxwatch_shim_tokens_per_second", "Tokens per second the server delivered (launch shim heartbeat)"
+    SINCE = "mlxwatch_shim_seconds_since_last_token", "Seconds since the server last delivered a token (launch shim)"
+
+    def __init__(self, metrics: Metrics) -> None:
+        self.metrics = metrics
+
+    def describe(self) -> list[GaugeMetricFamily]:
+        return [GaugeMetricFamily(*self.RATE, labels=["server"]), GaugeMetricFamily(*self.SINCE, labels=["server"])]
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        from mlxwatch import heartbeat
+
+        rate, since = self.describe()
+        instances = self.metrics.state.data.get("instances", {}) if self.metrics.state is not None else {}
+        for inst in self.metrics.config_fn().instances:
+            server = (instances.get(inst.name) or {}).get("server")
+            if not isinstance(server, dict) or not isinstance(server.get("pid"), int):
+                continue
+            created = server.get("create_time")
+            try:
+                hb, _ = heartbeat.find(server["pid"], float(created) if isinstance(created, (int, float)) else None)
+            except Exception:  # a scrape never fails for one server's heartbeat
+                continue
+            if hb is None:
+                continue
+            summary = hb.summary()
+            if isinstance(summary.get("tokens_per_s"), (int, float)):
+                rate.add_metric([inst.name], float(summary["tokens_per_s"]))
+            if isinstance(summary.get("since_last_token"), (int, float)):
+                since.add_metric([inst.name], float(summary["since_last_token"]))
+        yield rate
+        yield since
 
 
 class _BudgetCollector:

@@ -382,3 +382,39 @@ async def test_daemon_serves_metrics_that_follow_an_incident_and_stops_them(tmp_
     final = (tmp_path / "m.prom").read_text()
     assert value(final, "mlxwatch_daemon_running") == 0
     assert value(final, "mlxwatch_instance_state", server="gone", state="gave_up") == 1
+
+
+def test_shim_series_come_from_the_servers_heartbeat(tmp_path, monkeypatch):
+    """With the launch shim, tokens/s and seconds since the last token are exported, read from
+    the heartbeat the shim publishes (as status shows them); a server without one has no sample."""
+    import os
+
+    import psutil
+
+    from mlxwatch.config import Config, InstanceConfig
+    from mlxwatch.metrics import Metrics
+    from mlxwatch.shim import layout
+    from mlxwatch.shim.agent import Agent
+    from mlxwatch.watchdog.state import StateFile
+
+    runtime = tmp_path / "run"
+    monkeypatch.setenv(layout.RUNTIME_ENV, str(runtime))
+    me = psutil.Process()
+    agent = Agent(me.create_time(), "lab", False, str(runtime))
+    assert agent.prepare_dir()
+    import time
+
+    agent.rate.append((time.time() - 2.0, 0))  # the heartbeat two seconds ago: no token yet
+    agent.single_begin()
+    for _ in range(5):
+        agent.single_token()
+    agent.publish()
+    state = StateFile(tmp_path / "state")
+    state.update("lab", server={"pid": os.getpid(), "create_time": me.create_time()})
+    state.update("plain", server={"pid": 1, "create_time": 0.0})
+    config = Config(None, (InstanceConfig("lab", "http://127.0.0.1:1"), InstanceConfig("plain", "http://127.0.0.1:2")))
+    text = Metrics(lambda: config, state).exposition().decode()
+    assert 'mlxwatch_shim_seconds_since_last_token{server="lab"}' in text
+    rate = next(l for l in text.splitlines() if l.startswith('mlxwatch_shim_tokens_per_second{server="lab"}'))
+    assert 2.0 <= float(rate.split()[-1]) <= 2.6  # 5 tokens in the ~2 s since that heartbeat
+    assert 'server="plain"' not in "\n".join(l for l in text.splitlines() if l.startswith("mlxwatch_shim_"))
