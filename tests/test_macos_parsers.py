@@ -334,3 +334,17 @@ def test_a_crash_after_a_metal_oom_names_the_abort_of_mlx_before_032():
     result = classify(Evidence(process_alive=False, log=_metal_log()))
     assert result.kind == "crashed"
     assert any("on mlx < 0.32" in line and "aborts the whole process" in line for line in result.evidence)
+
+
+def test_without_python_stacks_the_classification_shows_what_sample_saw():
+    """py-spy often fails on a Mac: the bundle's classification then lists sample's findings
+    (each thread's heaviest native path), from a real sample (quicksilver/Quicksilver#1689)."""
+    from mlxwatch.capture.classify import Evidence, classify
+
+    findings = macos.parse_sample(recorded("sample-quicksilver-1689.txt")).findings()
+    ev = Evidence(stacks_error="py-spy: Operation timed out (os error 60)", native_findings=findings,
+                  probe_ran=True, process_cpu=2.0)
+    result = classify(ev)
+    assert any(line.startswith("sample: Thread_1447670") and "_dispatch_queue_invoke" in line
+               for line in result.evidence)
+    assert any("no stacks" in line for line in result.competing)

@@ -45,6 +45,7 @@ class Evidence:
     process_statuses: list[str] = field(default_factory=list)
     snapshots: list[list[ThreadStack]] = field(default_factory=list)
     stacks_error: str | None = None
+    native_findings: list[str] = field(default_factory=list)  # macOS sample: each thread's heaviest path
     generation_cpu: float | None = None  # the generation thread, percent of one core
     process_cpu: float | None = None  # the whole process: what decides idle vs computing
     probe_ran: bool = False
@@ -99,6 +100,7 @@ METAL_RAISES = ("mlx >= 0.32.0 (PR #3523) raises a Metal command-buffer error on
 
 CONTRADICTING_KINDS = ("busy", "healthy")  # kinds that say "not hung": they contradict a verdict
 _LOWER = {"high": "medium", "medium": "low", "low": "low"}
+MAX_NATIVE_LINES = 6  # sample findings listed as evidence when there are no Python stacks
 
 
 def _classify(ev: Evidence) -> Classification:
@@ -158,6 +160,9 @@ def _classify(ev: Evidence) -> Classification:
         return decided
     if not present:
         competing.append(f"no stacks: {ev.stacks_error or 'py-spy gave none'}")
+        # Where py-spy fails (often, on a Mac), sample's native call graph is what a person reads:
+        # it names the C/MLX/Metal frames each thread is in; it cannot name the Python frame.
+        lines.extend(f"sample: {finding}" for finding in ev.native_findings[:MAX_NATIVE_LINES])
         if not ev.probe_ran:  # neither delivery nor stacks: an idle server would look the same
             return Classification("unknown", "low", lines, competing)
         return _from_cpu_only(cpu, lines, competing)

@@ -136,6 +136,7 @@ class _Capture:
         self.markers: LogMarkers | None = None
         self.process: dict = {}
         self.versions: dict = {}
+        self.native_findings: list[str] = []  # macOS sample, when py-spy cannot read the server
         self.shim_window: shimstacks.ShimWindow | None = None  # the launch shim's heartbeat over the window
 
     def now(self) -> float:
@@ -369,6 +370,7 @@ async def _sample(cap: _Capture, rec: _Step) -> None:
     report = await asyncio.to_thread(
         lambda: macos.parse_sample(out.read_text(errors="replace")) if out.exists() else None)
     if report is not None:
+        cap.native_findings = report.findings()
         await cap.write_json("native/sample-threads.json", {
             "process": report.process, "findings": report.findings(), "threads": [vars(t) for t in report.threads]})
 
@@ -520,7 +522,7 @@ def _probe_totals(cap: _Capture) -> set[int]:
 
 
 def _evidence(cap: _Capture) -> tuple[Evidence, LogWindow | None]:
-    ev = Evidence(verdict=cap.req.verdict)
+    ev = Evidence(verdict=cap.req.verdict, native_findings=list(cap.native_findings))
     ev.process_alive = "process" not in cap.process.get("errors", {}) and cap.window.gone_at is None
     if ev.process_alive and cap.req.pid is not None and cap.process.get("create_time"):
         # Still the same process now (same PID and create time, not a zombie)?
