@@ -1,155 +1,200 @@
-"""Benchmark: mlxwatch against the common workaround, on the real mlx_lm.server.
+"""Detection and recovery, per fault shape, on both mlx-lm versions, in real time.
 
-The workaround (from the public report): a 4-token probe every 5 minutes, hard restart on the
-first failure. mlxwatch's defaults: probe every 30 s, 45 s first-token limit, a confirming
-probe 10 s after a failure, verdict after 2 failures, grace while progress is visible.
+For each version one real ``mlx_lm.server`` (tiny model, CPU; ``mlxwatch.lab``) and one
+``mlxwatch run`` daemon process watching it at the FAST config below, with the lab's relaunch
+hook as its ``command:`` restart and the default capture settings. Each trial: wait until the
+instance is healthy again, wait a random part of one probe interval (a random phase of the
+probe schedule), switch the fault on (the onset), and read the daemon's journal: verdict,
+bundle written (``captured``), restart done (``restart``), first healthy probe (``recovered``).
+Faults: ``spin`` (livelock), ``block``, ``die`` (generation thread raises), ``kill`` (SIGKILL).
 
-Both run here at 1/30 of real time against the same lab server (tiny model, CPU), with each
-fault switched on at a random moment of the prober's schedule. Reported per fault: the median
-detection latency of each, their ratio, and the median scaled back to real seconds; and, with a
-slow server processing a long prompt, how many restarts each would have ordered (all false).
-
-    python bench/detection.py [--trials 5] [--python /path/to/server/python] [--out bench/results]
+Side by side, at each onset the cron workaround's request is sent too (non-streaming, 4 tokens,
+as ``curl -m 45`` would): how it ends (error after how long, or no answer until the daemon's
+restart took the server away) is what the cron's exact distribution needs (``bench/model.py``).
 """
 
 from __future__ import annotations
 
-import argparse
-import asyncio
-import json
+import os
 import random
-import statistics
+import signal
 import sys
-import tempfile
+import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 
-from mlxwatch.config import CaptureConfig, Config, InstanceConfig, ProbeConfig, RestartConfig
+from bench.common import TEST_PYTHON, DaemonProcess, log, write_config
 from mlxwatch.lab.server import LabServer, server_version
-from mlxwatch.probes import probe_generation
-from mlxwatch.watchdog.daemon import Daemon
-from mlxwatch.watchdog.journal import Journal
 
-SCALE = 30.0
-CRON_PERIOD, CRON_TIMEOUT = 300.0 / SCALE, 45.0 / SCALE
-MLXWATCH = ProbeConfig(interval=30.0 / SCALE, suspect_interval=10.0 / SCALE, first_token_timeout=45.0 / SCALE,
-                       timeout=90.0 / SCALE, failures=2, grace_ceiling=600.0 / SCALE, endpoint_timeout=1.0)
-FAULTS = ("spin", "block", "die")
+FAST = {"interval": 2.0, "suspect_interval": 1.0, "first_token_timeout": 2.0, "timeout": 4.0, "failures": 2,
+        "endpoint_timeout": 1.0, "grace_ceiling": 600.0, "startup_timeout": 120.0}
+FAULTS = ("spin", "block", "die", "kill")
+CRON_REQUEST_CAP = 120.0  # the request is given up after this (the cron's own timeout is applied in the model)
 
 
-async def cron_detection(server: LabServer, fault: str, client: httpx.AsyncClient) -> float:
-    """The workaround: probe every CRON_PERIOD; the first failure is the verdict."""
-    start = time.monotonic()
-    switch_at = start + random.uniform(0, CRON_PERIOD)
-    tick = 0
-    while True:
-        now = time.monotonic()
-        if now >= switch_at and not server.fault_file.read_text():
-            server.set_fault(fault)
-        target = start + tick * CRON_PERIOD
-        if target > now:
-            await asyncio.sleep(min(target, max(switch_at, now)) - now if switch_at > now else target - now)
-            continue
-        tick += 1
-        result = await probe_generation(client, server.url, first_token_timeout=CRON_TIMEOUT,
-                                        timeout=CRON_TIMEOUT * 2, max_tokens=4)
-        if not result.ok and time.monotonic() >= switch_at:
-            return time.monotonic() - switch_at
+def daemon_config(server: LabServer, workdir: Path) -> Path:
+    inst = {
+        "name": "lab", "url": server.url, "log": str(server.log_path), "pid_file": str(server.pid_file),
+        "probe": {k: (f"{v:g}s" if k not in ("failures",) else v) for k, v in FAST.items()},
+        "restart": {"command": [str(TEST_PYTHON), "-m", "mlxwatch.lab.relaunch", str(server.workdir)],
+                    "timeout": "120s", "backoff": "1s", "window": "1s", "budget": 3},
+    }
+    return write_config(workdir / "config.yaml", [inst], workdir / "state")
 
 
-async def mlxwatch_detection(server: LabServer, fault: str, state_dir: Path) -> float:
-    """The real daemon (restart none: we only time the verdict)."""
-    inst = InstanceConfig("bench", server.url, server.log_path, server.pid_file, MLXWATCH, RestartConfig())
-    config = Config(None, (inst,), state_dir, (), CaptureConfig(snapshots=1, spacing=0.2, ceiling=10.0))
-    stop = asyncio.Event()
-    daemon = Daemon(config, state_dir)
-    task = asyncio.create_task(daemon.run(stop))
-    journal = Journal(state_dir)
+def cron_request(url: str, out: dict[str, Any]) -> None:
+    """The workaround's check: one non-streaming 4-token completion, as a cron job sends it."""
+    t0 = time.monotonic()
+    body = {"messages": [{"role": "user", "content": "ping"}], "max_tokens": 4}
     try:
-        while not (daemon.instance_state("bench").get("last_probe") or {}).get("ok"):
-            await asyncio.sleep(0.05)
-        await asyncio.sleep(random.uniform(0, MLXWATCH.interval))
-        switch_at = time.time()
-        server.set_fault(fault)
-        while True:
-            verdicts = [r for r in journal.records() if r.get("event") == "verdict"]
-            if verdicts:
-                return verdicts[0]["detected_at"] - switch_at
-            await asyncio.sleep(0.05)
+        with httpx.Client(trust_env=False, timeout=CRON_REQUEST_CAP) as client:
+            r = client.post(f"{url}/v1/chat/completions", json=body)
+        out.update(outcome="http", status=r.status_code, ok=r.status_code == 200 and bool(r.json().get("choices")))
+    except httpx.TimeoutException:
+        out.update(outcome="timeout", ok=False)
+    except httpx.HTTPError as exc:
+        out.update(outcome=type(exc).__name__, ok=False, error=str(exc)[:200])
+    except ValueError as exc:
+        out.update(outcome="bad_json", ok=False, error=str(exc)[:200])
+    out["elapsed"] = time.monotonic() - t0
+
+
+def _incident_events(records: list[dict], after: float) -> dict[str, dict]:
+    """The first incident detected after ``after``: its records by event (first of each)."""
+    inc_id = None
+    events: dict[str, dict] = {}
+    for rec in records:
+        if rec.get("event") == "verdict" and inc_id is None and (rec.get("detected_at") or 0) >= after:
+            inc_id = rec["id"]
+        if inc_id is not None and rec.get("id") == inc_id:
+            events.setdefault(rec["event"], rec)
+    return events
+
+
+def _bundle_size(path: str | None) -> int | None:
+    if not path:
+        return None
+    total = 0
+    for root, _, files in os.walk(path):
+        for f in files:
+            try:
+                total += os.path.getsize(os.path.join(root, f))
+            except OSError:
+                pass
+    return total
+
+
+def trial(server_dir: Path, daemon: DaemonProcess, fault: str, url: str) -> dict[str, Any]:
+    # Healthy again, with no incident open.
+    daemon.wait_until(lambda: daemon.instance_state("lab").get("state") == "healthy"
+                      and not daemon.instance_state("lab").get("incident"), 180, "healthy before a trial")
+    time.sleep(0.5 + random.uniform(0, FAST["interval"]))
+    lab = LabServer.load(server_dir)
+    cron: dict[str, Any] = {}
+    onset = time.time()
+    if fault == "kill":
+        lab.refresh()
+        os.kill(lab.pid, signal.SIGKILL)
+    else:
+        lab.set_fault(fault)
+    sender = threading.Thread(target=cron_request, args=(url, cron), daemon=True)
+    sender.start()
+
+    def done() -> bool:
+        ev = _incident_events(daemon.journal(), onset)
+        return "recovered" in ev or "gave_up" in ev or "not_recovered" in ev
+    daemon.wait_until(done, 180, f"{fault}: verdict through recovery")
+    ev = _incident_events(daemon.journal(), onset)
+    sender.join(10)
+    verdict = ev["verdict"]
+    captured = ev.get("captured") or ev.get("capture_failed") or {}
+    restart = ev.get("restart") or {}
+    recovered = ev.get("recovered") or {}
+    detected = verdict.get("detected_at") or verdict["ts"]
+    out = {
+        "fault": fault, "onset": onset,
+        "verdict_s": detected - onset,
+        "bundle_s": (captured.get("ts") - detected) if captured else None,
+        "restart_s": (restart.get("ts") - captured.get("ts")) if restart and captured else None,
+        "recovery_s": (recovered.get("ts") - restart.get("ts")) if recovered and restart else None,
+        "total_s": (recovered.get("ts") - onset) if recovered else None,
+        "first_failure_after_onset_s": (verdict.get("first_failure_at") or detected) - onset,
+        "failures": verdict.get("failures"),
+        "kind": (ev.get("recovered") or captured).get("kind"),
+        "confidence": (ev.get("recovered") or captured).get("confidence"),
+        "bundle": captured.get("bundle"),
+        "bundle_bytes": _bundle_size(captured.get("bundle")),
+        "restart_result": (restart or {}).get("event"),
+        "events": sorted(ev),
+        "cron_request": {**cron, "verdict_at_s": detected - onset,
+                         "restarting_at_s": (ev["restarting"]["ts"] - onset) if "restarting" in ev else None},
+    }
+    return out
+
+
+def run_version(python: str, workdir: Path, trials: int, results: dict, key: str, faults=FAULTS) -> None:
+    version = server_version(python)
+    res = results[key] = {"python": python, "mlx_lm": version, "trials": [], "error": None}
+    server = None
+    daemon = None
+    try:
+        server = LabServer.start(python, workdir / "server")
+        daemon = DaemonProcess(daemon_config(server, workdir), workdir / "state", workdir / "daemon.log")
+        daemon.start()
+        daemon.wait_until(lambda: daemon.instance_state("lab").get("state") == "healthy", 120, "first healthy")
+        # Faults in a fixed rotation, started at a different point per version, so that two
+        # livelocks (a core each) rarely overlap; the phase within the schedule is random.
+        offset = 0 if key.endswith("0.32") else 2
+        order = [faults[(i + offset) % len(faults)] for i in range(trials * len(faults))]
+        for i, fault in enumerate(order):
+            t = trial(server.workdir, daemon, fault, server.url)
+            res["trials"].append(t)
+            log(f"detection {version} #{i + 1}/{len(order)} {fault}: verdict {t['verdict_s']:.1f}s, "
+                f"bundle {t['bundle_s'] or 0:.1f}s, restart {t['restart_s'] or 0:.1f}s, "
+                f"recovery {t['recovery_s'] or 0:.2f}s, total {t['total_s'] or 0:.1f}s, kind {t['kind']}; "
+                f"cron request {t['cron_request'].get('outcome')} {t['cron_request'].get('status', '')} "
+                f"after {t['cron_request'].get('elapsed', float('nan')):.1f}s")
+    except Exception as exc:  # reported, never hidden
+        res["error"] = f"{type(exc).__name__}: {exc}"
+        log(f"detection {version}: FAILED: {res['error']}")
     finally:
-        stop.set()
-        await task
+        if daemon is not None:
+            daemon.stop()
+            res["daemon_log_tail"] = daemon.log_text()[-4000:]
+            res["daemon_errors"] = [l for l in daemon.log_text().splitlines() if " ERROR " in l][:20]
+        if server is not None:
+            LabServer.load(server.workdir).stop()
 
 
-async def false_restarts(server: LabServer, state_dir: Path, client: httpx.AsyncClient) -> dict[str, int]:
-    """A slow server prefilling a long prompt: verdicts each prober would have ordered."""
-    server.set_fault("slow", 0.5)
-    prompt = " ".join(["the quick brown fox jumps over the lazy dog"] * 60)
-    inst = InstanceConfig("bench", server.url, server.log_path, server.pid_file, MLXWATCH, RestartConfig())
-    config = Config(None, (inst,), state_dir, (), CaptureConfig(snapshots=1, spacing=0.2, ceiling=10.0))
-    stop = asyncio.Event()
-    daemon_task = asyncio.create_task(Daemon(config, state_dir).run(stop))
-    long_request = asyncio.create_task(client.post(f"{server.url}/v1/chat/completions", timeout=600,
-                                                   json={"messages": [{"role": "user", "content": prompt}], "max_tokens": 2}))
-    cron = 0
-    while not long_request.done():
-        result = await probe_generation(client, server.url, first_token_timeout=CRON_TIMEOUT, timeout=CRON_TIMEOUT * 2)
-        cron += 0 if result.ok else 1
-        await asyncio.sleep(CRON_PERIOD / 4)  # sampled more often than cron would: every failure is a false restart
-    stop.set()
-    await daemon_task
-    verdicts = [r for r in Journal(state_dir).records() if r.get("event") == "verdict"]
-    return {"cron_failed_probes": cron, "mlxwatch_verdicts": len(verdicts)}
-
-
-async def main_async(args) -> dict:
-    results: dict = {"server": f"mlx-lm {server_version(args.python)}", "scale": SCALE, "faults": {}}
-    with tempfile.TemporaryDirectory(prefix="mlxwatch-bench-") as tmp:
-        root = Path(tmp)
-        server = LabServer.start(args.python, root / "server")
-        try:
-            async with httpx.AsyncClient(trust_env=False) as client:
-                for fault in FAULTS:
-                    cron, ours = [], []
-                    for trial in range(args.trials):
-                        server.relaunch()
-                        cron.append(await cron_detection(server, fault, client))
-                        server.relaunch()
-                        ours.append(await mlxwatch_detection(server, fault, root / f"state-{fault}-{trial}"))
-                    results["faults"][fault] = _summary(cron, ours)
-                    print(f"{fault:6} cron median {results['faults'][fault]['cron_median_s']:.2f}s, "
-                          f"mlxwatch median {results['faults'][fault]['mlxwatch_median_s']:.2f}s, "
-                          f"ratio {results['faults'][fault]['ratio']:.2f}", flush=True)
-                server.relaunch()
-                results["false_restarts_during_long_prefill"] = await false_restarts(server, root / "state-slow", client)
-        finally:
-            server.stop()
-    return results
-
-
-def _summary(cron: list[float], ours: list[float]) -> dict:
-    c, m = statistics.median(cron), statistics.median(ours)
-    return {"trials": len(cron), "cron_median_s": c, "mlxwatch_median_s": m, "ratio": m / c,
-            "cron_real_median_s": c * SCALE, "mlxwatch_real_median_s": m * SCALE,
-            "cron_runs": cron, "mlxwatch_runs": ours}
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--trials", type=int, default=5)
-    parser.add_argument("--python", default=sys.executable, help="interpreter with mlx-lm for the server")
-    parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
-    args = parser.parse_args()
-    results = asyncio.run(main_async(args))
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"detection-{time.strftime('%Y%m%dT%H%M%S')}.json"
-    path.write_text(json.dumps(results, indent=2))
-    print(json.dumps({k: v for k, v in results.items() if k != "faults"}, indent=2))
-    print(f"written to {path}")
+def run(workdir: Path, trials: int, pythons: dict[str, str]) -> dict[str, Any]:
+    results: dict[str, Any] = {}
+    threads = [threading.Thread(target=run_version, args=(py, workdir / f"detection-{key}", trials, results, key))
+               for key, py in pythons.items()]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return {"config": FAST, "faults": list(FAULTS), "trials_per_fault": trials, "versions": results}
 
 
 if __name__ == "__main__":
-    main()
+    import argparse
+    import json
+    import tempfile
+
+    from bench.common import OLD_PYTHON
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--trials", type=int, default=1)
+    parser.add_argument("--version", choices=["0.31", "0.32", "both"], default="both")
+    args = parser.parse_args()
+    pys = {"mlx-lm-0.31": str(OLD_PYTHON), "mlx-lm-0.32": str(TEST_PYTHON)}
+    if args.version != "both":
+        pys = {k: v for k, v in pys.items() if k.endswith(args.version)}
+    with tempfile.TemporaryDirectory(prefix="mlxwatch-bench-det-") as tmp:
+        out = run(Path(tmp), args.trials, pys)
+        print(json.dumps(out, indent=1, default=str)[:20000])
+    sys.exit(0)

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Run every benchmark (issue 7) and write bench/RESULTS.md and bench/RESULTS.json.
+#
+# Uses the venvs that scripts/test.sh makes, and makes them (the same way) if they are missing:
+#   .venvs/test            mlxwatch with the newest mlx-lm 0.32.x and py-spy
+#   .venvs/mlx-lm-0.31.3   the version of the public hang report, server only
+#
+# Extra arguments go to `python -m bench.run` (e.g. `bash bench/run.sh --quick`).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+VENVS=${MLXWATCH_VENVS:-$PWD/.venvs}
+OLD_MLX_LM=0.31.3
+OLD_MLX=0.31.2
+cpu_extra() { [ "$(uname -s)" = Linux ] && echo "mlx[cpu]==$1" || echo "mlx==$1"; }
+
+if [ ! -x "$VENVS/test/bin/python" ] || [ ! -x "$VENVS/test/bin/py-spy" ]; then
+    "$PYTHON" -m venv "$VENVS/test"
+    "$VENVS/test/bin/pip" install --quiet --disable-pip-version-check -e '.[test]'
+fi
+if [ ! -x "$VENVS/mlx-lm-$OLD_MLX_LM/bin/mlx_lm.server" ]; then
+    "$PYTHON" -m venv "$VENVS/mlx-lm-$OLD_MLX_LM"
+    "$VENVS/mlx-lm-$OLD_MLX_LM/bin/pip" install --quiet --disable-pip-version-check \
+        "mlx-lm==$OLD_MLX_LM" "$(cpu_extra $OLD_MLX)"
+fi
+export MLXWATCH_VENVS="$VENVS"
+exec "$VENVS/test/bin/python" -m bench.run "$@"
