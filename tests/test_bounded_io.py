@@ -286,3 +286,25 @@ async def test_a_hook_that_starts_a_background_server_and_exits_0_succeeds_at_on
 def result_pgid(result) -> int:
     """The hook's session id: run_command starts each tool in a new session led by its PID."""
     return result.pid
+
+
+async def test_a_hook_still_running_at_shutdown_is_ended_not_left_behind(tmp_path):
+    """Measured: `yes`-style notify hooks outlived the daemon that started them. A clean stop
+    gives hooks a moment, then ends their process groups."""
+    import os
+
+    from mlxwatch.watchdog.notify import Notifier
+
+    pid_file = tmp_path / "hook.pid"
+    hook = ["/bin/sh", "-c", f"echo $$ > {pid_file}; exec sleep 300"]
+    notifier = Notifier(hook)
+    notifier.fire("verdict", {})
+    for _ in range(200):
+        if pid_file.exists() and pid_file.read_text().strip():
+            break
+        await asyncio.sleep(0.05)
+    pid = int(pid_file.read_text())
+    await notifier.drain(timeout=0.5)
+    await asyncio.sleep(0.1)
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)

@@ -142,9 +142,16 @@ class InstanceWatcher:
                 self._say(await asyncio.to_thread(self.tracker.prime))
                 self._save()
                 await self._sleep(random.uniform(0, min(self.inst.probe.interval, 5.0)))  # spread instances out
+                loop = asyncio.get_running_loop()
                 while not self.stop.is_set():
+                    started, was_healthy = loop.time(), self.detect.state == policy.HEALTHY
                     await self.cycle()
-                    await self._sleep_watching_shim(self.next_delay() * random.uniform(0.9, 1.1))
+                    delay = self.next_delay() * random.uniform(0.9, 1.1)
+                    if was_healthy and self.detect.state == policy.HEALTHY:
+                        # On schedule: a healthy instance's interval runs from probe start to probe
+                        # start, so a probe's own duration does not stretch it.
+                        delay = max(0.0, started + delay - loop.time())
+                    await self._sleep_watching_shim(delay)
             finally:
                 await self._end_linger()
                 self.client = None

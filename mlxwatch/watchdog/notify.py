@@ -37,6 +37,9 @@ async def run_notify(argv: Sequence[str], event: str, payload: dict[str, Any], t
         await end_process(proc, ((signal.SIGKILL, 5.0),))
         log.warning("notify hook %s timed out after %gs for %s; killed", argv[0], timeout, event)
         return False
+    except asyncio.CancelledError:  # the daemon is stopping: it leaves no hook running behind it
+        await end_process(proc, ((signal.SIGKILL, 5.0),))
+        raise
     if proc.returncode != 0:
         log.warning("notify hook %s exited %s for %s: %s", argv[0], proc.returncode, event,
                     err.data.decode(errors="replace").strip()[-200:])
@@ -59,5 +62,10 @@ class Notifier:
         task.add_done_callback(self.tasks.discard)
 
     async def drain(self, timeout: float = 5.0) -> None:
+        """Give running hooks ``timeout`` seconds, then end the rest (their process groups)."""
         if self.tasks:
-            await asyncio.wait(list(self.tasks), timeout=timeout)
+            _, pending = await asyncio.wait(list(self.tasks), timeout=timeout)
+            for task in pending:
+                log.warning("notify hook still running at shutdown; ended")
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
