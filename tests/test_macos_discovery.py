@@ -20,6 +20,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+import psutil
 import pytest
 
 from mlxwatch import launchctl
@@ -134,12 +135,16 @@ def test_a_process_the_job_started_may_be_the_listener(procs, tmp_path, monkeypa
                      "import subprocess, sys; subprocess.run([sys.executable, '-m', 'mlxwatch.lab.standin', "
                      f"'--ports', '{port}-{port}'])"])
     url = f"http://127.0.0.1:{port}"
-    wait_listening(url)
-    monkeypatch.setattr(launchctl, "runner", Launchd("dev.mysql", None, wrapper.pid))
-    found = lookup_server(url, launchd_label="dev.mysql")
-    assert found.identity is not None and found.identity.pid != wrapper.pid
-    assert "mlxwatch.lab.standin" in found.identity.cmdline
-    assert found.log == Path("/opt/boxen/log/mysql/console.log")  # no readable plist: print's stderr path
+    try:
+        wait_listening(url)
+        monkeypatch.setattr(launchctl, "runner", Launchd("dev.mysql", None, wrapper.pid))
+        found = lookup_server(url, launchd_label="dev.mysql")
+        assert found.identity is not None and found.identity.pid != wrapper.pid
+        assert "mlxwatch.lab.standin" in found.identity.cmdline
+        assert found.log == Path("/opt/boxen/log/mysql/console.log")  # no readable plist: print's stderr path
+    finally:  # the wrapper's child is ours too (the fixture ends only the wrapper): end it by its PID
+        for child in psutil.Process(wrapper.pid).children(recursive=True):
+            child.kill()
 
 
 def test_a_labels_pid_that_does_not_listen_there_is_reported_never_proven(procs, tmp_path, monkeypatch, user_501):
