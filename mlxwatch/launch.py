@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NoReturn
 
+import psutil
+
 from mlxwatch.errors import UsageError
 from mlxwatch.shim import layout
 
@@ -160,23 +162,13 @@ def clean_runtime_dir(directory: str, own_pid: int, now: float | None = None) ->
         path = os.path.join(directory, entry)
         try:
             if pid != own_pid:
-                if _alive(pid) or now - os.lstat(path).st_mtime < layout.KEEP_DEAD_SECONDS:
+                if psutil.pid_exists(pid) or now - os.lstat(path).st_mtime < layout.KEEP_DEAD_SECONDS:
                     continue
             os.unlink(path)
             removed += 1
         except OSError:
             continue
     return removed
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def launch(command: list[str], *, name: str | None = None, exit_on_thread_death: bool = False) -> NoReturn:

@@ -42,6 +42,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import psutil
+
 SAMPLE = "sample"  # /usr/bin, on every PATH launchd gives
 SPINDUMP = "/usr/sbin/spindump"  # absolute: what a sudoers rule names
 SAMPLE_SECONDS = 5
@@ -245,23 +247,13 @@ def recent_crash_reports(pid: int | None, since: float, dirs: tuple[str, ...] = 
     When the process is gone (``alive`` False, or found so) and no report names it yet, the
     search is repeated for up to ``settle`` seconds: ReportCrash writes after the death."""
     if alive is None:
-        alive = pid is None or _alive(pid)
+        alive = pid is None or psutil.pid_exists(pid)
     deadline = time.monotonic() + (0.0 if alive else settle)
     while True:
         found = _scan_reports(pid, since, dirs)
         if found or time.monotonic() >= deadline:
             return found[:limit]
         time.sleep(0.5)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _scan_reports(pid: int | None, since: float, dirs: tuple[str, ...]) -> list[Path]:
