@@ -23,6 +23,7 @@ import pytest
 
 from mlxwatch.capture import CaptureRequest, capture_bundle, export_bundle
 from mlxwatch.lab.server import LabServer
+from mlxwatch.lab.clients import retry_every
 
 CEILING = 30.0
 
@@ -77,21 +78,6 @@ DEFAULTS_TARGET = 8.0  # issue 7: a bundle of a hung server in <= 8 s with the d
 LOADED_SLACK = 3.0  # for a loaded 2-core machine shared with other jobs
 
 
-def _retry_every(url: str, period: float, stop: threading.Event) -> None:
-    """A client that gives up after 1.5 s and retries every ``period`` s (each try is admitted)."""
-    body = {"messages": [{"role": "user", "content": "are you there?"}], "max_tokens": 4, "stream": True}
-    while not stop.is_set():
-        started = time.monotonic()
-        try:
-            with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, trust_env=False,
-                              timeout=httpx.Timeout(1.5)) as response:
-                for _ in response.iter_raw():
-                    pass
-        except httpx.HTTPError:
-            pass
-        stop.wait(max(0.0, period - (time.monotonic() - started)))
-
-
 def test_livelock_capture_with_defaults_is_fast_and_not_fooled_by_admissions(lab, tmp_path):
     """Default settings (3 snapshots 2 s apart, first-token limit 10 s) on a livelocked server
     that a client keeps retrying every 2 s: the bundle is done within the 8 s target (asserted
@@ -101,7 +87,7 @@ def test_livelock_capture_with_defaults_is_fast_and_not_fooled_by_admissions(lab
 
     trigger(lab, "spin")
     stop = threading.Event()
-    retrier = threading.Thread(target=_retry_every, args=(lab.url, 2.0, stop), daemon=True)
+    retrier = threading.Thread(target=retry_every, args=(lab.url, 2.0, stop), daemon=True)
     retrier.start()
 
     async def run():

@@ -10,7 +10,6 @@ import io
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 import tarfile
@@ -24,14 +23,9 @@ from mlxwatch import cli
 from mlxwatch.capture.bundle import BundleWriter, bundle_entries
 from mlxwatch.capture.export import export_bundle, read_archive
 from mlxwatch.config import CaptureConfig, ProbeConfig
+from mlxwatch.lab.server import free_port  # a loopback port free a moment ago
 
 ROOT = Path(__file__).parent.parent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(autouse=True)

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,12 +19,7 @@ from rich.console import Console
 
 from mlxwatch import cli
 from mlxwatch.config import load_config
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from mlxwatch.lab.server import free_port  # a loopback port free a moment ago
 
 
 @pytest.fixture(autouse=True)

@@ -13,7 +13,6 @@ import json
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -31,15 +30,10 @@ from mlxwatch.watchdog.journal import Journal
 from mlxwatch.watchdog.restart import RestartContext, restart
 from mlxwatch.watchdog.state import StateFile
 from mlxwatch.watchdog.status import collect_status, render_status
+from mlxwatch.lab.server import free_port  # a loopback port free a moment ago
 
 FAST = ProbeConfig(interval=0.2, suspect_interval=0.1, first_token_timeout=0.5, timeout=1.0, failures=1,
                    endpoint_timeout=0.3, startup_timeout=30.0)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def config(state_dir: Path, url: str, restart: RestartConfig = RestartConfig(), probe: ProbeConfig = FAST,

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,12 +18,7 @@ from pathlib import Path
 import psutil
 
 from mlxwatch.watchdog.journal import Journal
-
-
-def closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from mlxwatch.lab.server import free_port as closed_port  # a loopback port free a moment ago
 
 
 def write_config(tmp_path: Path, restart: str, extra: str = "", budget: int = 2) -> Path:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import socket
 import subprocess
 import time
 from pathlib import Path
@@ -26,6 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from mlxwatch.config import CaptureConfig, Config, InstanceConfig, MetricsConfig
 from mlxwatch.metrics import Metrics, MetricsExporter
 from mlxwatch.watchdog.journal import Incident
+from mlxwatch.lab.server import free_port  # a loopback port free a moment ago
 
 ROOT = Path(__file__).parent.parent
 DOCS = ROOT / "docs"
@@ -157,12 +157,6 @@ def test_alertmanager_example_passes_amtool():
 
 
 # --- the textfile through a real node_exporter
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_node_exporter_serves_the_textfile(tmp_path):

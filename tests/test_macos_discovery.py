@@ -32,15 +32,10 @@ from mlxwatch.process import lookup_server
 from mlxwatch.watchdog.daemon import Daemon
 from mlxwatch.watchdog.journal import Journal
 from mlxwatch.watchdog.restart import restart
+from mlxwatch.lab.server import free_port  # a loopback port free a moment ago
 
 DATA = Path(__file__).parent / "data"
 RECORDED = (DATA / "launchctl-print-boxen-104.txt").read_text().split("# ----- output below, as quoted -----\n", 1)[1]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture

@@ -22,12 +22,7 @@ from mlxwatch.watchdog.daemon import Daemon
 from mlxwatch.watchdog.journal import Incident, Journal
 from mlxwatch.watchdog.policy import STATES
 from mlxwatch.watchdog.state import StateFile
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from mlxwatch.lab.server import free_port  # a loopback port free a moment ago
 
 
 def samples(text: str | bytes) -> dict[tuple, float]:

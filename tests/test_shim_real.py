@@ -23,6 +23,7 @@ from mlxwatch.shim import layout
 from mlxwatch.watchdog.daemon import Daemon
 from mlxwatch.watchdog.journal import Journal
 from mlxwatch.watchdog.shimwatch import POLL
+from mlxwatch.lab.clients import retry_every
 
 _servers: dict[str, LabServer] = {}
 
@@ -134,20 +135,6 @@ def test_heartbeat_advances_under_load_shows_a_livelock_and_freezes_when_blocked
     assert after.steps == frozen.steps and after.tokens == frozen.tokens and not after.stale
 
 
-def _retry_every(url: str, period: float, stop: threading.Event) -> None:
-    body = {"messages": [{"role": "user", "content": "are you there?"}], "max_tokens": 4, "stream": True}
-    while not stop.is_set():
-        started = time.monotonic()
-        try:
-            with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, trust_env=False,
-                              timeout=httpx.Timeout(1.5)) as response:
-                for _ in response.iter_raw():
-                    pass
-        except httpx.HTTPError:
-            pass
-        stop.wait(max(0.0, period - (time.monotonic() - started)))
-
-
 STALL, FIRST, TOTAL, INTERVAL = 6.0, 3.0, 5.0, 30.0
 # the stall is seen at the first heartbeat read after STALL (POLL apart), then one probe (FIRST),
 # then the capture starts; slack for a loaded 2-core machine
@@ -174,7 +161,7 @@ async def test_a_livelock_with_a_retrying_client_is_found_within_stall_timeout_p
         await asyncio.sleep(1.0)  # the watcher is now waiting out its 30 s interval, reading the heartbeat
         switched = time.time()
         shim_lab.set_fault("spin")
-        threading.Thread(target=_retry_every, args=(shim_lab.url, 2.0, retry_stop), daemon=True).start()
+        threading.Thread(target=retry_every, args=(shim_lab.url, 2.0, retry_stop), daemon=True).start()
         while not any(r["event"] == "captured" for r in journal.records()):
             assert time.monotonic() < deadline, [r["event"] for r in journal.records()]
             await asyncio.sleep(0.2)
