@@ -39,6 +39,15 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         metafunc.parametrize("server_python", SERVER_PYTHONS, ids=[f"mlx-lm-{v}" for v in ids], scope="session")
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tiers by what a test needs, not by which file it sits in: a test that asks for a real
+    server (``server_python``/``lab``) is ``real_server``. The fast tier is ``-m "not real_server"``."""
+    for item in items:
+        names = getattr(item, "fixturenames", ())
+        if "server_python" in names or "lab" in names or item.get_closest_marker("real_server"):
+            item.add_marker(pytest.mark.real_server)
+
+
 _servers: dict[str, LabServer] = {}
 
 

@@ -698,13 +698,13 @@ def test_check_wait_gives_up_after_the_duration(capsys):
     assert 1.5 <= data["waited"]["seconds"] and elapsed < 30
 
 
-# --- the README's notify examples work as written
+# --- the documented notify examples (docs/commands.md) work as written
 
 
 def _readme_notify_examples() -> dict[str, list[str]]:
     import yaml
 
-    text = (ROOT / "README.md").read_text().split("### Notifications (`notify`)", 1)[1]
+    text = (ROOT / "docs" / "commands.md").read_text().split("## Notifications (`notify`)", 1)[1]
     block = text.split("```yaml\n", 1)[1].split("```", 1)[0]
     examples, comment = {}, None
     for line in block.splitlines():

@@ -12,6 +12,7 @@ import psutil
 import pytest
 
 
+@pytest.mark.real_server
 def test_demo_runs_the_whole_job_and_cleans_up():
     """Exit 0; the livelock is classified from its bundle; the server it started is gone."""
     pytest.importorskip("mlx_lm")

@@ -197,5 +197,6 @@ def parsed(text: str) -> dict[tuple, float]:
 
 def test_readme_links_the_fleet_page_and_documents_the_metrics():
     readme = (ROOT / "README.md").read_text()
-    assert "docs/fleet.md" in readme
-    assert "mlxwatch_instance_state" in readme and "metrics:" in readme
+    assert "docs/fleet.md" in readme and "docs/metrics.md" in readme
+    metrics = (ROOT / "docs" / "metrics.md").read_text()
+    assert "mlxwatch_instance_state" in metrics and "metrics:" in metrics

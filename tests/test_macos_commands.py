@@ -193,11 +193,11 @@ def test_bad_restart_uid_is_one_line_exit_2(config_file, capsys, text, message):
     assert capsys.readouterr().err.strip() == f"mlxwatch: {path}: {message}"
 
 
-# --- the README's sudoers rule allows exactly the spindump argv mlxwatch runs
+# --- the documented sudoers rule (docs/launchd.md) allows exactly the spindump argv mlxwatch runs
 
 
 def _sudoers_spindump_entries() -> list[str]:
-    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    readme = (Path(__file__).parent.parent / "docs" / "launchd.md").read_text()
     block = readme.split("Cmnd_Alias MLXWATCH_SPINDUMP = \\\n", 1)[1].split("\nyouruser ALL", 1)[0]
     return [line.strip().rstrip("\\").strip().rstrip(",") for line in block.splitlines()]
 
