@@ -102,11 +102,15 @@ class InstanceWatcher:
                 self.identity = ProcessIdentity.from_dict(server)  # proven again (alive) before any use
             except (KeyError, TypeError, ValueError, IndexError):
                 self.identity = None
-        self.tracker = ProgressTracker(self.inst.log)
+        self.tracker = ProgressTracker(self.inst.log, writer_pid=self._server_pid)
 
     @property
     def name(self) -> str:
         return self.inst.name
+
+    def _server_pid(self) -> int | None:
+        """The recorded server's PID, for the log follower: does it still write a rotated log?"""
+        return self.identity.pid if self.identity is not None else None
 
     def _lookup(self) -> ServerLookup:
         """``lookup_fn`` for this instance (blocking: run it in a thread). An instance restarted by
@@ -119,7 +123,7 @@ class InstanceWatcher:
                                       launchd_domain=r.domain, launchd_uid=r.uid)
         if self.inst.log is None and found.log is not None and found.log != self.tracker.log:
             log.info("%s: following %s (the launchd job's log)", self.name, found.log)
-            self.tracker = ProgressTracker(found.log)
+            self.tracker = ProgressTracker(found.log, writer_pid=self._server_pid)
             self.tracker.prime()
         return found
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 from mlxwatch.logfollow import LogFollower
 from mlxwatch.probes import CheckReport
@@ -38,12 +39,13 @@ class Progress:
 @dataclass
 class ProgressTracker:
     log: Path | None
+    writer_pid: Callable[[], int | None] | None = None  # the server's PID, if known: is it still on a rotated log?
     follower: LogFollower | None = field(init=False, default=None)
     last_x: dict[int, int] = field(default_factory=dict)  # prompt total Y -> highest X seen
     probe_totals: set[int] = field(default_factory=set)
 
     def __post_init__(self) -> None:
-        self.follower = LogFollower(self.log) if self.log else None
+        self.follower = LogFollower(self.log, writer_pid=self.writer_pid) if self.log else None
 
     def prime(self) -> str | None:
         """Start from the log's current end (blocking I/O: call it from a thread)."""
@@ -63,9 +65,8 @@ class ProgressTracker:
             chunk = self.follower.read_new()
             if chunk.error:
                 notes.append(f"log not followed: {chunk.error}")
-            if chunk.event:
-                notes.append(f"log {chunk.event}: following it from its start")
-                self.last_x.clear()
+            if chunk.event:  # lines come in order across files: what was seen per prompt still holds
+                notes.append(f"log {chunk.event}: {chunk.detail}")
             if chunk.skipped_bytes:
                 notes.append(f"log grew by {chunk.skipped_bytes} bytes more than one read takes; read its newest part")
             advanced = self._advanced(chunk.lines)
