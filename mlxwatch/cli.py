@@ -24,7 +24,7 @@ from mlxwatch import __version__
 from mlxwatch.config import (
     MAX_COUNT, CaptureConfig, Config, InstanceConfig, ProbeConfig, load_config, resolve_config_path,
 )
-from mlxwatch.durations import format_duration, parse_duration
+from mlxwatch.durations import DURATION_FORM, NOT_A_DURATION, format_duration, parse_duration
 from mlxwatch.errors import ConfigError, MlxwatchError, ProcessGoneError, StateError, UsageError
 
 EXIT_OK, EXIT_UNHEALTHY, EXIT_USAGE = 0, 1, 2
@@ -45,13 +45,14 @@ def _human_duration(seconds: float) -> str:
 
 
 def _duration_arg(text: str) -> float:
+    """A positive duration, refused in the words the config file uses (``-5s`` is not a duration)."""
     try:
         seconds = parse_duration(text)
     except ValueError as exc:
-        why = "not a duration" if str(exc) == "not a duration" else str(exc)
-        raise argparse.ArgumentTypeError(f"{why}: {text!r} (try 30, 30s, 5m)") from None
+        why = DURATION_FORM if str(exc) == NOT_A_DURATION else str(exc)
+        raise argparse.ArgumentTypeError(f"{why} (got {text!r})") from None
     if seconds <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive duration: {text!r} (try 30, 30s, 5m)")
+        raise argparse.ArgumentTypeError(f"must be a positive duration (got {text!r})")
     return seconds
 
 
@@ -96,7 +97,8 @@ def _leaf(sub: Any, name: str, help: str, description: str | None = None) -> arg
     return parser
 
 
-CONFIG_HELP = "config file (default: $MLXWATCH_CONFIG, else ~/.config/mlxwatch/config.yaml)"
+CONFIG_DEFAULT = "$MLXWATCH_CONFIG, else ~/.config/mlxwatch/config.yaml"
+CONFIG_HELP = f"config file (default: {CONFIG_DEFAULT})"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -262,24 +264,58 @@ def _load(args: argparse.Namespace, path: str | None = None) -> Config:
 
 
 def _out_target(text: str, command: str) -> tuple[Path | None, Path | None]:
-    """``--out`` means the same for every command: an existing directory, or a new file whose
-    name ends in ``.tar.gz`` in an existing directory. Returns (directory, archive)."""
+    """``--out`` means the same for every command: a directory, or a new file whose name ends in
+    ``.tar.gz``. A missing directory (the archive's too) is made with its parents, like
+    ``mkdir -p``, by ``_make_out_dir`` once the command is sure to write; here it is only checked
+    that it can be. Returns (directory, archive): one of them."""
     path = Path(text).expanduser()
     if path.name.endswith(".tar.gz"):
-        if path.exists():
+        if path.exists() or path.is_symlink():
             raise UsageError(f"{command}: --out {path} exists; not overwriting (give a new name)")
-        if not path.parent.is_dir():
-            raise UsageError(f"{command}: --out {path}: no such directory {path.parent} (create it first)")
+        _check_out_dir(path.parent, command, path)
         return None, path
-    if path.is_dir():
-        return path, None
-    if path.exists():
+    if path.exists() and not path.is_dir():
         raise UsageError(f"{command}: --out {path} is a file, not a directory "
                          "(give a directory, or a new file name ending in .tar.gz)")
-    if path.suffix.lower() in (".zip", ".tar", ".gz", ".tgz", ".bz2", ".xz", ".zst", ".7z"):
+    if not path.exists() and path.suffix.lower() in (".zip", ".tar", ".gz", ".tgz", ".bz2", ".xz", ".zst", ".7z"):
         raise UsageError(f"{command}: --out {path}: archives are gzip tarballs, so the name must end in .tar.gz")
-    raise UsageError(f"{command}: --out {path}: no such directory "
-                     "(create it first, or give a file name ending in .tar.gz)")
+    _check_out_dir(path, command, path)
+    return path, None
+
+
+def _check_out_dir(directory: Path, command: str, given: Path) -> None:
+    """Refuse, naming the user's ``--out``, a directory that cannot be written or made."""
+    existing = next(p for p in (directory, *directory.parents) if p.exists() or p == p.parent)
+    if not existing.is_dir():
+        raise UsageError(f"{command}: --out {given}: {existing} is not a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        what = "write in" if existing == directory else "create a directory in"
+        raise UsageError(f"{command}: --out {given}: cannot {what} {existing} (permission denied); "
+                         "give a directory you can write")
+
+
+def _make_out_dir(directory: Path, command: str, given: str) -> None:
+    """Make a missing ``--out`` directory with its parents (and say so on stderr)."""
+    if directory.is_dir():
+        return
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UsageError(f"{command}: --out {given}: cannot create {directory}: {exc.strerror or exc}") from None
+    _err().print(f"mlxwatch: {command}: created {directory}", markup=False)
+
+
+def _unwritable(exc: OSError, directory: Path, command: str, given: str | None) -> UsageError | None:
+    """An ``OSError`` from writing in ``directory`` as the user's problem: their ``--out`` (or
+    capture.dir) named, not the hidden ``.partial`` path the writer was making. None: another file."""
+    where = Path(exc.filename) if exc.filename else None
+    if where is None or not (where == directory or directory in where.parents):
+        return None
+    why = exc.strerror or str(exc)
+    if given is not None:
+        return UsageError(f"{command}: --out {given}: cannot write there: {why}; give a directory you can write")
+    return UsageError(f"{command}: cannot write a bundle in {directory}: {why} "
+                      "(set capture.dir in the config, or give --out DIR)")
 
 
 def _url_arg(command: str, text: str, field: str = "--url") -> str:
@@ -450,14 +486,32 @@ def _not_the_server(pid: int, cmdline: tuple[str, ...], url: str | None, inst: I
     return f"{what}: {found.stranger or found.detail or 'nothing listens there'}"
 
 
+def _instance_at(config: Config, pid: int, url: str | None) -> tuple[InstanceConfig | None, Path | None]:
+    """The configured instance whose server ``pid`` is, and the log its lookup found (a launchd
+    job's): the instance at ``url`` when given, else the one at an address ``pid`` listens on,
+    proven as the daemon proves its server. (None, None): no instance is this process's."""
+    from mlxwatch.process import own_listeners, url_port
+
+    if url is not None:
+        return next((i for i in config.instances if i.url == url), None), None
+    ports = {port for _, port in own_listeners(pid)}
+    for inst in config.instances:
+        if url_port(inst.url) in ports:
+            found = _lookup(inst)
+            if found.identity is not None and found.identity.pid == pid:
+                return inst, found.log
+    return None, None
+
+
 def cmd_capture(args: argparse.Namespace, out: Console) -> int:
     from mlxwatch.capture import CaptureRequest, capture_bundle, export_bundle
     from mlxwatch.process import ProcessIdentity
+    from mlxwatch.reports import CaptureProgress, render_capture
 
     config = _load_optional(args)
     inst = config.instance(args.instance) if args.instance else None
     url = _url_arg("capture", args.url) if args.url else inst.url if inst else None
-    log = _log_arg(args.log) if args.log else inst.log if inst else None
+    given_log = _log_arg(args.log) if args.log else None
     out_dir, archive = _out_target(args.out, "capture") if args.out else (None, None)
     err = _err()
     if args.pid is None:
@@ -468,51 +522,63 @@ def cmd_capture(args: argparse.Namespace, out: Console) -> int:
         if found.identity is None:
             raise ProcessGoneError(f"capture: no mlx-lm server proven for {inst.name} at {inst.url}: {found.detail} "
                                    "(give its PID to capture another process, with --force)")
-        pid, label, log = found.identity.pid, inst.name, log or found.log
+        pid, found_log, problem = found.identity.pid, found.log, None
     else:
         ident = ProcessIdentity.of(args.pid)  # a PID that does not exist: one line, exit 1
-        pid = ident.pid
+        pid, found_log = ident.pid, None
+        if inst is None:  # the config's instance at this PID's address (or --url): its name, log, probe
+            inst, found_log = _instance_at(config, pid, url)
+            if inst is not None:
+                err.print(f"mlxwatch: capture: PID {pid} is {inst.name} in {config.path}: its URL, log and "
+                          "probe settings are used", markup=False)
+                url = url or inst.url
         problem = _not_the_server(pid, ident.cmdline, url, inst)
         if problem and not args.force:
             raise UsageError(f"capture: {problem}; check the PID{' and the URL' if url else ''}, "
                              "or add --force to capture it anyway")
         if problem:
             err.print(f"mlxwatch: capture --force: {problem}; capturing it anyway", markup=False)
-        label = inst.name if inst is not None and not problem else None
+            if not args.instance:  # the instance at that URL is not this process: none of its settings
+                inst, found_log = None, None
         if url is None and not problem:
             url = _listening_url(pid, ident.cmdline)
             if url:
                 err.print(f"mlxwatch: capture: probing {url}, where PID {pid} listens", markup=False)
+    label = inst.name if inst is not None and not problem else None
+    log = given_log or (inst.log if inst else None) or found_log
     cap = config.capture
+    probe = inst.probe if inst is not None else ProbeConfig()
+    target_dir = out_dir or bundles_dir(config)
+    if args.out:
+        _make_out_dir(archive.parent if archive else target_dir, "capture", args.out)
     request = CaptureRequest(
-        pid=pid, out_dir=out_dir or bundles_dir(config), label=label, url=url, log=log,
+        pid=pid, out_dir=target_dir, label=label, url=url, log=log,
         snapshots=args.snapshots or cap.snapshots, spacing=args.spacing or cap.spacing,
         ceiling=args.ceiling or cap.ceiling, sudo=cap.sudo, log_tail_lines=cap.log_tail_lines,
         keep=cap.keep, max_bytes=cap.max_bytes, stacks=args.stacks or cap.stacks,
+        probe_first_token_timeout=min(probe.first_token_timeout, CaptureRequest.probe_first_token_timeout),
+        probe_timeout=min(probe.timeout, CaptureRequest.probe_timeout),
     )
-    if args.json:
-        bundle = asyncio.run(capture_bundle(request))
-    else:
-        from mlxwatch.reports import CaptureProgress
-
-        with CaptureProgress(out) as progress:
-            bundle = asyncio.run(capture_bundle(request, on_step=progress.update))
-            progress.finish(bundle.manifest.get("steps") or [])
-    written = export_bundle(bundle.path, archive) if archive else None
+    try:
+        if args.json:
+            bundle = asyncio.run(capture_bundle(request))
+        else:
+            with CaptureProgress(out) as progress:
+                bundle = asyncio.run(capture_bundle(request, on_step=progress.update))
+                progress.finish(bundle.manifest.get("steps") or [])
+        written = export_bundle(bundle.path, archive) if archive else None
+    except OSError as exc:  # the bundle (or archive) could not be written where the user asked
+        places = [(target_dir, args.out if out_dir else None)] + ([(archive.parent, args.out)] if archive else [])
+        refusal = next(filter(None, (_unwritable(exc, d, "capture", given) for d, given in places)), None)
+        if refusal is None:
+            raise
+        raise refusal from None
     hint = _stacks_hint(bundle.manifest, cap.sudo)
     if args.json:
         print(json.dumps({"path": str(bundle.path), "archive": str(written) if written else None,
                           **bundle.manifest}, indent=2, default=str))
     else:
-        c = bundle.classification
-        out.print(f"[bold]{c.kind}[/] ({c.confidence} confidence)")
-        for line in c.evidence:
-            out.print(f"  - {line}", markup=False)
-        for line in c.competing:
-            out.print(f"  ? {line}", markup=False)
-        out.print(str(bundle.path), markup=False, highlight=False)
-        if written:
-            out.print(f"archive: {written}", markup=False, highlight=False)
+        render_capture(bundle.classification, bundle.path, written, out)
     if hint:
         err.print(f"mlxwatch: capture: no Python stacks: {hint}", markup=False)
     return EXIT_OK
@@ -631,11 +697,19 @@ def _bundle_export(args: argparse.Namespace, out: Console) -> int:
     if not path.is_dir():
         raise BundleError(f"bundle export: {path} is not a bundle directory")
     out_dir, archive = _out_target(args.out, "bundle export") if args.out else (None, None)
+    target_dir = archive.parent if archive else out_dir
+    if target_dir is not None and not (target_dir.resolve() == path.resolve() or path.resolve() in target_dir.resolve().parents):
+        _make_out_dir(target_dir, "bundle export", args.out)  # (inside the bundle: export_bundle refuses it)
     skipped: list[str] = []
     try:
         written = export_bundle(path, archive or out_dir, redact=args.redact, on_skip=skipped.append)
     except FileExistsError as exc:
         raise UsageError(f"bundle export: {exc} (give --out a new name or another directory)") from None
+    except OSError as exc:
+        refusal = _unwritable(exc, target_dir, "bundle export", args.out) if target_dir is not None else None
+        if refusal is None:
+            raise
+        raise refusal from None
     if skipped:
         _err().print(f"mlxwatch: bundle export: {len(skipped)} file(s) listed in the manifest are missing from "
                      f"the bundle and were left out: {', '.join(skipped[:5])}", markup=False)
@@ -877,15 +951,48 @@ def _silence_stdout() -> None:
         pass
 
 
+def _options_with_values(parser: argparse.ArgumentParser) -> set[str]:
+    """Every ``--option`` of every (sub)command that takes a value."""
+    found = {o for a in parser._actions if a.nargs != 0 for o in a.option_strings if o.startswith("--")}
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                found |= _options_with_values(sub)
+    return found
+
+
+def _attach_negative_values(parser: argparse.ArgumentParser, argv: Sequence[str]) -> list[str]:
+    """``--timeout -5s`` read as ``--timeout=-5s``: argparse takes a word that starts with ``-``
+    (other than a plain negative number) for an option and would say "expected one argument"
+    instead of why -5s is refused. Nothing after ``--`` or ``launch`` (a server's command) changes."""
+    takes_value, words, out = _options_with_values(parser), list(argv), []
+    while words:
+        word = words.pop(0)
+        if word in ("--", "launch"):
+            return [*out, word, *words]
+        if word in takes_value and words and words[0][:1] == "-" and words[0][1:2].isdigit():
+            word = f"{word}={words.pop(0)}"
+        out.append(word)
+    return out
+
+
+def _refuse_empty_config(args: argparse.Namespace) -> None:
+    """``--config ""`` (an unset shell variable, often) must not fall back to the default file."""
+    for dest in ("config", "launchd_config"):
+        if getattr(args, dest, None) == "":
+            raise UsageError(f"--config is empty: give a config file, or leave --config out (then {CONFIG_DEFAULT})")
+
+
 def run(argv: Sequence[str] | None = None, out: Console | None = None) -> int:
     """Run one command and return its exit code (tests call this directly)."""
     out = out or Console(highlight=False, soft_wrap=True)
     err = _err()
     try:
         parser = build_parser()
-        args, extra = parser.parse_known_args(argv)
+        args, extra = parser.parse_known_args(_attach_negative_values(parser, sys.argv[1:] if argv is None else argv))
         if extra:  # reported by the subcommand that was given them, so its --help is the one named
             _leaf_parser(parser, args).error(f"unrecognized arguments: {' '.join(extra)}")
+        _refuse_empty_config(args)
         return COMMANDS[args.command](args, out)
     except (ConfigError, UsageError, StateError) as exc:
         err.print(f"mlxwatch: {exc}", markup=False)

@@ -10,6 +10,7 @@ _PATTERN = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$")
 
 MAX_DURATION = 365 * 86400.0  # a year: longer is a typo, and too long for some timers
 NOT_A_DURATION = "not a duration"
+DURATION_FORM = "must be a duration such as 30, 30s, 5m or 1h"  # what a person is told for NOT_A_DURATION
 NOT_FINITE = "must be a finite duration"
 TOO_LONG = "must be at most 365d"
 

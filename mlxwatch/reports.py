@@ -1,8 +1,13 @@
-"""Rendering results for people (rich). The JSON forms live on the results themselves."""
+"""Rendering results for people (rich). The JSON forms live on the results themselves.
+
+On a terminal every line fits the console's width: long values wrap (a reason or a path is
+never cut, only folded); piped (``| grep``, a log file) every line stays whole, as ``status`` does.
+"""
 
 from __future__ import annotations
 
 from datetime import datetime
+from pathlib import Path
 
 from rich.console import Console
 from rich.live import Live
@@ -10,11 +15,47 @@ from rich.table import Table
 from rich.text import Text
 
 from mlxwatch.durations import format_duration
+from mlxwatch.capture.classify import Classification
 from mlxwatch.probes import CheckReport
+
+
+PIPED_WIDTH = 10**6  # no line is cut or wrapped when the reader is not a terminal
 
 
 def _secs(value: float | None) -> str:
     return "-" if value is None else format_duration(value)
+
+
+def _width(console: Console) -> int | None:
+    """The width to render at: the terminal's (None: the console's own), else unlimited."""
+    return None if console.is_terminal else PIPED_WIDTH
+
+
+def _print_table(console: Console, table: Table) -> None:
+    # soft_wrap=False: with the console's soft wrap on, rich pads a table past the terminal's width
+    console.print(table, soft_wrap=False, width=_width(console))
+
+
+def say(console: Console, text: str | Text) -> None:
+    """One logical line: wrapped at a terminal's width, whole when piped. A ``str`` is plain text."""
+    line = Text(text) if isinstance(text, str) else text
+    console.print(line, soft_wrap=not console.is_terminal)
+
+
+def _bullets(console: Console, mark: str, lines: list[str]) -> None:
+    """``  - line`` items; on a terminal a long one wraps under its own text, not under the mark."""
+    if not lines:
+        return
+    if not console.is_terminal:
+        for line in lines:
+            say(console, f"  {mark} {line}")
+        return
+    grid = Table(show_header=False, box=None, padding=(0, 0, 0, 1), pad_edge=False)
+    grid.add_column(no_wrap=True, min_width=3)
+    grid.add_column(overflow="fold")
+    for line in lines:
+        grid.add_row(f" {mark}", line)
+    _print_table(console, grid)
 
 
 def render_check(report: CheckReport, console: Console, waited: tuple[float, int] | None = None) -> None:
@@ -23,12 +64,14 @@ def render_check(report: CheckReport, console: Console, waited: tuple[float, int
     ``waited``: (seconds, probes) when ``check --wait`` probed more than once."""
     gen = report.generation
     if report.healthy:
-        console.print(f"[bold green]healthy[/] {report.url}: {gen.tokens} tokens, first after {_secs(gen.ttft)}")
+        headline = Text.assemble(("healthy", "bold green"), f" {report.url}: {gen.tokens} tokens, "
+                                 f"first after {_secs(gen.ttft)}")
     else:
-        console.print(f"[bold red]unhealthy[/] {report.url}: {report.reason}", highlight=False)
+        headline = Text.assemble(("unhealthy", "bold red"), f" {report.url}: {report.reason}")
+    say(console, headline)
     table = Table(show_header=False, box=None, padding=(0, 2))
-    table.add_column(no_wrap=True, min_width=10)  # the labels never shrink; the values end in "…"
-    table.add_column(no_wrap=True, overflow="ellipsis")
+    table.add_column(no_wrap=True, min_width=10)  # the labels never shrink; long values wrap
+    table.add_column(overflow="fold")
     if waited is not None:
         seconds, probes = waited
         table.add_row("waited", f"{format_duration(seconds)}, {probes} probe{'s' if probes != 1 else ''}")
@@ -41,7 +84,18 @@ def render_check(report: CheckReport, console: Console, waited: tuple[float, int
         table.add_row("prompt", f"{len(gen.keepalives)} keepalives, last {last.processed}/{last.total}")
     table.add_row("/health", report.health.summary)
     table.add_row("/v1/models", report.models.summary)
-    console.print(table)
+    _print_table(console, table)
+
+
+def render_capture(classification: Classification, path: Path, archive: Path | None, console: Console) -> None:
+    """What a capture found: the kind first, its evidence, then where the bundle is."""
+    c = classification
+    say(console, Text.assemble((c.kind, "bold"), f" ({c.confidence} confidence)"))
+    _bullets(console, "-", list(c.evidence))
+    _bullets(console, "?", list(c.competing))
+    say(console, str(path))
+    if archive is not None:
+        say(console, f"archive: {archive}")
 
 
 class CaptureProgress:
@@ -75,6 +129,7 @@ class CaptureProgress:
     def finish(self, steps: list[dict]) -> None:
         for step in steps:
             name, outcome, error = step.get("name"), step.get("outcome") or "?", step.get("error")
+            error = " ".join(error.split()) if isinstance(error, str) else error  # an HTML body: one row
             if name is None:
                 continue
             self.states.setdefault(name, outcome)
@@ -93,8 +148,8 @@ class CaptureProgress:
 
     def __exit__(self, *exc: object) -> None:
         self.live.__exit__(*exc)
-        if exc[0] is None:
-            self.console.print(self._table())  # the final states stay on screen
+        if exc[0] is None:  # the final states stay on screen (whole lines when piped)
+            _print_table(self.console, self._table())
 
 
 def _size(n: int | None) -> str:
@@ -110,12 +165,13 @@ def _size(n: int | None) -> str:
 def render_bundle_list(root: str, entries: list[dict], console: Console) -> None:
     """One line per bundle, newest first: time, instance, kind, confidence, size, name.
 
-    Names are relative to ``root`` (printed first); ``bundle show NAME`` takes them as they are."""
+    Names are relative to ``root`` (printed first); ``bundle show NAME`` takes them as they are,
+    so a name is never cut: on a terminal too narrow for the row, it goes on a line of its own
+    below the row, and a long instance name is cut instead (the bundle's name starts with it)."""
     if not entries:
-        console.print(f"no bundles in {root}", markup=False, highlight=False)
+        say(console, f"no bundles in {root}")
         return
-    console.print(f"{len(entries)} bundle{'s' if len(entries) != 1 else ''} in {root}, newest first:",
-                  markup=False, highlight=False)
+    say(console, f"{len(entries)} bundle{'s' if len(entries) != 1 else ''} in {root}, newest first:")
     rows = []
     for e in entries:
         when = datetime.fromtimestamp(e["ts"]).strftime("%Y-%m-%d %H:%M")
@@ -123,10 +179,24 @@ def render_bundle_list(root: str, entries: list[dict], console: Console) -> None
                                  "(unreadable)" if e.get("state") == "unreadable" else "-")
         rows.append((when, e.get("instance") or "-", kind, e.get("confidence") or "-", _size(e.get("size")), e["name"]))
     widths = [max(len(r[i]) for r in rows + [HEADER]) for i in range(5)]
+    limit = console.width if console.is_terminal else PIPED_WIDTH
+    one_line = sum(widths) + 2 * 5 + max(len(r[5]) for r in rows)
+    name_below = one_line > limit
+    if name_below:  # the instance column gives way first, down to its header's width
+        widths[1] = max(len(HEADER[1]), widths[1] - max(0, sum(widths) + 2 * 4 - limit))
     for row in [HEADER, *rows]:
-        cells = [row[0].ljust(widths[0]), row[1].ljust(widths[1]), row[2].ljust(widths[2]),
-                 row[3].ljust(widths[3]), row[4].rjust(widths[4]), row[5]]
-        console.print("  ".join(cells), markup=False, highlight=False, style="bold" if row is HEADER else None)
+        cells = [_cut(row[0], widths[0]).ljust(widths[0]), _cut(row[1], widths[1]).ljust(widths[1]),
+                 row[2].ljust(widths[2]), row[3].ljust(widths[3]), row[4].rjust(widths[4])]
+        style = "bold" if row is HEADER else ""
+        if name_below:
+            say(console, Text("  ".join(cells).rstrip(), style=style))
+            say(console, Text(f"  {row[5]}", style=style))
+        else:
+            say(console, Text("  ".join([*cells, row[5]]), style=style))
+
+
+def _cut(text: str, width: int) -> str:
+    return text if len(text) <= width else text[: max(0, width - 1)] + "…"
 
 
 HEADER = ("time", "instance", "kind", "conf.", "size", "bundle")
