@@ -81,6 +81,54 @@ def read_recent(path: Path | None, max_bytes: int = RECENT_BYTES) -> str:
     return data.decode("utf-8", errors="replace")
 
 
+COMPRESSED = (".gz", ".bz2", ".xz", ".zst", ".Z", ".lz4", ".zip")
+MAX_SIBLINGS = 10_000  # directory entries looked at when finding a rotated log
+
+
+def rotated_from(path: Path) -> Path | None:
+    """The file the log was last rotated to, if one lies beside it: the most recently modified
+    regular, uncompressed file named after it (``server.log.0`` by newsyslog, ``server.log.1``
+    or ``server.log-20260705`` by logrotate), other than the log itself; None if there is none."""
+    try:
+        here = os.stat(path)
+        ident = (here.st_dev, here.st_ino)
+    except OSError:
+        ident = None
+    best: tuple[float, Path] | None = None
+    try:
+        with os.scandir(path.parent) as entries:
+            for n, entry in enumerate(entries):
+                if n >= MAX_SIBLINGS:
+                    break
+                name = entry.name
+                if len(name) <= len(path.name) + 1 or not name.startswith(path.name) \
+                        or name[len(path.name)] not in ".-_" or name.endswith(COMPRESSED):
+                    continue
+                try:
+                    st = entry.stat()
+                except OSError:
+                    continue
+                if stat.S_ISREG(st.st_mode) and (st.st_dev, st.st_ino) != ident \
+                        and (best is None or st.st_mtime > best[0]):
+                    best = (st.st_mtime, Path(entry.path))
+    except OSError:
+        return None
+    return best[1] if best else None
+
+
+def read_recent_across(path: Path, max_bytes: int = RECENT_BYTES) -> tuple[str, Path | None]:
+    """``read_recent`` across a rotation: a log shorter than ``max_bytes`` is topped up with the
+    end of the file it was last rotated to (its lines first), so a tail taken just after a
+    rotation still shows what led to it. Returns the text and the rotated file used, if any."""
+    text = read_recent(path, max_bytes)
+    room = max_bytes - len(text.encode("utf-8", errors="replace"))
+    rotated = rotated_from(path) if room > 0 else None
+    older = read_recent(rotated, room) if rotated is not None else ""
+    if not older:
+        return text, None
+    return (older if older.endswith("\n") else older + "\n") + text, rotated
+
+
 def progress_lines(text: str) -> list[tuple[int, int]]:
     """Every ``Prompt processing progress: X/Y`` in ``text``, in order."""
     return [(int(a), int(b)) for a, b in PROGRESS.findall(text)]

@@ -275,3 +275,33 @@ async def test_daemon_gives_no_verdict_while_progress_goes_on_in_the_rotated_log
             proc.kill()
             proc.wait(10)
         server.stdout.close()
+
+
+# --- capture: the bundle's log tail and window across a rotation
+
+
+async def test_the_bundles_log_tail_and_window_span_a_rotation(tmp_path):
+    """A capture just after newsyslog rotated the log: log-tail.txt holds the last lines of the
+    rotated file and then the new file's; progress the server writes to the rotated file during
+    the window counts in the window (measured on main: the tail was the new file's one line)."""
+    from mlxwatch.capture import CaptureRequest, capture_bundle
+
+    log, server = started_log(tmp_path)
+    with server:
+        for x in (2048, 3072):
+            server.write(step(x))
+        log.rename(tmp_path / "server.log.0")
+        (tmp_path / "server.log.1.bz2").write_bytes(b"BZh9 an older, compressed rotation")
+        log.write_text(TURNED_OVER)
+
+        def on_step(name: str, state: str) -> None:
+            if (name, state) == ("process", "start"):  # during the window, still to the renamed file
+                server.write(step(4096))
+
+        bundle = await capture_bundle(CaptureRequest(pid=None, out_dir=tmp_path / "bundles", log=log, snapshots=1,
+                                                     spacing=0.1, ceiling=20.0, log_tail_lines=4), on_step=on_step)
+    tail = (bundle.path / "log-tail.txt").read_text().splitlines()
+    assert tail == [step(2048).rstrip("\n"), step(3072).rstrip("\n"), step(4096).rstrip("\n"),
+                    TURNED_OVER.rstrip("\n")], tail
+    assert bundle.manifest["log_window"]["prompt_progress_advances"] == 1, bundle.manifest["log_window"]
+    assert bundle.manifest["log_window"]["last_advance"] == [4096, 25660]

@@ -50,9 +50,11 @@ from mlxwatch.capture.commands import Runner, run_command
 from mlxwatch.capture.procstats import ProcessWindow, describe_process, sample_process
 from mlxwatch.capture.summary import render_summary
 from mlxwatch.capture.versions import server_versions
+from mlxwatch.logfollow import LogFollower
 from mlxwatch.process import ProcessIdentity
 from mlxwatch.serverlog import (
-    RECENT_BYTES, SERVER_START, LogMarkers, completions_ok, open_regular, progress_lines, read_recent, scan,
+    RECENT_BYTES, SERVER_START, LogMarkers, completions_ok, open_regular, progress_lines, read_recent_across,
+    rotated_from, scan,
     since_last_start,
     tail_lines,
 )
@@ -130,7 +132,8 @@ class _Capture:
         self.probe_first_token = min(req.probe_first_token_timeout, max(PROBE_FLOOR, self.window_seconds + PROBE_MARGIN))
         self.report: Any = None
         self.lingering: asyncio.Task | None = None
-        self.log_offset: int | None = None  # the log's size when the window began
+        # The log (and the file it was last rotated to) followed from the window's start; None: not measured
+        self.log_followers: list[LogFollower] | None = None
         self.log_before: dict[int, int] = {}  # per prompt total Y, the last X logged before the window
         self.log_window_text: str | None = None  # what the log gained during the window
         self.markers: LogMarkers | None = None
@@ -197,9 +200,9 @@ async def capture_bundle(req: CaptureRequest, *, runner: Runner = run_command, o
     before: asyncio.Future | None = None
     try:
         if req.log is not None:
-            cap.log_offset = await asyncio.to_thread(_log_size, req.log)
-            if cap.log_offset is not None:  # what the log said before the window, read beside it
-                before = asyncio.ensure_future(asyncio.to_thread(_progress_before, req.log, cap.log_offset))
+            cap.log_followers = await asyncio.to_thread(_follow_log, req.log)
+            if cap.log_followers is not None:  # what the log said before the window, read beside it
+                before = asyncio.ensure_future(asyncio.to_thread(_progress_before, cap.log_followers))
         await cap.step("process", lambda rec: _process(cap, rec))
         window = [
             asyncio.ensure_future(cap.step("stacks", lambda rec: _stacks(cap, rec))),
@@ -412,11 +415,19 @@ async def _crash_reports(cap: _Capture, rec: _Step) -> None:
     await asyncio.to_thread(collect)
 
 
-def _log_size(path: Path) -> int | None:
-    try:
-        return os.stat(path).st_size
-    except OSError:
-        return None
+def _follow_log(path: Path) -> list[LogFollower] | None:
+    """The log and the file it was last rotated to (its writer may still be on it: a launchd
+    job's stderr is until the job restarts), each followed from its current end, older first;
+    None when the log cannot be followed. Rotations during the window are followed too."""
+    followers = []
+    for candidate in (rotated_from(path), path):
+        if candidate is not None:
+            follower = LogFollower(candidate, max_read=RECENT_BYTES)
+            if follower.prime() is None:
+                followers.append(follower)
+            elif candidate == path:
+                return None
+    return followers
 
 
 def _read_range(path: Path, start: int, end: int) -> str:
@@ -432,26 +443,27 @@ def _read_range(path: Path, start: int, end: int) -> str:
     return data.decode("utf-8", errors="replace")
 
 
-def _progress_before(path: Path, offset: int) -> dict[int, int]:
-    """Per prompt total Y, the last processed X the log showed before the window (current process)."""
-    text = _read_range(path, max(0, offset - RECENT_BYTES), offset)
-    text = since_last_start(text[:text.rfind("\n") + 1])  # a line still being written is not read
-    return {y: x for x, y in progress_lines(text)}
+def _progress_before(followers: list[LogFollower]) -> dict[int, int]:
+    """Per prompt total Y, the last processed X the log showed before the window (current process),
+    the rotated file's lines first."""
+    text = ""
+    for f in followers:
+        part = _read_range(f.path, max(0, f.offset - RECENT_BYTES), f.offset)
+        text += part[:part.rfind("\n") + 1]  # a line still being written is not read
+    return {y: x for x, y in progress_lines(since_last_start(text))}
 
 
-def _read_log(path: Path, offset: int | None, tail: int) -> tuple[LogMarkers, str, str | None] | None:
-    """Markers and tail of the recent log, and what it gained since ``offset`` (the window;
-    None when the log could not be measured before the window)."""
+def _read_log(path: Path, followers: list[LogFollower] | None, tail: int) -> tuple[LogMarkers, str, str | None] | None:
+    """Markers and tail of the recent log (across its last rotation), and the lines it gained
+    during the window (None when the log could not be followed from the window's start)."""
     if not path.exists():
         return None
-    text = read_recent(path)
-    size = _log_size(path)
-    if offset is None or size is None:
-        gained = None
-    elif size < offset:  # rotated or truncated during the window: all of it is new
-        gained = since_last_start(text)
-    else:
-        gained = _read_range(path, max(offset, size - RECENT_BYTES), size)
+    text, _ = read_recent_across(path)
+    gained = None
+    if followers is not None:
+        gained = "".join(line + "\n" for f in followers for line in f.read_new().lines)
+        for f in followers:
+            f.close()
     return scan(since_last_start(text)), "\n".join(tail_lines(text, tail)) + "\n", gained
 
 
@@ -459,7 +471,7 @@ async def _log(cap: _Capture, rec: _Step, before: Awaitable[dict[int, int]] | No
     if cap.req.log is None:
         rec.outcome, rec.error = "skipped", "no server log given (--log or the instance's log)"
         return
-    read = await asyncio.to_thread(_read_log, cap.req.log, cap.log_offset, cap.req.log_tail_lines)
+    read = await asyncio.to_thread(_read_log, cap.req.log, cap.log_followers, cap.req.log_tail_lines)
     if read is None:
         rec.outcome, rec.error = "failed", f"log not found: {cap.req.log}"
         return
