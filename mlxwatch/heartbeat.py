@@ -47,6 +47,7 @@ class Heartbeat:
     data: dict[str, Any]
     read_at: float
     path: str
+    read_mono: float | None = None  # time.monotonic() at reading: ages are timed on it when the shim published one
 
     # --- what was published
 
@@ -120,8 +121,18 @@ class Heartbeat:
 
     @property
     def age(self) -> float:
-        """Seconds since the shim last published."""
+        """Seconds since the shim last published: on the monotonic clock when both sides read
+        it (system-wide on Linux and macOS, so a wall-clock step makes no heartbeat stale, and
+        time asleep does not count), else on the wall clock."""
+        mono = self.data.get("published_mono")
+        if isinstance(mono, (int, float)) and not isinstance(mono, bool) and self.read_mono is not None:
+            return max(0.0, self.read_mono - mono)
         return max(0.0, self.read_at - self.published_at)
+
+    def _since(self, at: float) -> float:
+        """Seconds from the shim's wall time ``at`` to this reading: the part before publishing
+        on the shim's own clock, the rest as ``age``."""
+        return max(0.0, self.published_at - at) + self.age
 
     @property
     def stale(self) -> bool:
@@ -129,7 +140,7 @@ class Heartbeat:
 
     @property
     def since_last_token(self) -> float | None:
-        return None if self.last_token_at is None else max(0.0, self.read_at - self.last_token_at)
+        return None if self.last_token_at is None else self._since(self.last_token_at)
 
     @property
     def stalled_for(self) -> float:
@@ -138,12 +149,12 @@ class Heartbeat:
         quiet = self._num("quiet_since")
         if not self.in_flight or quiet is None:
             return 0.0
-        return max(0.0, self.read_at - quiet)
+        return self._since(quiet)
 
     @property
     def in_step_for(self) -> float | None:
         """How long the batch loop has been inside one ``BatchGenerator.next`` call."""
-        return None if self.in_step_since is None else max(0.0, self.read_at - self.in_step_since)
+        return None if self.in_step_since is None else self._since(self.in_step_since)
 
     @property
     def thread(self) -> dict[str, Any] | None:
@@ -252,7 +263,7 @@ def read(pid: int, create_time: float | None = None, directory: str | None = Non
         return None, f"no heartbeat for PID {pid} in {directory}"
     except (OSError, ShimError) as exc:
         return None, f"heartbeat unreadable: {exc}"
-    now = time.time()
+    now, now_mono = time.time(), time.monotonic()
     try:
         data = json.loads(raw)
     except ValueError as exc:
@@ -266,7 +277,7 @@ def read(pid: int, create_time: float | None = None, directory: str | None = Non
         if not isinstance(started, (int, float)) or not (
                 START_SLACK[0] <= started - create_time <= START_SLACK[1]):
             return None, f"heartbeat {path} is from an earlier process with PID {pid}"
-    return Heartbeat(pid, data, now, path), None
+    return Heartbeat(pid, data, now, path, now_mono), None
 
 
 def find(pid: int, create_time: float | None = None) -> tuple[Heartbeat | None, str | None]:

@@ -502,12 +502,14 @@ def test_a_deleted_or_misshapen_state_file_is_rebuilt_from_the_journal(tmp_path,
 
 
 def test_restart_times_from_the_future_do_not_hold_the_budget(tmp_path):
-    """A clock stepped back (or a bad state file) must not keep an instance given up for a day."""
+    """A clock stepped back (or a bad state file) must not keep an instance given up for a day:
+    read back without this boot's monotonic readings, a time from the future counts as now."""
+    from mlxwatch.clock import Clock
     from mlxwatch.watchdog.flapguard import FlapGuard
 
     now = 1_000_000.0
-    guard = FlapGuard(budget=2, window=1800, backoff=1, max_backoff=10, cooldown=3600,
-                      restarts=[now - 10, now + 86400], gave_up_at=now + 86400)
-    assert guard.forget_future(now) is True
-    assert guard.restarts == [now - 10] and guard.gave_up_at == now
-    assert guard.cooled_down(now + 3600)
+    clock = Clock(monotonic=lambda: 50.0, wall=lambda: now, boot="this-boot")
+    guard = FlapGuard(budget=2, window=1800, backoff=1, max_backoff=10, cooldown=3600)
+    assert guard.restore({"restarts": [now - 10, now + 86400], "gave_up_at": now + 86400}, clock)
+    assert [t.mono for t in guard.restarts] == [40.0, 50.0] and guard.gave_up_at.mono == 50.0
+    assert not guard.cooled_down(50.0 + 3599) and guard.cooled_down(50.0 + 3600)

@@ -18,6 +18,7 @@ from mlxwatch.probes.endpoints import EndpointResult
 from mlxwatch.probes.generation import GenerationProbeResult, Keepalive
 from mlxwatch.process import ProcessIdentity
 from mlxwatch.watchdog import policy
+from mlxwatch.clock import Stamp
 from mlxwatch.watchdog.flapguard import FlapGuard
 from mlxwatch.watchdog.journal import Incident, Journal
 from mlxwatch.watchdog.notify import run_notify
@@ -53,15 +54,16 @@ def test_progress_stopping_leads_to_a_verdict_on_the_next_failure():
 def test_flap_guard_backoff_and_budget():
     """Backoff doubles; the budget per window gives up; the window forgets; resume clears."""
     g = FlapGuard(budget=3, window=1000, backoff=10, max_backoff=25, cooldown=500)
+    at = lambda t: Stamp(mono=t, wall=1e9 + t)  # noqa: E731 - the guard times on the monotonic reading
     assert g.wait_before_restart(0) == 0
-    g.record_restart(0)
+    g.record_restart(at(0))
     assert g.wait_before_restart(4) == 6  # 10 s after the first
-    g.record_restart(10)
+    g.record_restart(at(10))
     assert g.wait_before_restart(10) == 20  # doubled
-    g.record_restart(30)
+    g.record_restart(at(30))
     assert g.exhausted(31)
     assert g.wait_before_restart(30) == 25  # capped at max_backoff
-    g.give_up(31)
+    g.give_up(at(31))
     assert not g.cooled_down(100) and g.cooled_down(531)
     assert not g.exhausted(1011)  # the first restart left the window
     g.resume()

@@ -393,6 +393,7 @@ class Agent:
             "pid": self.pid,
             "started_at": self.started_at,
             "published_at": now,
+            "published_mono": time.monotonic(),  # the reader times the heartbeat's age on it (not the wall clock)
             "seq": self.seq,
             "interval": layout.INTERVAL,
             "name": self.name,

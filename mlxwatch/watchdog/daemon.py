@@ -143,7 +143,8 @@ class Daemon:
         watcher = self.watchers.get(rec.get("instance"))
         at = rec.get("ts")  # the restart was running at this record (its own time is journaled only once it ends)
         if watcher is not None and rec.get("state") in ("restarting", "recovering") and isinstance(at, (int, float)):
-            watcher.restarted_at, watcher.restart_in_flight = float(at), True
+            # A wall time from another run: its age, clamped at zero, on this run's monotonic clock.
+            watcher.restarted_at, watcher.restart_in_flight = self.shared.clock.mono_of(float(at)), True
 
     async def _shutdown(self, writer: asyncio.Task) -> None:
         for watcher in self.watchers.values():

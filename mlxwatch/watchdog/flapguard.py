@@ -3,12 +3,21 @@
 Like systemd's StartLimitBurst or monit's "N restarts within M cycles": at most ``budget``
 restarts in ``window`` seconds, each after ``backoff * 2**(n-1)`` seconds (capped) since the
 previous one; past the budget the instance is given up until ``cooldown`` passes or a person
-resumes it. Pure: callers pass ``now`` (epoch seconds), so tests need no clock.
+resumes it. Pure: callers pass ``now``, a monotonic reading (``mlxwatch.clock``), so a wall
+clock step bends no backoff, window or cooldown, and tests need no sleep.
+
+Each restart and the gave-up time are kept as a ``Stamp`` (monotonic and wall readings): the
+wall times go to records (the state file, status, metrics); ``saved`` adds the monotonic ones
+and the boot identity, and ``restore`` reads them back by ``Clock.restore``'s rule, so the
+budget and the cooldown survive a daemon restart and a clock step alike.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from mlxwatch.clock import Clock, Stamp
 
 
 @dataclass
@@ -18,11 +27,11 @@ class FlapGuard:
     backoff: float
     max_backoff: float
     cooldown: float
-    restarts: list[float] = field(default_factory=list)
-    gave_up_at: float | None = None
+    restarts: list[Stamp] = field(default_factory=list)
+    gave_up_at: Stamp | None = None
 
-    def _recent(self, now: float) -> list[float]:
-        return [t for t in self.restarts if now - t < self.window]
+    def _recent(self, now: float) -> list[Stamp]:
+        return [t for t in self.restarts if now - t.mono < self.window]
 
     def exhausted(self, now: float) -> bool:
         return len(self._recent(now)) >= self.budget
@@ -33,32 +42,62 @@ class FlapGuard:
         if not recent:
             return 0.0
         delay = min(self.max_backoff, self.backoff * 2 ** (len(recent) - 1))
-        return max(0.0, recent[-1] + delay - now)
+        return max(0.0, recent[-1].mono + delay - now)
 
-    def record_restart(self, now: float) -> None:
-        self.restarts = self._recent(now) + [now]
+    def record_restart(self, at: Stamp) -> None:
+        self.restarts = self._recent(at.mono) + [at]
 
-    def give_up(self, now: float) -> None:
-        self.gave_up_at = now
+    def give_up(self, at: Stamp) -> None:
+        self.gave_up_at = at
 
     def cooled_down(self, now: float) -> bool:
-        return self.gave_up_at is not None and now - self.gave_up_at >= self.cooldown
+        return self.gave_up_at is not None and now - self.gave_up_at.mono >= self.cooldown
 
     def resume(self) -> None:
         """A person (``mlxwatch resume``) or the cool-down clears the slate."""
         self.restarts = []
         self.gave_up_at = None
 
-    def forget_future(self, now: float, slack: float = 60.0) -> bool:
-        """Times later than ``now`` (the clock stepped back, or a bad state file) would hold the
-        budget spent, or the instance given up, for as long as the step: restart times from the
-        future are dropped and a future gave-up time becomes ``now``. True if anything changed."""
-        restarts = [t for t in self.restarts if t <= now + slack]
-        changed = len(restarts) != len(self.restarts)
-        self.restarts = restarts
-        if self.gave_up_at is not None and self.gave_up_at > now + slack:
-            self.gave_up_at, changed = now, True
-        return changed
-
     def restarts_in_window(self, now: float) -> int:
         return len(self._recent(now))
+
+    def saved(self, clock: Clock) -> dict[str, Any]:
+        """The state file's fields: ``restarts`` and ``gave_up_at`` as wall times (records, read
+        by status and the metrics), ``monotonic`` the same moments on this boot's clock."""
+        return {
+            "restarts": [t.wall for t in self.restarts],
+            "gave_up_at": self.gave_up_at.wall if self.gave_up_at else None,
+            "monotonic": {"boot": clock.boot, "restarts": [t.mono for t in self.restarts],
+                          "gave_up_at": self.gave_up_at.mono if self.gave_up_at else None},
+        }
+
+    def restore(self, saved: Mapping[str, Any], clock: Clock) -> list[str]:
+        """Take back what ``saved`` wrote (or a record rebuilt from the journal: wall times only).
+
+        On the boot that saved them the monotonic readings are exact; otherwise each wall time
+        counts from now minus its age, the age clamped at zero (``Clock.restore``): a clock
+        stepped back, or a bad file, can hold a restart in the window for at most ``window`` and
+        the instance given up for at most ``cooldown``. Returns what is worth a warning."""
+        walls = [float(t) for t in saved.get("restarts") or [] if _number(t)]
+        mono = saved.get("monotonic") if isinstance(saved.get("monotonic"), Mapping) else {}
+        boot = mono.get("boot") if isinstance(mono.get("boot"), str) else None
+        monos = [float(t) for t in mono.get("restarts") or [] if _number(t)]
+        if len(monos) != len(walls):
+            monos, boot = [], None  # not one list for the other: trust neither pairing
+        notes = []
+        now_wall = clock.wall()
+        if boot != clock.boot and any(w > now_wall for w in walls + [saved.get("gave_up_at") or 0.0] if _number(w)):
+            notes.append("times later than now in the state file (the clock stepped back?) count as now")
+        self.restarts = sorted((Stamp(clock.restore(w, monos[i] if monos else None, boot), w)
+                                for i, w in enumerate(walls)), key=lambda t: t.mono)
+        gave_up = saved.get("gave_up_at")
+        if _number(gave_up):
+            gave_up_mono = mono.get("gave_up_at") if _number(mono.get("gave_up_at")) else None
+            self.gave_up_at = Stamp(clock.restore(float(gave_up), gave_up_mono, boot), float(gave_up))
+        else:
+            self.gave_up_at = None
+        return notes
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)

@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Awaitable, Callable
@@ -26,6 +25,7 @@ from typing import Awaitable, Callable
 import httpx
 
 from mlxwatch import heartbeat
+from mlxwatch.clock import Clock, Stamp
 from mlxwatch.capture import Bundle, CaptureRequest, capture_bundle
 from mlxwatch.config import CaptureConfig, InstanceConfig
 from mlxwatch.errors import MlxwatchError
@@ -50,7 +50,9 @@ KEPT_FAILED_REPORTS = 20
 @dataclass
 class Shared:
     """What all watchers share. The daemon swaps ``notifier``, ``capture`` and ``bundles_dir``
-    in place on a reload, so a changed top-level setting reaches every watcher at once."""
+    in place on a reload, so a changed top-level setting reaches every watcher at once.
+    ``clock``: its monotonic readings time every duration (backoff, window, cooldown, grace,
+    startup, the shim's re-reads), its wall readings go to records only (``mlxwatch.clock``)."""
 
     journal: Journal
     state: StateFile
@@ -62,7 +64,7 @@ class Shared:
     restart_fn: Callable[[RestartContext], Awaitable[RestartOutcome]] = restart
     lookup_fn: Callable[[str, Path | None], ServerLookup] = lookup_server  # blocking; run in a thread
     make_client: Callable[[], httpx.AsyncClient] = make_client
-    clock: Callable[[], float] = time.time
+    clock: Clock = field(default_factory=Clock)
 
 
 @dataclass
@@ -77,7 +79,9 @@ class InstanceWatcher:
     incident: Incident | None = None
     failed_reports: list[CheckReport] = field(default_factory=list)
     seen_healthy: bool = False  # since the daemon started or the last restart
-    restarted_at: float | None = None
+    restarted_at: float | None = None  # monotonic
+    incident_began: float | None = None  # the open incident's first failure (monotonic)
+    loading_seen: tuple[tuple[int, float], float] | None = None  # a loading process and when first seen (monotonic)
     restart_in_flight: bool = False  # a stopped daemon left a restart running: its hook may still be at work
     lingering: asyncio.Task | None = None  # the last failed probe's stream, still being read
     client: httpx.AsyncClient | None = None
@@ -88,12 +92,9 @@ class InstanceWatcher:
         p, r = self.inst.probe, self.inst.restart
         self.detect = policy.Detection(p.failures, p.grace_ceiling)
         saved = self.shared.state.instance(self.inst.name)
-        self.guard = FlapGuard(r.budget, r.window, r.backoff, r.max_backoff, r.cooldown,
-                               restarts=[float(t) for t in saved.get("restarts") or [] if isinstance(t, (int, float))],
-                               gave_up_at=saved.get("gave_up_at") if isinstance(saved.get("gave_up_at"), (int, float)) else None)
-        if self.guard.forget_future(self.shared.clock()):
-            log.warning("%s: restart times later than now in the state file (the clock stepped back?): "
-                        "dropped", self.inst.name)
+        self.guard = FlapGuard(r.budget, r.window, r.backoff, r.max_backoff, r.cooldown)
+        for note in self.guard.restore(saved, self.shared.clock):  # budget and cooldown outlive the daemon
+            log.warning("%s: %s", self.inst.name, note)
         if self.guard.gave_up_at is not None:
             self.detect.state = policy.GAVE_UP
         server = saved.get("server")
@@ -203,14 +204,14 @@ class InstanceWatcher:
             await asyncio.gather(task, return_exceptions=True)
 
     async def cycle(self) -> None:
-        now = self.shared.clock()
+        now = self.shared.clock.monotonic()
         if take_resume(self.shared.state_dir, self.name):
             self._resume("resumed by `mlxwatch resume`")
         elif self.detect.state == policy.GAVE_UP and self.guard.cooled_down(now):
             self._resume(f"cool-down of {self.inst.restart.cooldown:g}s passed")
         report = await self.probe()
-        now = self.shared.clock()
-        self.shared.state.update(self.name, quiet=True, last_probe=_probe_summary(report, now))
+        now = self.shared.clock.monotonic()
+        self.shared.state.update(self.name, quiet=True, last_probe=_probe_summary(report, self.shared.clock.wall()))
         if report.healthy:
             await self._healthy(report, now)
             return
@@ -240,17 +241,26 @@ class InstanceWatcher:
             self._say(f"{found.stranger}: not this instance's server; it will not be touched")
         proc = found.identity or found.loading
         if proc is None:
-            if self.restart_in_flight and now - (self.restarted_at or 0.0) < self.inst.probe.startup_timeout:
+            if self.restart_in_flight and self.restarted_at is not None \
+                    and now - self.restarted_at < self.inst.probe.startup_timeout:
                 log.info("%s: starting: the restart a stopped daemon left running may still be at work", self.name)
                 return True
             return False
-        since = max(proc.create_time, self.restarted_at or 0.0)
-        if now - since >= self.inst.probe.startup_timeout:
+        # The OS gives a process's start as a wall time: its age is clamped at zero and never
+        # less than since the daemon first saw it loading (a clock stepped back cannot stretch
+        # the allowance past startup_timeout), nor more than since the last restart.
+        key = (proc.pid, proc.create_time)
+        if self.loading_seen is None or self.loading_seen[0] != key:
+            self.loading_seen = (key, now)
+        up = max(self.shared.clock.wall() - proc.create_time, now - self.loading_seen[1], 0.0)
+        if self.restarted_at is not None:
+            up = min(up, now - self.restarted_at)
+        if up >= self.inst.probe.startup_timeout:
             return False
         if self.detect.state != policy.STARTING:
             self.detect.state = policy.STARTING
             self._save()
-        log.info("%s: starting (%s, up %.0fs): no verdict before %.0fs", self.name, proc.describe(), now - since,
+        log.info("%s: starting (%s, up %.0fs): no verdict before %.0fs", self.name, proc.describe(), up,
                  self.inst.probe.startup_timeout)
         return True
 
@@ -299,8 +309,10 @@ class InstanceWatcher:
 
     async def handle_verdict(self, now: float) -> None:
         server, stranger = await self._prove_server()
-        inc = self.incident = Incident(
-            self.name, first_failure_at=self.detect.first_failure_at, detected_at=now,
+        clock = self.shared.clock
+        self.incident_began = self.detect.first_failure_at if self.detect.first_failure_at is not None else now
+        inc = self.incident = Incident(  # records: wall times, converted once, here
+            self.name, first_failure_at=clock.wall_of(self.incident_began), detected_at=clock.wall_of(now),
             failures=[r.reason for r in self.failed_reports], pid=server.pid if server else None,
             restart_method=describe(self.inst.restart), stranger=stranger,
         )
@@ -319,7 +331,7 @@ class InstanceWatcher:
             self._change(policy.HUNG, "awaiting_recovery")
             return
         while not self.stop.is_set():
-            now = self.shared.clock()
+            now = self.shared.clock.monotonic()
             if self.guard.exhausted(now):
                 self._give_up(now)
                 return
@@ -359,9 +371,9 @@ class InstanceWatcher:
     async def _restart(self, inc: Incident, server: ProcessIdentity | None) -> bool:
         # The attempt counts from the moment it starts: a daemon stopped or killed mid-restart
         # has still spent it (the state file and the journal both have it).
-        at = self.shared.clock()
+        at = self.shared.clock.now()
         self.guard.record_restart(at)
-        attempt = {"at": at, "result": "running", "detail": ""}
+        attempt = {"at": at.wall, "result": "running", "detail": ""}
         inc.restarts.append(attempt)
         self._change(policy.RESTARTING, "restarting")
         try:
@@ -374,7 +386,7 @@ class InstanceWatcher:
         attempt.update(result=outcome.result, detail=outcome.detail)
         log.warning("%s: restart: %s", self.name, outcome.detail)
         self._change(policy.RESTARTING, "restart" if outcome.result == OK else outcome.result)
-        self.seen_healthy, self.restarted_at, self.identity = False, at, None  # a new process will be recorded
+        self.seen_healthy, self.restarted_at, self.identity = False, at.mono, None  # a new process will be recorded
         return True
 
     async def _await_recovery(self, inc: Incident) -> bool:
@@ -383,9 +395,9 @@ class InstanceWatcher:
         deadline = loop.time() + self.inst.probe.startup_timeout
         while not self.stop.is_set() and loop.time() < deadline:
             report = await self.probe()
-            self.shared.state.update(self.name, quiet=True, last_probe=_probe_summary(report, self.shared.clock()))
+            self.shared.state.update(self.name, quiet=True, last_probe=_probe_summary(report, self.shared.clock.wall()))
             if report.healthy:
-                await self._recovered(self.shared.clock(), "recovery verified by a probe")
+                await self._recovered(self.shared.clock.monotonic(), "recovery verified by a probe")
                 return True
             await self._sleep(min(RECOVERY_PROBE_EVERY, self.inst.probe.interval))
         if not self.stop.is_set():
@@ -396,8 +408,9 @@ class InstanceWatcher:
     async def _recovered(self, now: float, how: str) -> None:
         inc = self.incident
         assert inc is not None
-        inc.recovered_at = now
-        inc.seconds_to_recovery = round(now - (inc.first_failure_at or inc.detected_at or now), 3)
+        inc.recovered_at = self.shared.clock.wall_of(now)  # now: monotonic, as every ``now`` here
+        began = self.incident_began if self.incident_began is not None else now
+        inc.seconds_to_recovery = round(now - began, 3)
         log.warning("%s: recovered (%s) %.1fs after the first failed probe", self.name, how, inc.seconds_to_recovery)
         self.shared.journal.record("recovered", inc, how=how)
         self.shared.notifier.fire("recovered", inc.to_dict())
@@ -409,7 +422,7 @@ class InstanceWatcher:
     def _give_up(self, now: float) -> None:
         inc = self.incident
         assert inc is not None
-        self.guard.give_up(now)
+        self.guard.give_up(Stamp(now, self.shared.clock.wall_of(now)))
         log.error("%s: GAVE UP: %d restarts within %.0fs; next try after %.0fs or `mlxwatch resume %s`",
                   self.name, self.inst.restart.budget, self.inst.restart.window, self.inst.restart.cooldown,
                   self.name)
@@ -441,11 +454,11 @@ class InstanceWatcher:
 
     async def _shim_read(self) -> heartbeat.Heartbeat | None:
         watch = self._shim()
-        if watch.mode == "off" or self.identity is None or not watch.should_read(self.shared.clock()):
+        if watch.mode == "off" or self.identity is None or not watch.should_read(self.shared.clock.monotonic()):
             return None
         hb, problem = await asyncio.to_thread(heartbeat.find, self.identity.pid, self.identity.create_time)
         if hb is None:
-            watch.absent(self.shared.clock())
+            watch.absent(self.shared.clock.monotonic())
             if watch.mode == "required":
                 self._say(f"shim: required, but the server (PID {self.identity.pid}) has none: {problem}")
         return hb
@@ -508,11 +521,11 @@ class InstanceWatcher:
             log.warning("%s: %s", self.name, note)
 
     def _save(self, **fields: object) -> None:
-        now = self.shared.clock()
+        now = self.shared.clock.monotonic()
         self.shared.state.update(
             self.name, state=self.detect.state, url=self.inst.url, failures=self.detect.failures,
-            restarts=self.guard.restarts, restarts_in_window=self.guard.restarts_in_window(now),
-            gave_up_at=self.guard.gave_up_at, pid=self.identity.pid if self.identity else None,
+            restarts_in_window=self.guard.restarts_in_window(now), **self.guard.saved(self.shared.clock),
+            pid=self.identity.pid if self.identity else None,
             server=self.identity.to_dict() if self.identity else None,
             incident=self.incident.id if self.incident else None, **fields,
         )

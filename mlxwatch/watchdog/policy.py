@@ -9,7 +9,8 @@
     hung -> capturing -> restarting -> recovering -> healthy
                               \\--budget spent--> gave_up --cool-down or resume--> suspect
 
-Only the decisions live here; the watcher does the I/O. ``now`` is passed in (epoch seconds).
+Only the decisions live here; the watcher does the I/O. ``now`` is passed in (a monotonic reading: no
+wall-clock step shortens or stretches grace; see ``mlxwatch.clock``).
 """
 
 from __future__ import annotations
