@@ -13,6 +13,7 @@ import argparse
 import asyncio
 import json
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -22,7 +23,8 @@ from rich.console import Console
 
 from mlxwatch import __version__
 from mlxwatch.config import (
-    MAX_COUNT, CaptureConfig, Config, InstanceConfig, ProbeConfig, load_config, resolve_config_path,
+    MAX_COUNT, CaptureConfig, Config, InstanceConfig, ProbeConfig, load_config, load_runnable_config,
+    resolve_config_path,
 )
 from mlxwatch.durations import DURATION_FORM, NOT_A_DURATION, format_duration, parse_duration
 from mlxwatch.errors import ConfigError, MlxwatchError, ProcessGoneError, StateError, UsageError
@@ -333,7 +335,7 @@ def cmd_config(args: argparse.Namespace, out: Console) -> int:
 
 
 def cmd_config_validate(args: argparse.Namespace, out: Console) -> int:
-    config = _load(args, args.path)
+    config = load_runnable_config(resolve_config_path(args.path or args.config))  # what `run` accepts, no more
     if args.json:
         from dataclasses import asdict
 
@@ -723,9 +725,35 @@ def _state_dir(config: Config, override: str | None) -> Path:
     return state_dir_for(config, Path(override).expanduser() if override else None)
 
 
+class _HeldSignals:
+    """SIGTERM, SIGINT and SIGHUP that arrive while ``run`` starts, before its event loop takes
+    them, are remembered, not acted on: SIGHUP's default action would kill the daemon (exit
+    129), SIGTERM's would skip its clean stop. The handlers only append; ``go`` replays them."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+    def __init__(self) -> None:
+        self.arrived: list[int] = []
+        self.previous = {signum: signal.signal(signum, self._remember) for signum in self.SIGNALS}
+
+    def _remember(self, signum: int, frame: object) -> None:
+        self.arrived.append(signum)
+
+    def restore(self) -> None:
+        for signum, handler in self.previous.items():
+            signal.signal(signum, handler)
+
+
 def cmd_run(args: argparse.Namespace, out: Console) -> int:
+    held = _HeldSignals()  # first: the imports and the config read below can take seconds on a busy Mac
+    try:
+        return _run_daemon(args, held)
+    finally:
+        held.restore()
+
+
+def _run_daemon(args: argparse.Namespace, held: _HeldSignals) -> int:
     import logging
-    import signal
 
     from mlxwatch.logfile import RotatingStderr
     from mlxwatch.watchdog.daemon import Daemon
@@ -735,9 +763,7 @@ def cmd_run(args: argparse.Namespace, out: Console) -> int:
         raise UsageError(f"no config at {path}: nothing to watch. Write one with `mlxwatch config init` "
                          "(finds running mlx-lm servers) or see `mlxwatch config example`; "
                          "`mlxwatch demo` shows the watchdog work on a tiny local server")
-    config = load_config(path)
-    if not config.instances:
-        raise ConfigError(str(path), "instances", "no instances to watch (`mlxwatch config init` writes a starter)")
+    config = load_runnable_config(path)
     handler = RotatingStderr()
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     logging.basicConfig(level=args.log_level, handlers=[handler], force=True)
@@ -749,10 +775,19 @@ def cmd_run(args: argparse.Namespace, out: Console) -> int:
     async def go() -> None:
         loop = asyncio.get_running_loop()
         stop, reload = asyncio.Event(), asyncio.Event()
-        loop.add_signal_handler(signal.SIGTERM, stop.set)
-        loop.add_signal_handler(signal.SIGINT, stop.set)
-        loop.add_signal_handler(signal.SIGHUP, reload.set)
-        await daemon.run(stop, reload, load_config=lambda: load_config(path))
+        for signum in held.SIGNALS:  # the loop takes them from here on
+            loop.add_signal_handler(signum, (reload if signum == signal.SIGHUP else stop).set)
+        log = logging.getLogger("mlxwatch.watchdog")
+        for signum in dict.fromkeys(held.arrived):
+            if signum == signal.SIGHUP:
+                log.info("SIGHUP arrived while starting: the config is read again once the daemon is ready")
+                reload.set()
+            else:
+                log.info("%s arrived while starting: stopping before the daemon starts", signal.Signals(signum).name)
+                stop.set()
+        if stop.is_set():
+            return
+        await daemon.run(stop, reload, load_config=lambda: load_runnable_config(path))
 
     asyncio.run(go())
     return EXIT_OK
@@ -879,10 +914,11 @@ def cmd_launchd(args: argparse.Namespace, out: Console) -> int:
             out.print(f"{label}: {', '.join(done)}; the state dir and the bundles are kept", markup=False)
         return EXIT_OK
     config = resolve_config_path(args.launchd_config or args.config)
-    if args.launchd_command == "plist":
+    if args.launchd_command == "plist":  # an agent whose config `run` refuses would exit 2 every ThrottleInterval
+        load_runnable_config(config)
         sys.stdout.write(launchd.render(config.resolve(), label).decode())
         return EXIT_OK
-    done = launchd.install(config, label, force=args.force)
+    done = launchd.install(config, label, force=args.force, validate=load_runnable_config)
     target = f"{done.domain}/{label}"
     replaced = " (the loaded one was replaced)" if done.replaced_loaded else ""
     out.print(f"installed {label} in {done.domain}: {done.plist}{replaced}", markup=False)

@@ -178,6 +178,21 @@ def load_config(path: Path) -> Config:
     return parse_config(_parse_yaml(text, file), file, path)
 
 
+def check_runnable(config: Config) -> Config:
+    """The one rule for "can the daemon run this config?", beyond a valid file: `run`, a SIGHUP
+    reload, `config validate`, `launchd plist` and `launchd install` all ask it, so no command
+    accepts a file another refuses. Returns ``config``; raises ``ConfigError`` (one line)."""
+    if not config.instances:
+        raise ConfigError(_display(str(config.path)), "instances",
+                          "no instances to watch (`mlxwatch config init` writes a starter)")
+    return config
+
+
+def load_runnable_config(path: Path) -> Config:
+    """``load_config`` then ``check_runnable``: a config the daemon can start (or reload) with."""
+    return check_runnable(load_config(path))
+
+
 def _read_bounded(path: Path, file: str) -> bytes:
     """The file's bytes: a regular file of at most ``MAX_CONFIG_BYTES``, else ConfigError.
 

@@ -189,7 +189,7 @@ def install(config: Path, label: str = LABEL, force: bool = False, home: Path | 
             bin_dir: Path | None = None, validate: Callable[[Path], object] | None = None) -> Installed:
     """Write the agent and load it in this user's gui domain. The config is validated first: an
     agent whose config does not load would exit 2 at every start, every ThrottleInterval."""
-    from mlxwatch.config import load_config
+    from mlxwatch.config import load_runnable_config
 
     check_label(label)
     config = config.expanduser().resolve()
@@ -197,7 +197,7 @@ def install(config: Path, label: str = LABEL, force: bool = False, home: Path | 
         raise UsageError(f"{config}: no such config file (the agent would exit 2 at every start); "
                          "write one first (see mlxwatch.example.yaml)")
     try:
-        (validate or load_config)(config)
+        (validate or load_runnable_config)(config)  # the rule `run` applies: no agent that exits 2 at start
     except ConfigError as exc:
         raise UsageError(f"{exc} (agent not installed: it would exit 2 at every start)") from None
     _require_launchctl()

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import psutil
+import pytest
 
 from mlxwatch.watchdog.journal import Journal
 from mlxwatch.lab.server import free_port as closed_port  # a loopback port free a moment ago
@@ -169,3 +170,167 @@ def test_resume_command_writes_a_request_the_daemon_consumes(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "mlxwatch", "--config", str(config), "resume", "nope"],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "no instance named 'nope'" in bad.stderr
+
+
+# --- reload is validated like start; signals before ready; removed instances dropped
+
+
+def state_json(tmp_path: Path) -> dict:
+    try:
+        return json.loads((tmp_path / "state" / "state.json").read_text())
+    except (OSError, ValueError):  # not written yet, or being replaced
+        return {}
+
+
+def last_reload(tmp_path: Path) -> dict:
+    return state_json(tmp_path).get("daemon", {}).get("last_reload") or {}
+
+
+@pytest.mark.parametrize("nothing", ["instances: []", ""], ids=["no instances", "empty file"])
+def test_reload_refuses_a_config_that_run_refuses_and_keeps_the_old_one(tmp_path, nothing):
+    """Measured: an empty config sent with SIGHUP was applied ("watching none", at INFO) though
+    `run` refuses the same file with exit 2. Now it is refused with one WARNING line naming the
+    file and the problem, journaled and recorded as a failed reload, and the old config runs on."""
+    config = write_config(tmp_path, "none: true")
+    empty = tmp_path / "empty.yaml"
+    empty.write_text(f"state_dir: {tmp_path / 'state'}\n{nothing}" if nothing else "")
+    refused = subprocess.run([sys.executable, "-m", "mlxwatch", "--config", str(empty), "run"],
+                             capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 2 and "no instances to watch" in refused.stderr
+    proc = start_daemon(config)
+    try:
+        wait_for(lambda: "gone" in state_json(tmp_path).get("instances", {}), 30, "the instance to be watched")
+        config.write_text(empty.read_text())
+        proc.send_signal(signal.SIGHUP)
+        wait_for(lambda: last_reload(tmp_path), 30, "the reload to be recorded")
+        assert proc.poll() is None
+        assert "gone" in state_json(tmp_path).get("instances", {})  # the old config runs on (not dropped)
+    finally:
+        out, err = stop(proc)
+    assert proc.returncode == 0, err
+    reload = last_reload(tmp_path)
+    assert reload["ok"] is False and str(config) in reload["message"] and "no instances to watch" in reload["message"]
+    (line,) = [ln for ln in err.splitlines() if "reload" in ln]
+    assert " WARNING " in line and str(config) in line and "no instances to watch" in line
+    assert "watching none" not in err
+    (noted,) = [r for r in Journal(tmp_path / "state").records() if r["event"] == "config_reload"]
+    assert noted["ok"] is False and "no instances to watch" in noted["message"]
+
+
+# Runs `mlxwatch --config FILE run` in this process after holding it at one point of its start
+# (touching MARKER, then waiting for RELEASE), so a test can signal it exactly there.
+HELD_START = r"""
+import sys, time
+from pathlib import Path
+
+marker, release, where = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
+
+
+def hold():
+    marker.touch()
+    deadline = time.monotonic() + 60
+    while not release.exists() and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+
+if where == "config read":  # a config on a slow disk
+    import mlxwatch.config as config
+
+    load = config.load_config
+
+    def held_load(path):
+        config.load_config = load
+        hold()
+        return load(path)
+
+    config.load_config = held_load
+else:  # the daemon's own imports, as a cold start on a loaded Mac takes them
+    class Hold:
+        def find_spec(self, name, path=None, target=None):
+            if name == "mlxwatch.watchdog":
+                sys.meta_path.remove(self)
+                hold()
+            return None
+
+    sys.meta_path.insert(0, Hold())
+
+from mlxwatch.cli import main
+
+sys.argv = ["mlxwatch", *sys.argv[4:]]
+main()
+"""
+
+
+@pytest.mark.parametrize("where", ["import", "config read"])
+def test_a_sighup_while_the_daemon_starts_is_applied_not_fatal(tmp_path, where):
+    """Measured: a SIGHUP 0.3 s after start killed the daemon (exit 129): the handlers were set
+    only once the event loop ran, after the imports and the config read. Now the signal is
+    remembered and the config read again once the daemon is ready."""
+    config = write_config(tmp_path, "none: true")
+    marker, release = tmp_path / "held", tmp_path / "release"
+    proc = subprocess.Popen([sys.executable, "-c", HELD_START, str(marker), str(release), where,
+                             "--config", str(config), "run"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(lambda: marker.exists() or proc.poll() is not None, 60, "the start to reach the held point")
+        proc.send_signal(signal.SIGHUP)
+        release.touch()
+        wait_for(lambda: last_reload(tmp_path) or proc.poll() is not None, 60, "the remembered reload")
+        assert proc.poll() is None, f"the daemon died with {proc.returncode}"
+    finally:
+        out, err = stop(proc)
+    assert proc.returncode == 0, err
+    assert last_reload(tmp_path)["ok"] is True
+    assert "SIGHUP arrived while starting" in err
+
+
+def start_standin(tmp_path: Path) -> tuple[str, subprocess.Popen]:
+    """The lab's token-streaming stand-in on a free loopback port: a healthy server."""
+    port = closed_port()
+    proc = subprocess.Popen([sys.executable, "-m", "mlxwatch.lab.standin", "--ports", str(port)],
+                            stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "ready"
+    return f"http://127.0.0.1:{port}", proc
+
+
+def status_json(config: Path) -> tuple[int, dict]:
+    proc = subprocess.run([sys.executable, "-m", "mlxwatch", "--config", str(config), "status", "--json"],
+                          capture_output=True, text=True, timeout=60)
+    return proc.returncode, json.loads(proc.stdout)
+
+
+def test_an_instance_removed_while_it_stays_hung_is_dropped(tmp_path):
+    """Measured: an instance removed from the config while its incident stayed open was never
+    dropped (its watcher kept probing, `status` reported it and exited 1 forever). Now it is
+    dropped at the reload: watcher stopped, incident closed as `removed`, gone from the state."""
+    url, standin = start_standin(tmp_path)
+    ok = f"""
+  - name: ok
+    url: {url}
+    probe: {{interval: 0.3, first_token_timeout: 2, timeout: 3, failures: 2, endpoint_timeout: 1}}
+    restart: none
+"""
+    config = write_config(tmp_path, "none: true")
+    config.write_text(config.read_text() + ok)
+    proc = start_daemon(config)
+    try:
+        wait_for(lambda: "awaiting_recovery" in events(tmp_path), 60, "the incident of the dead instance")
+        config.write_text(f"state_dir: {tmp_path / 'state'}\ninstances:{ok}")
+        proc.send_signal(signal.SIGHUP)
+        closed = lambda: [r for r in Journal(tmp_path / "state").records()
+                          if r["event"] == "closed" and r["instance"] == "gone"]
+        wait_for(closed, 30, "the removed instance's incident to be closed")
+        wait_for(lambda: status_json(config)[0] == 0, 60, "status to report only the healthy instance")
+        code, status = status_json(config)
+        assert [i["name"] for i in status["instances"]] == ["ok"]
+        assert "gone" not in state_json(tmp_path)["instances"]
+        assert closed()[0]["reason"] == "removed"
+        n = events(tmp_path).count("captured")
+        time.sleep(1.0)  # several of its probe intervals: its watcher is stopped
+        assert events(tmp_path).count("captured") == n
+        assert not any(r.get("instance") == "gone" for r in Journal(tmp_path / "state").records()
+                       if r["ts"] > closed()[0]["ts"])
+    finally:
+        stop(proc)
+        standin.kill()
+        standin.communicate(timeout=10)
+    assert proc.returncode == 0

@@ -99,6 +99,7 @@ def mac(monkeypatch, tmp_path):
 def test_rendered_agent_runs_this_mlxwatch_with_the_config(tmp_path):
     """Round trip through plistlib: exactly the documented keys, absolute paths, unthrottled."""
     config = tmp_path / "config.yaml"
+    config.write_text(GOOD_CONFIG)  # a config the agent can run (plist refuses others, as install does)
     proc = subprocess.run([sys.executable, "-m", "mlxwatch", "--config", str(config), "launchd", "plist"],
                           capture_output=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
@@ -117,6 +118,7 @@ def test_rendered_agent_runs_this_mlxwatch_with_the_config(tmp_path):
 
 def test_plist_subcommand_takes_its_own_config_and_label(tmp_path):
     other = tmp_path / "other.yaml"
+    other.write_text(GOOD_CONFIG)
     proc = subprocess.run([sys.executable, "-m", "mlxwatch", "--config", str(tmp_path / "c.yaml"), "launchd", "plist",
                            "--label", "org.me.watch", "--config", str(other)], capture_output=True, timeout=60)
     plist = plistlib.loads(proc.stdout)
@@ -265,3 +267,13 @@ def test_a_label_that_is_not_a_label_is_one_line_exit_2(mac, label, capsys):
     assert run(["launchd", "uninstall", f"--label={label}"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "launchd label" in err
+
+
+def test_install_refuses_a_config_with_nothing_to_watch(mac, config_file, capsys):
+    """An empty config loads, but `run` refuses it: the agent would exit 2 at every start."""
+    home, fake = mac
+    config = config_file("")
+    assert run(["launchd", "install", "--config", str(config)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "no instances to watch" in err and "not installed" in err
+    assert fake.calls == [] and not (home / "Library/LaunchAgents").exists()

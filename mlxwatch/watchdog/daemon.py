@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Callable
 
 from mlxwatch.capture.bundle import adopt_partials
-from mlxwatch.config import Config, InstanceConfig, default_state_dir, same_address
+from mlxwatch.config import Config, InstanceConfig, check_runnable, default_state_dir, same_address
 from mlxwatch.errors import ConfigError, StateError
 from mlxwatch.watchdog.instance import InstanceWatcher, Shared
 from mlxwatch.watchdog.journal import Journal
@@ -75,7 +75,9 @@ class Daemon:
     async def run(self, stop: asyncio.Event, reload: asyncio.Event | None = None,
                   load_config: Callable[[], Config] | None = None) -> None:
         """Run until ``stop`` is set. Raises ``StateError`` if another daemon holds the state dir
-        or it cannot be used (read-only, not a directory, ...)."""
+        or it cannot be used (read-only, not a directory, ...), ``ConfigError`` if the config is
+        not runnable (``check_runnable``: the rule a reload is held to as well)."""
+        check_runnable(self.config)
         try:
             self.lock.acquire()
         except OSError as exc:
@@ -215,13 +217,14 @@ class Daemon:
         if load_config is None:
             return
         try:
-            new = await asyncio.to_thread(load_config)
+            new = check_runnable(await asyncio.to_thread(load_config))  # what `run` would refuse, refused
         except ConfigError as exc:
             self._reloaded(False, f"config reload failed, keeping the old config: {exc}")
             return
         if new.state_dir != self.config.state_dir:
-            self._reloaded(False, f"config reload refused: state_dir changed from {self.config.state_dir} to "
-                                  f"{new.state_dir}; restart the daemon to move its state")
+            self._reloaded(False, f"config reload failed, keeping the old config: {new.path or self.config.path}: "
+                                  f"state_dir changed from {self.config.state_dir} to {new.state_dir} "
+                                  "(restart the daemon to move its state)")
             return
         self.config = new
         self.shared.notifier = Notifier(new.notify)
@@ -238,7 +241,13 @@ class Daemon:
         self._reloaded(True, f"config reloaded: watching {', '.join(self.watchers) or 'none'}")
 
     def _reloaded(self, ok: bool, message: str) -> None:
-        (log.info if ok else log.error)("%s", message)
+        """Record the outcome where each reader looks (as blackbox_exporter's SafeConfig does):
+        one log line, the journal, and ``last_reload`` in the state file (the metrics' gauge)."""
+        (log.info if ok else log.warning)("%s", message)
+        try:
+            self.journal.note("config_reload", ok=ok, message=message)
+        except OSError as exc:  # a full disk: the log line and the state file still say it
+            log.error("cannot journal the config reload: %s", exc)
         self.state.set_daemon(last_reload={"at": time.time(), "ok": ok, "message": message})
 
     def _apply_pending(self) -> None:
@@ -246,9 +255,17 @@ class Daemon:
 
         A change waits for its own watcher's incident; a new instance waits for any open
         incident on its address (a rename mid-incident must not open a second incident, and
-        run a second restart, for the same outage)."""
+        run a second restart, for the same outage). A removed instance whose address no
+        instance of the config takes over is dropped at once: waiting for its incident to end
+        would wait forever for a server that stays hung, with ``status`` reporting it."""
         for name, inst in list(self.pending.items()):
             watcher = self.watchers.get(name)
+            if inst is None and watcher is not None and not any(
+                    same_address(watcher.inst.url, i.url) for i in self.config.instances):
+                self._errors_logged.discard(f"pending:{name}")
+                del self.pending[name]
+                self._drop(name)
+                continue
             busy = watcher is not None and watcher.busy_with_incident
             if inst is not None and not busy:
                 busy = any(w.busy_with_incident and same_address(w.inst.url, inst.url)
@@ -260,18 +277,36 @@ class Daemon:
                 continue
             self._errors_logged.discard(f"pending:{name}")
             del self.pending[name]
-            if watcher is not None:
-                watcher.stop.set()
-                task = self.tasks.pop(name)
-                task.cancel()  # ends at its next await; awaited at shutdown
-                self.retired.add(task)
-                task.add_done_callback(self.retired.discard)
-                del self.watchers[name]
             if inst is not None:
+                if watcher is not None:
+                    self._retire(name)
                 self._start(inst)
             else:
-                self.state.data["instances"].pop(name, None)
-                self.state.dirty.set()
+                self._drop(name)
+
+    def _retire(self, name: str) -> InstanceWatcher:
+        """Stop a watcher: its task ends at its next await (no record is written after that:
+        nothing in a watcher catches the cancellation) and is awaited at shutdown."""
+        watcher = self.watchers.pop(name)
+        watcher.stop.set()
+        task = self.tasks.pop(name)
+        task.cancel()
+        self.retired.add(task)
+        task.add_done_callback(self.retired.discard)
+        return watcher
+
+    def _drop(self, name: str) -> None:
+        """An instance removed from the config: watcher stopped, its open incident closed as
+        ``removed``, its entry gone from the state file (``status`` no longer reports it)."""
+        watcher = self._retire(name) if name in self.watchers else None
+        if watcher is not None and watcher.incident is not None:
+            log.warning("%s: removed from the config mid-incident: no longer watched; incident %s closed as removed",
+                        name, watcher.incident.id)
+            self.journal.record("closed", watcher.incident, reason="removed", stopped_at_event=watcher.detect.state)
+        else:
+            log.info("%s: removed from the config: no longer watched", name)
+        self.state.data["instances"].pop(name, None)
+        self.state.dirty.set()
 
 
 async def _wait_any(*events: asyncio.Event, timeout: float) -> None:
