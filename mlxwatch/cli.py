@@ -163,8 +163,9 @@ def build_parser() -> argparse.ArgumentParser:
     show.add_argument("--json", action="store_true", help="print the manifest as JSON instead")
     export = _leaf(bundle_sub, "export", "write a bundle as a .tar.gz (never overwrites)")
     export.add_argument("bundle", metavar="BUNDLE", help="bundle directory or bundle name")
-    export.add_argument("--redact", action="store_true",
-                        help="remove message contents, environment values and home paths (for a public issue)")
+    export.add_argument("--redact", action=argparse.BooleanOptionalAction, default=True,
+                        help="remove secrets, message contents, environment values and home paths, for a public "
+                             "issue (the default); --no-redact exports the bundle as captured (keep it private)")
     export.add_argument("--out", metavar="DIR|FILE.tar.gz",
                         help="an existing directory, or a new FILE.tar.gz (default: beside the bundle)")
 
@@ -557,7 +558,7 @@ def cmd_capture(args: argparse.Namespace, out: Console) -> int:
         pid=pid, out_dir=target_dir, label=label, url=url, log=log,
         snapshots=args.snapshots or cap.snapshots, spacing=args.spacing or cap.spacing,
         ceiling=args.ceiling or cap.ceiling, sudo=cap.sudo, log_tail_lines=cap.log_tail_lines,
-        keep=cap.keep, max_bytes=cap.max_bytes, stacks=args.stacks or cap.stacks,
+        keep=cap.keep, max_bytes=cap.max_bytes, stacks=args.stacks or cap.stacks, redact=cap.redact,
         probe_first_token_timeout=min(probe.first_token_timeout, CaptureRequest.probe_first_token_timeout),
         probe_timeout=min(probe.timeout, CaptureRequest.probe_timeout),
     )
@@ -716,6 +717,10 @@ def _bundle_export(args: argparse.Namespace, out: Console) -> int:
         _err().print(f"mlxwatch: bundle export: {len(skipped)} file(s) listed in the manifest are missing from "
                      f"the bundle and were left out: {', '.join(skipped[:5])}", markup=False)
     print(written)
+    _err().print("mlxwatch: bundle export: " + (
+        "redacted for sharing (secrets, environment values, prompts and message texts, home paths removed; "
+        "--no-redact exports the bundle as captured)" if args.redact else
+        "NOT redacted (--no-redact): it holds what the capture read; keep it private"), markup=False)
     return EXIT_OK
 
 

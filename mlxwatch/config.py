@@ -113,6 +113,7 @@ class CaptureConfig:
     keep: int = 50  # newest bundles kept per directory
     max_bytes: int = 2 * 1024**3  # all bundles together
     stacks: str = "auto"  # Python stack source: auto (shim if present, else py-spy) | pyspy | shim | sample
+    redact: bool = True  # the raw bundle without secret environment values and URL passwords; false: complete
 
 
 @dataclass(frozen=True)
@@ -810,6 +811,7 @@ def _capture(sec: _Section, base: Path) -> CaptureConfig:
         "keep": _positive_int,
         "max_bytes": _size,
         "stacks": _choice(STACK_SOURCES),
+        "redact": _bool,
     }))
     sec.done()
     return cap

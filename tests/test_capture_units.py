@@ -20,8 +20,8 @@ from mlxwatch.capture import CaptureRequest, capture_bundle, collector, procstat
 from mlxwatch.capture.bundle import WRITER, BundleWriter, adopt_partials, list_bundles, prune
 from mlxwatch.capture.classify import Evidence, classify
 from mlxwatch.capture.commands import CommandResult, run_command
-from mlxwatch.capture.export import export_bundle, redact_log
-from mlxwatch.capture.procstats import redact_environment
+from mlxwatch.capture.export import export_bundle, redact_file
+from mlxwatch.capture.redact import PRIVATE, redact_environment
 from mlxwatch.capture.summary import render_summary
 from mlxwatch.serverlog import scan, since_last_start
 
@@ -216,7 +216,7 @@ def test_redact_log_keeps_known_shapes_only():
             "2026-07-05 08:19:39,913 - DEBUG - Incoming Request Body: {\"messages\": \"my diary\"}\n"
             '  File "/Users/tadeusz/venv/mlx_lm/server.py", line 853, in _generate\n'
             "RuntimeError: [metal::malloc] Resource limit (499000) exceeded.")
-    out = redact_log(text).splitlines()
+    out = redact_file("log-tail.txt", text.encode()).decode().splitlines()
     assert out[0].endswith("Prompt processing progress: 10/20")
     assert out[1].startswith("[redacted ") and "diary" not in out[1]
     assert out[2] == '  File "~/venv/mlx_lm/server.py", line 853, in _generate'
@@ -224,12 +224,16 @@ def test_redact_log_keeps_known_shapes_only():
 
 
 def test_environment_secrets_removed():
-    """Secret-looking names and token-looking values are removed; the rest kept."""
+    """The raw bundle's environment: secret-looking names and token-looking values are removed,
+    URL passwords cut; the rest kept."""
     env = {"HF_TOKEN": "hf_abc", "OPENAI_API_KEY": "x", "DB_PASSWORD": "p", "MY_SECRET": "s",
-           "HF_HUB_CACHE": "/cache", "SOMETHING": "hf_looks_like_a_token", "PATH": "/usr/bin"}
-    out = redact_environment(env)
+           "HF_HUB_CACHE": "/cache", "SOMETHING": "hf_looks_like_a_token", "PATH": "/usr/bin",
+           "DATABASE_URL": "postgres://app:pw@db/x", "GPG_PASSPHRASE": "words", "TOKENIZERS_PARALLELISM": "false"}
+    out = redact_environment(env, PRIVATE)
     assert out == {"HF_TOKEN": "[removed]", "OPENAI_API_KEY": "[removed]", "DB_PASSWORD": "[removed]",
-                   "MY_SECRET": "[removed]", "HF_HUB_CACHE": "/cache", "SOMETHING": "[removed]", "PATH": "/usr/bin"}
+                   "MY_SECRET": "[removed]", "HF_HUB_CACHE": "/cache", "SOMETHING": "[removed]", "PATH": "/usr/bin",
+                   "DATABASE_URL": "postgres://app:[redacted]@db/x", "GPG_PASSPHRASE": "[removed]",
+                   "TOKENIZERS_PARALLELISM": "false"}
 
 
 def test_export_refuses_to_overwrite(tmp_path):

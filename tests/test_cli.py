@@ -392,10 +392,12 @@ def test_export_holds_one_top_folder_and_only_the_listed_files(tmp_path, monkeyp
     assert sorted(n.split("/", 1)[1] for n in names) == ["log-tail.txt", "manifest.json", "summary.md"]
 
 
-@pytest.mark.parametrize("out, where", [(None, "{parent}/{name}.tar.gz"), ("{tmp}/outdir", "{tmp}/outdir/{name}.tar.gz"),
+@pytest.mark.parametrize("out, where", [(None, "{parent}/{name}-redacted.tar.gz"),
+                                        ("{tmp}/outdir", "{tmp}/outdir/{name}-redacted.tar.gz"),
                                         ("{tmp}/mine.tar.gz", "{tmp}/mine.tar.gz")])
 def test_export_out_is_a_directory_or_a_tar_gz(out, where, tmp_path, capsys):
-    """`--out` means the same as for capture: an existing directory, or a new FILE.tar.gz."""
+    """`--out` means the same as for capture: an existing directory, or a new FILE.tar.gz (the
+    export is redacted by default, and its default name says so)."""
     bundle = make_bundle(tmp_path / "bundles")
     (tmp_path / "outdir").mkdir()
     values = {"tmp": tmp_path, "parent": bundle.parent, "name": bundle.name}

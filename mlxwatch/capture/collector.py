@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import json
 import os
 import platform
 import socket
@@ -48,8 +49,10 @@ from mlxwatch.capture.bundle import BundleWriter, prune
 from mlxwatch.capture.classify import Classification, Evidence, classify
 from mlxwatch.capture.commands import Runner, run_command
 from mlxwatch.capture.procstats import ProcessWindow, describe_process, sample_process
+from mlxwatch.capture.redact import NONE, PRIVATE, redact_bytes, redact_json, redact_text
 from mlxwatch.capture.summary import render_summary
 from mlxwatch.capture.versions import server_versions
+from mlxwatch.config import CaptureConfig
 from mlxwatch.logfollow import LogFollower
 from mlxwatch.process import ProcessIdentity
 from mlxwatch.serverlog import (
@@ -89,6 +92,7 @@ class CaptureRequest:
     verdict: str | None = None  # the watchdog's reason for judging the server hung; None: manual capture
     probe_linger: float = PROBE_LINGER  # 0: a given-up probe closes its stream at once
     stacks: str = "auto"  # Python stacks from: auto (the launch shim if present, else py-spy) | pyspy | shim | sample
+    redact: bool = CaptureConfig.redact  # the raw bundle's redaction (redact.PRIVATE); False: complete (NONE)
 
 
 @dataclass
@@ -141,15 +145,22 @@ class _Capture:
         self.versions: dict = {}
         self.native_findings: list[str] = []  # macOS sample, when py-spy cannot read the server
         self.shim_window: shimstacks.ShimWindow | None = None  # the launch shim's heartbeat over the window
+        self.redaction = PRIVATE if req.redact else NONE  # every file goes through it (write_blocking)
 
     def now(self) -> float:
         return time.monotonic() - self.t0
 
+    def write_blocking(self, relname: str, data: bytes | str) -> None:
+        """The one way text enters the bundle: the redaction pass at the bundle's level, then
+        the write (blocking, in a worker thread: a log or a spindump can be megabytes)."""
+        self.writer.write(relname, redact_bytes(relname, data, self.redaction))
+
     async def write(self, relname: str, data: bytes | str) -> None:
-        await asyncio.to_thread(self.writer.write, relname, data)
+        await asyncio.to_thread(self.write_blocking, relname, data)
 
     async def write_json(self, relname: str, value: Any) -> None:
-        await asyncio.to_thread(self.writer.write_json, relname, value)
+        text = json.dumps(value, indent=2, sort_keys=True, default=str)  # as BundleWriter.write_json
+        await asyncio.to_thread(self.write_blocking, relname, text)
 
     async def step(self, name: str, work: Callable[[_Step], Awaitable[None]]) -> None:
         """Run one step; record its outcome whatever happens. Cancellation (the ceiling) propagates."""
@@ -410,7 +421,8 @@ async def _crash_reports(cap: _Capture, rec: _Step) -> None:
 
     def collect() -> None:
         for path in macos.recent_crash_reports(cap.req.pid, since):
-            cap.writer.copy(f"crash/{path.name}", path)
+            with open(path, "rb") as fh:
+                cap.write_blocking(f"crash/{path.name}", fh.read(16 * 1024 * 1024))
 
     await asyncio.to_thread(collect)
 
@@ -585,7 +597,7 @@ def _finish(cap: _Capture) -> Bundle:
         "verdict": req.verdict,
         "settings": {"snapshots": req.snapshots, "spacing": req.spacing, "ceiling": req.ceiling, "sudo": req.sudo,
                      "probe_first_token_timeout": cap.probe_first_token, "probe_linger": req.probe_linger,
-                     "stacks": req.stacks},
+                     "stacks": req.stacks, "redact": req.redact},
         "duration": round(cap.now(), 3),
         "steps": [s.to_dict() for s in cap.steps],
         "cpu": {"process": evidence.process_cpu, "generation_thread": evidence.generation_cpu,
@@ -595,7 +607,9 @@ def _finish(cap: _Capture) -> Bundle:
         "versions": cap.versions,
         "classification": classification.to_dict(),
     }
-    summary = render_summary(manifest, cap.snapshots, cap.markers.to_dict() if cap.markers else None)
+    manifest = redact_json(manifest, cap.redaction)  # the command line, the verdict, step errors
+    summary = redact_text(render_summary(manifest, cap.snapshots, cap.markers.to_dict() if cap.markers else None),
+                          cap.redaction)
     path = cap.writer.finish(manifest, summary)
     prune(req.out_dir, req.keep, req.max_bytes, protect=path)
     return Bundle(path, classification, cap.writer.manifest)

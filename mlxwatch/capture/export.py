@@ -1,11 +1,15 @@
-"""Export a bundle as ``.tar.gz``, optionally redacted for attaching to a public issue.
+"""Export a bundle as ``.tar.gz``: redacted by default, for attaching to a public issue.
 
-Redaction is by allowlist where content can hide: a log line is kept only if it has a known
-server shape (progress, prompt-cache stats, HTTP access lines, traceback frames and exception
-lines, startup); any other line becomes ``[redacted N chars]``. Probe transcripts keep event
-kinds and timings but not texts. The watchdog's verdict keeps its known failure phrase only
-(its details can quote the server). Environment values are dropped. Home-directory paths become
-``~``. The manifest is rewritten to list the redacted files' new hashes and ``"redacted": true``.
+Two layers. What the export keeps of each file is by allowlist where content can hide: a log
+line is kept only if it has a known server shape (progress, prompt-cache stats, HTTP access
+lines, traceback frames and exception lines, startup); any other line becomes
+``[redacted N chars]``. Probe transcripts keep event kinds and timings but not texts. The
+watchdog's verdict keeps its known failure phrase only (its details can quote the server). Then
+every file and the manifest go through ``redact``'s PUBLIC pass (the one capture uses at its
+own level): secrets in command lines, URLs, headers, exception messages and stacks, every
+environment value, home-directory paths. The manifest lists the files' new hashes and says
+``"redacted": true``; ``redact=False`` (``--no-redact``) exports the bundle as it is, and its
+manifest says ``"redacted": false``.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from mlxwatch.capture.bundle import MANIFEST, MAX_MANIFEST_BYTES, SUMMARY, load_manifest, read_bounded
+from mlxwatch.capture.redact import PUBLIC, redact_bytes, redact_json
 from mlxwatch.errors import BundleError
 from mlxwatch.probes.generation import DESCRIPTIONS
 
@@ -39,21 +44,18 @@ _KEEP_LOG_LINE = [
     re.compile(r"generation thread died"),
     re.compile(r"UserWarning: mlx_lm.server is not recommended"),
 ]
-_HOME = re.compile(r"(/Users|/home)/[^/\s\"']+")
 _TRANSCRIPT_TEXT_KINDS = {"token", "data", "body", "error", "other", "fail"}
-REDACTED_FILES_NOTE = "redacted by mlxwatch bundle export --redact"
-
-
-def redact_home(text: str) -> str:
-    home = str(Path.home())
-    if home not in ("/", ""):
-        text = text.replace(home, "~")
-    return _HOME.sub("~", text)
+REDACTED_FILES_NOTE = ("redacted by mlxwatch bundle export (the default; --no-redact exports the raw bundle): "
+                       "log lines of unknown shape, probe texts, verdict details, environment values, secrets "
+                       "(flags, URL credentials, headers, tokens) and home paths removed")
+RAW_FILES_NOTE = "not redacted (mlxwatch bundle export --no-redact): private, as captured"
 
 
 def redact_log_line(line: str) -> str:
+    """A log line of a known server shape as it is (the secret pass follows), any other one as
+    its length."""
     if any(p.search(line) for p in _KEEP_LOG_LINE):
-        return redact_home(line)
+        return line
     return f"[redacted {len(line)} chars]" if line.strip() else line
 
 
@@ -107,13 +109,6 @@ def _replace_strings(value: Any, old: str, new: str) -> Any:
     return value
 
 
-def _redact_process(info: dict) -> dict:
-    info = dict(info)
-    if isinstance(info.get("environment"), dict):
-        info["environment"] = {k: "[removed]" for k in info["environment"]}
-    return json.loads(redact_home(json.dumps(info)))
-
-
 def _redact_markers(markers: dict) -> dict:
     out = {}
     for key, value in markers.items():
@@ -127,39 +122,39 @@ def _redact_markers(markers: dict) -> dict:
 
 
 def redact_file(relname: str, data: bytes, verdict: str | None = None) -> bytes:
-    """The redacted form of one bundle file (``verdict``: the manifest's, to be cut where it is quoted)."""
+    """The redacted form of one bundle file (``verdict``: the manifest's, to be cut where it is
+    quoted): what the export keeps of it, then the PUBLIC secret pass."""
     text = data.decode("utf-8", errors="replace")
     if verdict:
         text = text.replace(verdict, redact_verdict(verdict))
     name = Path(relname).name
     if name == "log-tail.txt":
-        return redact_log(text).encode()
-    if name in ("probe.json", "probes-before.json"):
-        return json.dumps(_redact_transcript(json.loads(text)), indent=2, sort_keys=True).encode()
-    if name == "process.json":
-        return json.dumps(_redact_process(json.loads(text)), indent=2, sort_keys=True).encode()
-    if name == "log-markers.json":
-        return json.dumps(_redact_markers(json.loads(text)), indent=2, sort_keys=True).encode()
-    if name == "summary.md":
-        return "\n".join(redact_log_line(l) if l.startswith("- last") or l.startswith("- thread") else redact_home(l)
-                         for l in text.split("\n")).encode()
-    if relname.startswith("stacks/") and name.endswith(".json"):
+        text = redact_log(text)
+    elif name in ("probe.json", "probes-before.json"):
+        text = json.dumps(_redact_transcript(json.loads(text)), indent=2, sort_keys=True)
+    elif name == "log-markers.json":
+        text = json.dumps(_redact_markers(json.loads(text)), indent=2, sort_keys=True)
+    elif name == "summary.md":
+        text = "\n".join(redact_log_line(l) if l.startswith("- last") or l.startswith("- thread") else l
+                         for l in text.split("\n"))
+    elif relname.startswith("stacks/") and name.endswith(".json"):
         threads = json.loads(text)
         for thread in threads:
             thread.pop("locals", None)
             for frame in thread.get("frames", []):
                 frame.pop("locals", None)
-        return redact_home(json.dumps(threads, indent=2)).encode()
-    return redact_home(text).encode()
+        text = json.dumps(threads, indent=2)
+    return redact_bytes(relname, text, PUBLIC)
 
 
 def archive_name(bundle: Path, redact: bool = False) -> str:
     return f"{bundle.name}{'-redacted' if redact else ''}.tar.gz"
 
 
-def export_bundle(bundle: Path, out: Path | None = None, redact: bool = False,
+def export_bundle(bundle: Path, out: Path | None = None, redact: bool = True,
                   on_skip: Callable[[str], None] | None = None) -> Path:
-    """Write the bundle as ``.tar.gz`` and return its path; never overwrites (FileExistsError).
+    """Write the bundle as ``.tar.gz``, redacted unless ``redact`` is False, and return its
+    path; never overwrites (FileExistsError).
 
     ``out`` is None (``<bundle>[-redacted].tar.gz`` beside the bundle), an existing directory
     (that name inside it) or a file name ending in ``.tar.gz``. The archive holds one top folder
@@ -202,12 +197,10 @@ def export_bundle(bundle: Path, out: Path | None = None, redact: bool = False,
     if redact:
         if manifest.get("verdict"):
             manifest = _replace_strings(manifest, manifest["verdict"], redact_verdict(manifest["verdict"]))
-        manifest = json.loads(redact_home(json.dumps({**manifest, "files": files, "redacted": True,
-                                                       "redaction": REDACTED_FILES_NOTE})))
-        if isinstance(manifest.get("target"), dict):
-            manifest["target"]["cmdline"] = [redact_home(a) for a in manifest["target"].get("cmdline") or []]
+        manifest = redact_json({k: v for k, v in manifest.items() if k != "files"}, PUBLIC)
+        manifest.update(files=files, redacted=True, redaction=REDACTED_FILES_NOTE)
     else:
-        manifest = {**manifest, "files": files}  # what the archive holds
+        manifest = {**manifest, "files": files, "redacted": False, "redaction": RAW_FILES_NOTE}  # what the archive holds
     members.append((MANIFEST, json.dumps(manifest, indent=2, sort_keys=True).encode()))
     buffer = io.BytesIO()
     with tarfile.open(fileobj=buffer, mode="w:gz") as tar:

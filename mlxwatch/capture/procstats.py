@@ -1,6 +1,7 @@
 """Process statistics over the capture window (psutil).
 
-One description (cmdline, cwd, environment with secrets removed, open files, connections) and a
+One description (cmdline, cwd, environment, open files, connections: as read, the capture's
+redaction pass removes secrets when it writes them, see ``redact``) and a
 series of CPU samples, including per-thread CPU times: "is the generation thread burning CPU or
 parked?" is the question that separates a livelock from a block.
 """
@@ -8,22 +9,10 @@ parked?" is the question that separates a livelock from a block.
 from __future__ import annotations
 
 import asyncio
-import re
 import time
 from dataclasses import dataclass, field
 
 import psutil
-
-SECRET_KEY = re.compile(r"TOKEN|KEY|SECRET|PASSWORD|PASSWD|CREDENTIAL|AUTH|COOKIE", re.I)
-SECRET_VALUE = re.compile(r"^(hf_|sk-|ghp_|github_pat_|xox[bap]-)")
-REMOVED = "[removed]"
-
-
-def redact_environment(env: dict[str, str]) -> dict[str, str]:
-    """Drop values of secret-looking variables (names with TOKEN/KEY/SECRET/PASSWORD..., or
-    values that look like Hugging Face, OpenAI, GitHub or Slack tokens)."""
-    return {k: (REMOVED if SECRET_KEY.search(k) or SECRET_VALUE.match(v or "") else v) for k, v in env.items()}
-
 
 @dataclass
 class CpuSample:
@@ -100,7 +89,7 @@ def describe_process(pid: int) -> dict:
         "cpu_times": lambda: proc.cpu_times()._asdict(),
         "open_files": lambda: len(proc.open_files()),
         "connections": lambda: len(proc.net_connections("inet")),
-        "environment": lambda: redact_environment(proc.environ()),
+        "environment": proc.environ,
     }
     for key, read in readers.items():
         try:

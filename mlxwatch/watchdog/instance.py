@@ -351,7 +351,7 @@ class InstanceWatcher:
         request = CaptureRequest(
             pid=server.pid if server else None, out_dir=self.shared.bundles_dir, label=self.name, url=self.inst.url,
             log=self.inst.log or self.tracker.log, snapshots=cap.snapshots, spacing=cap.spacing,
-            ceiling=cap.ceiling, sudo=cap.sudo, stacks=cap.stacks,
+            ceiling=cap.ceiling, sudo=cap.sudo, stacks=cap.stacks, redact=cap.redact,
             log_tail_lines=cap.log_tail_lines, probe_first_token_timeout=min(p.first_token_timeout, 10.0),
             probe_timeout=min(p.timeout, 20.0), prior_probes=[r.to_dict() for r in self.failed_reports],
             keep=cap.keep, max_bytes=cap.max_bytes, verdict=_verdict_text(self.failed_reports, inc.stranger),
