@@ -12,10 +12,12 @@ the loop wakes on them or on its heartbeat, and does the work:
   reads: incidents left open are closed with where they stopped, partial bundles whose writer
   is gone are kept as ``-incomplete``, restart budgets come back from the state file (or, if
   it is unreadable, from the journal).
-- **Reload is a swap** (SIGHUP): the new config is built whole in a thread; if it is bad, or
-  moves ``state_dir``, it is refused and the old one kept. Otherwise top-level settings apply
-  at once, changed instances restart their watchers at once when idle and when their incident
-  ends otherwise, and the outcome is recorded (``last_reload`` in the state file).
+- **Reload is a swap** (SIGHUP): the new config is built whole in a thread; if ``run`` would
+  refuse it (``check_runnable``), or it moves ``state_dir``, it is refused and the old one
+  kept. Otherwise top-level settings apply at once, changed instances restart their watchers
+  at once when idle and when their incident ends otherwise, removed instances are dropped at
+  once (their incident closed as ``removed``), and the outcome is recorded (a log line, a
+  ``config_reload`` journal note, ``last_reload`` in the state file). See docs/deciding.md.
 """
 
 from __future__ import annotations
