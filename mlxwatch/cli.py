@@ -26,7 +26,7 @@ from mlxwatch.config import (
     MAX_COUNT, CaptureConfig, Config, InstanceConfig, ProbeConfig, load_config, load_runnable_config,
     resolve_config_path,
 )
-from mlxwatch.durations import DURATION_FORM, NOT_A_DURATION, format_duration, parse_duration
+from mlxwatch.durations import DURATION_FORM, NOT_A_DURATION, format_duration, human_duration, parse_duration
 from mlxwatch.errors import ConfigError, MlxwatchError, ProcessGoneError, StateError, UsageError
 
 EXIT_OK, EXIT_UNHEALTHY, EXIT_USAGE = 0, 1, 2
@@ -36,14 +36,7 @@ DEBUG_ENV = "MLXWATCH_DEBUG"
 _PROBE, _CAPTURE = ProbeConfig(), CaptureConfig()  # the one source of every default shown in --help
 
 
-def _human_duration(seconds: float) -> str:
-    """A default as a config file would say it: ``90s``, ``10m``, ``1h``, ``500ms``."""
-    if seconds < 1:
-        return f"{seconds * 1000:g}ms"
-    for unit, size in (("h", 3600), ("m", 60)):
-        if seconds >= size and seconds % size == 0:
-            return f"{seconds / size:g}{unit}"
-    return f"{seconds:g}s"
+_human_duration = human_duration  # a default in --help, as a config file would say it
 
 
 def _duration_arg(text: str) -> float:
@@ -775,6 +768,7 @@ def _run_daemon(args: argparse.Namespace, held: _HeldSignals) -> int:
     if args.log_level != "DEBUG":  # httpx logs every request at INFO: three lines per probe, not events
         for noisy in ("httpx", "httpcore"):
             logging.getLogger(noisy).setLevel(logging.WARNING)
+    _announce_watch(config, logging.getLogger("mlxwatch.run"))
     daemon = Daemon(config, _state_dir(config, args.state_dir))
 
     async def go() -> None:
@@ -796,6 +790,14 @@ def _run_daemon(args: argparse.Namespace, held: _HeldSignals) -> int:
 
     asyncio.run(go())
     return EXIT_OK
+
+
+def _announce_watch(config: Config, log: Any) -> None:
+    """One INFO line per fact a first run would otherwise wait minutes to learn (reports.watch_plan)."""
+    from mlxwatch.reports import watch_plan
+
+    for line in watch_plan(config.instances, _lookup, time.time()):
+        log.info("%s", line)
 
 
 def cmd_status(args: argparse.Namespace, out: Console) -> int:

@@ -53,3 +53,13 @@ def format_duration(seconds: float) -> str:
     if seconds < 3600:
         return f"{int(seconds // 60)}m{int(seconds % 60):02d}s"
     return f"{int(seconds // 3600)}h{int(seconds % 3600 // 60):02d}m"
+
+
+def human_duration(seconds: float) -> str:
+    """A setting as a config file would say it: ``90s``, ``10m``, ``1h``, ``500ms``."""
+    if seconds < 1:
+        return f"{seconds * 1000:g}ms"
+    for unit, size in (("h", 3600), ("m", 60)):
+        if seconds >= size and seconds % size == 0:
+            return f"{seconds / size:g}{unit}"
+    return f"{seconds:g}s"

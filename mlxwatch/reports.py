@@ -7,6 +7,7 @@ never cut, only folded); piped (``| grep``, a log file) every line stays whole, 
 from __future__ import annotations
 
 from datetime import datetime
+from typing import Callable
 from pathlib import Path
 
 from rich.console import Console
@@ -14,7 +15,9 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from mlxwatch.durations import format_duration
+from mlxwatch.config import InstanceConfig
+from mlxwatch.durations import format_duration, human_duration
+from mlxwatch.process import ServerLookup
 from mlxwatch.capture.classify import Classification
 from mlxwatch.probes import CheckReport
 
@@ -31,31 +34,38 @@ def _width(console: Console) -> int | None:
     return None if console.is_terminal else PIPED_WIDTH
 
 
-def _print_table(console: Console, table: Table) -> None:
-    # soft_wrap=False: with the console's soft wrap on, rich pads a table past the terminal's width
-    console.print(table, soft_wrap=False, width=_width(console))
-
-
 def say(console: Console, text: str | Text) -> None:
     """One logical line: wrapped at a terminal's width, whole when piped. A ``str`` is plain text."""
     line = Text(text) if isinstance(text, str) else text
     console.print(line, soft_wrap=not console.is_terminal)
 
 
+Row = tuple[str, "str | Text"]
+
+
+def _grid(rows: list[Row], indent: int, label_width: int, gap: int) -> Table:
+    """Labels in a fixed column; on a terminal a long value wraps (folds) inside its own column."""
+    grid = Table.grid()
+    grid.add_column(no_wrap=True, width=indent + label_width + gap)
+    grid.add_column(overflow="fold")
+    for label, value in rows:
+        grid.add_row(" " * indent + label, value)
+    return grid
+
+
+def _print_rows(console: Console, rows: list[Row], indent: int, label_width: int, gap: int) -> None:
+    """``label  value`` lines: a wrapping grid on a terminal, whole lines when piped (rich never
+    renders wider than its console, so piped lines are put together here)."""
+    if console.is_terminal:
+        console.print(_grid(rows, indent, label_width, gap), soft_wrap=False)
+        return
+    for label, value in rows:
+        say(console, Text.assemble(" " * indent + label.ljust(label_width) + " " * gap, value))
+
+
 def _bullets(console: Console, mark: str, lines: list[str]) -> None:
     """``  - line`` items; on a terminal a long one wraps under its own text, not under the mark."""
-    if not lines:
-        return
-    if not console.is_terminal:
-        for line in lines:
-            say(console, f"  {mark} {line}")
-        return
-    grid = Table(show_header=False, box=None, padding=(0, 0, 0, 1), pad_edge=False)
-    grid.add_column(no_wrap=True, min_width=3)
-    grid.add_column(overflow="fold")
-    for line in lines:
-        grid.add_row(f" {mark}", line)
-    _print_table(console, grid)
+    _print_rows(console, [(mark, line) for line in lines], indent=2, label_width=1, gap=1)
 
 
 def render_check(report: CheckReport, console: Console, waited: tuple[float, int] | None = None) -> None:
@@ -69,22 +79,20 @@ def render_check(report: CheckReport, console: Console, waited: tuple[float, int
     else:
         headline = Text.assemble(("unhealthy", "bold red"), f" {report.url}: {report.reason}")
     say(console, headline)
-    table = Table(show_header=False, box=None, padding=(0, 2))
-    table.add_column(no_wrap=True, min_width=10)  # the labels never shrink; long values wrap
-    table.add_column(overflow="fold")
+    rows: list[Row] = []
     if waited is not None:
         seconds, probes = waited
-        table.add_row("waited", f"{format_duration(seconds)}, {probes} probe{'s' if probes != 1 else ''}")
-    table.add_row("generation", f"HTTP {gen.status if gen.status is not None else '-'}, "
-                  f"{gen.tokens} tokens, finish {gen.finish_reason or '-'}")
-    table.add_row("timings", f"headers {_secs(gen.connect)}, first token {_secs(gen.ttft)}, "
-                  f"max gap {_secs(gen.max_gap)}, total {_secs(gen.total)}")
+        rows.append(("waited", f"{format_duration(seconds)}, {probes} probe{'s' if probes != 1 else ''}"))
+    rows.append(("generation", f"HTTP {gen.status if gen.status is not None else '-'}, "
+                 f"{gen.tokens} tokens, finish {gen.finish_reason or '-'}"))
+    rows.append(("timings", f"headers {_secs(gen.connect)}, first token {_secs(gen.ttft)}, "
+                 f"max gap {_secs(gen.max_gap)}, total {_secs(gen.total)}"))
     if gen.keepalives:
         last = gen.keepalives[-1]
-        table.add_row("prompt", f"{len(gen.keepalives)} keepalives, last {last.processed}/{last.total}")
-    table.add_row("/health", report.health.summary)
-    table.add_row("/v1/models", report.models.summary)
-    _print_table(console, table)
+        rows.append(("prompt", f"{len(gen.keepalives)} keepalives, last {last.processed}/{last.total}"))
+    rows.append(("/health", report.health.summary))
+    rows.append(("/v1/models", report.models.summary))
+    _print_rows(console, rows, indent=2, label_width=10, gap=4)
 
 
 def render_capture(classification: Classification, path: Path, archive: Path | None, console: Console) -> None:
@@ -112,14 +120,24 @@ class CaptureProgress:
         self.labels: dict[str, tuple[str, str]] = {}  # final (text, style) per step, from finish()
         self.live = Live(self._table(), console=console, transient=True, auto_refresh=False)
 
-    def _table(self) -> Table:
-        table = Table(show_header=False, box=None, padding=(0, 1))
-        table.add_column(no_wrap=True, min_width=max((len(n) for n in self.states), default=1))
-        table.add_column(no_wrap=True, overflow="ellipsis")
+    def _rows(self) -> list[Row]:
+        rows: list[Row] = []
         for name, state in self.states.items():
             text, style = self.labels.get(name) or ("running" if state == "start" else state,
                                                     self.STYLES.get(state, "red"))
-            table.add_row(name, Text(text, style=style))
+            rows.append((name, Text(text, style=style)))
+        return rows
+
+    def _name_width(self) -> int:
+        return max((len(n) for n in self.states), default=1)
+
+    def _table(self) -> Table:
+        """While it runs: one line per step (a long outcome ends in "…" until the final rows)."""
+        table = Table(show_header=False, box=None, padding=(0, 1))
+        table.add_column(no_wrap=True, min_width=self._name_width())
+        table.add_column(no_wrap=True, overflow="ellipsis")
+        for name, text in self._rows():
+            table.add_row(name, text)
         return table
 
     def update(self, name: str, state: str) -> None:
@@ -149,7 +167,7 @@ class CaptureProgress:
     def __exit__(self, *exc: object) -> None:
         self.live.__exit__(*exc)
         if exc[0] is None:  # the final states stay on screen (whole lines when piped)
-            _print_table(self.console, self._table())
+            _print_rows(self.console, self._rows(), indent=1, label_width=self._name_width(), gap=2)
 
 
 def _size(n: int | None) -> str:
@@ -200,3 +218,33 @@ def _cut(text: str, width: int) -> str:
 
 
 HEADER = ("time", "instance", "kind", "conf.", "size", "bundle")
+
+
+FIRST_PROBE_SPREAD = 5.0  # the watcher starts each instance's first probe within min(interval, this)
+
+
+def watch_plan(instances: list[InstanceConfig], lookup: Callable[[InstanceConfig], ServerLookup],
+               now: float) -> list[str]:
+    """What ``run`` says as it starts, per instance: what it watches, when the first probe
+    comes and how long one may wait; and, for a server process younger than startup_timeout
+    (a model still loading), the wall time before which no verdict is drawn. Without it a first
+    run on a loading server said nothing for minutes."""
+    lines = []
+    for inst in instances:
+        p = inst.probe
+        log = f", log {inst.log}" if inst.log else ""
+        lines.append(f"{inst.name}: watching {inst.url}{log}: first probe within "
+                     f"{human_duration(min(p.interval, FIRST_PROBE_SPREAD))}, then every {human_duration(p.interval)} "
+                     f"(first token within {human_duration(p.first_token_timeout)}); "
+                     f"{p.failures} failed probes in a row make a verdict")
+        found = lookup(inst)
+        proc = found.identity or found.loading
+        if proc is None:
+            lines.append(f"{inst.name}: no server process found ({found.detail}): a failed probe counts at once")
+            continue
+        up = max(0.0, now - proc.create_time)
+        if up < p.startup_timeout:
+            until = datetime.fromtimestamp(proc.create_time + p.startup_timeout).strftime("%H:%M:%S")
+            lines.append(f"{inst.name}: server PID {proc.pid} started {format_duration(up)} ago: no verdict before "
+                         f"{until} (startup_timeout {human_duration(p.startup_timeout)}) unless it answers first")
+    return lines

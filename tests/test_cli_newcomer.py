@@ -174,7 +174,7 @@ def test_unwritable_out_is_exit_2_naming_the_users_path(tmp_path, sleeper, capsy
     err = capsys.readouterr().err
     line = [x for x in err.splitlines() if "--force" not in x]
     assert code == 2 and len(line) == 1, err
-    assert f"--out {target}" in line[0] and ".partial" not in line[0], line[0]
+    assert str(target) in line[0] and ".partial" not in line[0], line[0]
 
 
 def test_capture_out_dir_is_created_with_its_parents(tmp_path, fake_server, capsys):
@@ -221,3 +221,42 @@ def test_an_empty_config_is_refused(argv, capsys):
     code = cli.run(argv, out=Console(file=io.StringIO()))
     one_line_error(capsys, code, argv, 2, "--config is empty")
 
+
+
+# --- run: what it watches, when it first probes, when a loading server is first judged
+
+
+def test_run_says_what_it_watches_and_when_a_starting_server_is_judged(tmp_path, fake_server, monkeypatch, capfd):
+    """Measured: a first `run` on defaults said nothing for minutes with no word why. Now, as it
+    starts: the URL, when the first probe comes, and for a server younger than startup_timeout
+    the wall time before which no verdict is drawn."""
+    import logging
+    from datetime import datetime
+
+    import psutil
+
+    pid, port, log = fake_server
+
+    class FakeDaemon:  # the plan is said before the daemon starts; the daemon itself is not the point
+        def __init__(self, config, state_dir):
+            pass
+
+        async def run(self, stop, reload, load_config):
+            return None
+
+    monkeypatch.setattr("mlxwatch.watchdog.daemon.Daemon", FakeDaemon)
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"state_dir: {tmp_path / 'state'}\ninstances: [{{name: lab, url: 'http://127.0.0.1:{port}'}}]\n")
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    try:
+        assert cli.run(["run", "--config", str(cfg)]) == 0
+    finally:
+        root.handlers[:] = handlers
+        root.setLevel(level)
+        for name in ("httpx", "httpcore"):
+            logging.getLogger(name).setLevel(logging.NOTSET)
+    err = capfd.readouterr().err
+    until = datetime.fromtimestamp(psutil.Process(pid).create_time() + 600).strftime("%H:%M:%S")
+    assert f"lab: watching http://127.0.0.1:{port}: first probe within 5s, then every 30s" in err, err
+    assert f"lab: server PID {pid} started" in err and f"no verdict before {until} (startup_timeout 10m)" in err, err
