@@ -1,8 +1,8 @@
 """Read an mlx_lm.server log: a bounded tail, and the markers that tell what happened.
 
-Shared by capture (evidence) and the watchdog (is prompt processing advancing? are other
-clients' completions coming back?). Reads at most a few MB from the end of the file, however
-large it has grown; a missing or unreadable log is "no evidence", never an error.
+Shared by capture (evidence) and the watchdog (is prompt processing advancing?). Reads at
+most a few MB from the end of the file, however large it has grown; a missing or unreadable
+log is "no evidence", never an error.
 """
 
 from __future__ import annotations
@@ -16,7 +16,12 @@ from pathlib import Path
 RECENT_BYTES = 4 * 1024 * 1024
 
 PROGRESS = re.compile(r"Prompt processing progress: (\d+)/(\d+)")
-COMPLETION = re.compile(r'"POST /v1/(?:chat/)?completions HTTP/1\.[01]" (\d{3})')
+# mlx-lm's access line for a generation request: logged by send_response(200) once the batch
+# loop has taken the request, before its first token. An admission, never a completion.
+ADMISSION = re.compile(r'"POST /v1/(?:chat/)?completions HTTP/1\.[01]" (\d{3})')
+# The one line mlx-lm writes after answering: at --log-level DEBUG, a non-streamed answer's
+# "Outgoing Response: {body}" (0.31 and 0.32). At INFO, and for streams, nothing marks a completion.
+ANSWERED = "Outgoing Response:"
 _THREAD_EXC = re.compile(r"Exception in thread (.+?):?$")
 _MISSING_PARAMS = re.compile(r"Missing (\d+) parameters")
 # Other threads keep logging while a traceback is printed: access lines and timestamped lines
@@ -36,8 +41,9 @@ class LogMarkers:
     last_prompt_progress: str | None = None
     prompt_progress: tuple[int, int] | None = None
     progress_count: int = 0  # how many progress lines: growth between reads means work advanced
-    last_completion: str | None = None
-    completion_count: int = 0  # POST .../completions 200 lines
+    last_admission: str | None = None  # the last POST .../completions 200: a request admitted, not answered
+    admission_count: int = 0
+    last_completion: str | None = None  # the last DEBUG "Outgoing Response:" (body cut off); None: none known
     thread_exceptions: list[str] = field(default_factory=list)
     last_traceback: list[str] = field(default_factory=list)
     metal_malloc: list[str] = field(default_factory=list)
@@ -135,8 +141,9 @@ def progress_lines(text: str) -> list[tuple[int, int]]:
 
 
 def completions_ok(text: str) -> int:
-    """How many ``POST /v1/(chat/)completions ... 200`` access lines ``text`` holds."""
-    return sum(1 for status in COMPLETION.findall(text) if status == "200")
+    """How many ``POST /v1/(chat/)completions ... 200`` access lines ``text`` holds: requests
+    admitted (see ``ADMISSION``), not answered."""
+    return sum(1 for status in ADMISSION.findall(text) if status == "200")
 
 
 def tail_lines(text: str, n: int) -> list[str]:
@@ -171,9 +178,11 @@ def scan(text: str) -> LogMarkers:
             markers.last_prompt_progress = line
             markers.prompt_progress = (int(m.group(1)), int(m.group(2)))
             markers.progress_count += 1
-        if (m := COMPLETION.search(line)) and m.group(1) == "200":
-            markers.last_completion = line
-            markers.completion_count += 1
+        if (m := ADMISSION.search(line)) and m.group(1) == "200":
+            markers.last_admission = line
+            markers.admission_count += 1
+        if (at := line.find(ANSWERED)) >= 0:
+            markers.last_completion = line[:at + len(ANSWERED)]  # the body is a private answer
         if (m := _THREAD_EXC.search(line.strip())):
             markers.thread_exceptions.append(line.strip())
         if "metal::malloc" in line:

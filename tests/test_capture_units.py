@@ -45,12 +45,16 @@ PROBE_FAILED = dict(probe_ran=True, probe_ok=False, probe_failure="no_first_toke
     (Evidence(**PROBE_FAILED, snapshots=NO_GEN, process_cpu=0.0), "dead_thread", "high"),
     (Evidence(**{**PROBE_FAILED, "health_status": 503}, snapshots=[], process_cpu=0.0), "dead_thread", "medium"),
     (Evidence(**PROBE_FAILED, snapshots=SAME, process_cpu=0.5), "blocked", "high"),
-    (Evidence(**PROBE_FAILED, snapshots=MOVING, process_cpu=0.5), "blocked", "medium"),
+    (Evidence(**PROBE_FAILED, snapshots=MOVING, process_cpu=0.5), "livelock", "low"),  # it steps: CPU only argues
     (Evidence(**PROBE_FAILED, snapshots=MOVING, process_cpu=98.0), "livelock", "high"),
-    (Evidence(**PROBE_FAILED, snapshots=SAME, process_cpu=98.0), "livelock", "medium"),
+    (Evidence(**PROBE_FAILED, snapshots=MOVING, process_cpu=12.0), "livelock", "medium"),
+    (Evidence(**PROBE_FAILED, snapshots=SAME, process_cpu=98.0), "livelock", "high"),
     (Evidence(**PROBE_FAILED, snapshots=SAME, process_cpu=98.0, log_progress_advanced=True), "busy", "medium"),
-    (Evidence(**PROBE_FAILED, snapshots=SAME, process_cpu=12.0), "unknown", "low"),
+    (Evidence(**PROBE_FAILED, snapshots=SAME, process_cpu=12.0), "livelock", "medium"),
+    (Evidence(**PROBE_FAILED, snapshots=SAME), "blocked", "low"),
+    (Evidence(**PROBE_FAILED, snapshots=SAME[:1], process_cpu=98.0), "livelock", "medium"),
     (Evidence(**PROBE_FAILED, snapshots=[], stacks_error="py-spy not found", process_cpu=0.0), "blocked", "low"),
+    (Evidence(**PROBE_FAILED, snapshots=[], stacks_error="py-spy not found", process_cpu=12.0), "livelock", "low"),
     (Evidence(snapshots=[], stacks_error="needs root", process_cpu=0.0), "unknown", "low"),
 ])
 def test_classification_rules(evidence, kind, confidence):
@@ -120,7 +124,7 @@ def test_log_markers_from_the_current_process_only():
     """Markers after the last server start; interleaved access lines do not cut a traceback."""
     markers = scan(since_last_start(LOG))
     assert markers.prompt_progress == (23032, 25660)
-    assert markers.completion_count == 1
+    assert markers.admission_count == 1 and markers.last_completion is None  # admitted, not answered
     assert markers.thread_exceptions == ["Exception in thread Thread-1 (_generate):"]
     assert markers.generation_thread_exception
     assert markers.last_traceback[-1] == "RuntimeError: [metal::malloc] Resource limit (499000) exceeded."
@@ -302,6 +306,87 @@ def test_admissions_are_not_progress():
     result = classify(Evidence(**PROBE_FAILED, snapshots=MOVING, process_cpu=98.0, log_admissions=5))
     assert result.kind == "livelock", result
     assert any("5 other request(s) admitted" in line and "not progress" in line for line in result.evidence)
+
+
+# Recorded shapes (a real spin bundle of the lab server on mlx-lm 0.32.2): the generation thread
+# waits in mx.eval inside the spinning step while MLX's own threads compute, so py-spy sees the
+# same Python stack in every snapshot; and the lab's block fault parked in threading's Event.wait.
+SPIN_FRAMES = (("_spin_step", "fault_server.py", 65),
+               ("install.<locals>.FaultyBatchGenerator.next", "fault_server.py", 85),
+               ("ResponseGenerator._generate", "/x/mlx_lm/server.py", 943),
+               ("ResponseGenerator._run_generate", "/x/mlx_lm/server.py", 544), ("Thread.run", "threading.py", 982))
+BLOCK_FRAMES = (("Condition.wait", "threading.py", 320), ("Event.wait", "threading.py", 622),
+                ("_block_forever", "fault_server.py", 47),
+                ("install.<locals>.FaultyBatchGenerator.next", "fault_server.py", 81),
+                ("ResponseGenerator._generate", "/x/mlx_lm/server.py", 943))
+
+
+def recorded(frames, n=3):
+    gen = pyspy.ThreadStack("Thread-1 (_run_generate)", 101, False, False, [pyspy.Frame(*f) for f in frames])
+    return [[MAIN, gen] for _ in range(n)]
+
+
+SPIN_SAME = recorded(SPIN_FRAMES)
+SPIN_MOVING = [[MAIN, pyspy.ThreadStack("Thread-1 (_run_generate)", 101, True, False,
+                                        [pyspy.Frame(*f) for f in ((fn, "fault_server.py", line), *SPIN_FRAMES[1:])])]
+               for fn, line in (("_spin_step", 65), ("_spin_step", 62), ("read_fault", 37))]
+
+
+@pytest.mark.parametrize("snapshots", [SPIN_SAME, SPIN_MOVING], ids=["same-stack", "moving-stack"])
+def test_a_livelock_on_a_loaded_machine_is_still_a_livelock(snapshots):
+    """Measured: under load a spinning server got 19% of a core and was classified unknown ("CPU
+    19% is between idle (5%) and busy (20%)"). Load only lowers a spinning server's CPU share; a
+    process well above idle computes: livelock, with the confidence lowered, never unknown."""
+    result = classify(Evidence(**PROBE_FAILED, snapshots=snapshots, process_cpu=19.0, generation_cpu=1.6))
+    assert result.kind == "livelock", result
+    assert result.confidence == "medium", result
+    assert any("19%" in line and "below busy" in line for line in result.evidence), result
+
+
+def test_blocked_in_a_wait_stays_blocked_at_a_moderate_cpu():
+    """Identical stacks inside threading's wait: blocked, whatever other threads of the process
+    burn; a CPU above idle lowers the confidence, it does not make the verdict unknown."""
+    quiet = classify(Evidence(**PROBE_FAILED, snapshots=recorded(BLOCK_FRAMES), process_cpu=0.4))
+    assert (quiet.kind, quiet.confidence) == ("blocked", "high"), quiet
+    loaded = classify(Evidence(**PROBE_FAILED, snapshots=recorded(BLOCK_FRAMES), process_cpu=12.0))
+    assert (loaded.kind, loaded.confidence) == ("blocked", "medium"), loaded
+
+
+@pytest.mark.parametrize("snapshots, cpu", [(SPIN_SAME, 89.0), (SAME, 98.0)], ids=["recorded-spin", "same"])
+def test_identical_stacks_are_counted_once(snapshots, cpu):
+    """Measured: a quiet run called most livelocks 'medium' because 'stack identical' was listed
+    as evidence and again as competing evidence. It is one clue, stated once, and at a busy CPU
+    it does not lower the confidence by itself."""
+    result = classify(Evidence(**PROBE_FAILED, snapshots=snapshots, process_cpu=cpu, generation_cpu=1.6))
+    assert (result.kind, result.confidence) == ("livelock", "high"), result
+    said = [line for line in result.evidence + result.competing if "same" in line or "identical" in line]
+    assert len(said) == 1, said
+
+
+ADMITTED_ONLY = """\
+2026-12-03 08:48:59,520 - INFO - Starting httpd at 127.0.0.1 on port 8082...
+127.0.0.1 - - [03/Dec/2026 08:49:05] "POST /v1/chat/completions HTTP/1.1" 200 -
+2026-12-03 08:49:05,520 - INFO - Prompt processing progress: 29/29
+127.0.0.1 - - [03/Dec/2026 08:49:09] "POST /v1/chat/completions HTTP/1.1" 200 -
+"""
+
+
+def test_an_admission_line_is_never_named_a_completion():
+    """Measured: a bundle's 'last completion' named a 'POST ... 200' line, which mlx-lm logs when
+    it admits a request. Admissions are called admissions; a completion is named only from a line
+    mlx-lm writes after answering (DEBUG 'Outgoing Response:', without the body), else none is known."""
+    markers = scan(since_last_start(ADMITTED_ONLY))
+    assert markers.last_completion is None
+    assert markers.last_admission and "POST /v1/chat/completions" in markers.last_admission
+    assert markers.admission_count == 2
+    manifest = {"classification": classify(Evidence(**PROBE_FAILED, snapshots=SAME, process_cpu=0.0)).to_dict(),
+                "target": {"pid": 1}, "created_at": "t", "host": "h", "steps": []}
+    summary = render_summary(manifest, [], markers.to_dict())
+    completion = [line for line in summary.splitlines() if "last completion" in line]
+    assert completion and all("POST" not in line for line in completion), completion
+    assert "none known" in completion[0]
+    answered = scan(ADMITTED_ONLY + '2026-12-03 08:49:10,000 - DEBUG - Outgoing Response: {"id": "secret text"}\n')
+    assert answered.last_completion == "2026-12-03 08:49:10,000 - DEBUG - Outgoing Response:"
 
 
 def test_log_window_counts_other_prompts_progress_only():

@@ -138,9 +138,13 @@ async def test_a_client_retrying_against_a_livelock_does_not_delay_the_verdict(l
     verdict = next(r for r in journal.records() if r["event"] == "verdict")
     assert verdict["detected_at"] - fault_at < bound
     captured = next(r for r in journal.records() if r["event"] == "captured")
-    assert captured["kind"] == "livelock"
-    manifest = json.loads((Path(captured["bundle"]) / "manifest.json").read_text())
-    assert manifest["classification"]["kind"] not in ("busy", "healthy")
+    # The admissions never made it 'busy'; which hang kind depends on evidence the load moves
+    # (a spin sampled in mx.eval every time at idle CPU reads as blocked), its frame does not.
+    assert captured["kind"] in ("livelock", "blocked"), captured
+    bundle = Path(captured["bundle"])
+    assert "_spin_step" in "".join(p.read_text() for p in (bundle / "stacks").glob("*.txt"))
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    assert manifest["classification"]["kind"] == captured["kind"]
 
 
 async def test_a_slow_server_busy_for_other_clients_is_not_restarted_by_our_own_probes(server_python, lab_root, tmp_path):

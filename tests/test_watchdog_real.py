@@ -16,6 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from mlxwatch.capture.classify import IDLE_CPU
 from mlxwatch.config import CaptureConfig, Config, InstanceConfig, ProbeConfig, RestartConfig
 from mlxwatch.lab.server import LabServer
 from mlxwatch.watchdog.daemon import Daemon
@@ -66,12 +67,14 @@ def incident_records(journal: Journal) -> list[dict]:
 
 
 @pytest.mark.parametrize("fault, kind, mark", [
-    ("spin", "livelock", "_spin_step"),
+    ("spin", None, "_spin_step"),  # the kind: see below
     ("block", "blocked", "_block_forever"),
     ("die", "dead_thread", None),
 ])
 async def test_fault_is_detected_captured_restarted_and_recovered(lab, tmp_path, fault, kind, mark):
-    """The whole incident, in order, with the evidence taken from the faulty process."""
+    """The whole incident, in order, with the evidence taken from the faulty process. The kind
+    is asserted exactly where the evidence is deterministic (a thread parked in a wait, a thread
+    gone); a spin's is a hang kind, and livelock whenever the recorded process CPU was above idle."""
     old_pid = lab.pid
     switched = {}
 
@@ -86,9 +89,16 @@ async def test_fault_is_detected_captured_restarted_and_recovered(lab, tmp_path,
     verdict, captured, restart, recovered = (next(r for r in records if r["event"] == e)
                                              for e in ("verdict", "captured", "restart", "recovered"))
     assert verdict["detected_at"] - switched["at"] < VERDICT_BOUND
-    assert recovered["kind"] == kind and recovered["pid"] == old_pid
+    assert recovered["pid"] == old_pid
     bundle = Path(recovered["bundle"])
     manifest = json.loads((bundle / "manifest.json").read_text())
+    assert recovered["kind"] == manifest["classification"]["kind"]
+    if kind is not None:
+        assert recovered["kind"] == kind, manifest["classification"]
+    else:
+        assert recovered["kind"] in ("livelock", "blocked"), manifest["classification"]
+        if (manifest["cpu"]["process"] or 0.0) >= IDLE_CPU:
+            assert recovered["kind"] == "livelock", manifest["cpu"]
     assert manifest["target"]["pid"] == old_pid  # the evidence is from the faulty process ...
     assert captured["ts"] <= restart["restarts"][0]["at"]  # ... taken before the restart began
     stacks = "".join(p.read_text() for p in (bundle / "stacks").glob("*.txt"))

@@ -8,9 +8,21 @@ The kinds, and the evidence that leads to each (first match wins, ambiguity is r
     dead_thread  no generation thread in the stacks, its traceback in the log, or /health 503
     busy         no token, but prompt processing advanced in the window (another prompt's
                  ``Prompt processing progress: X/Y`` X grew, or the probe's own keepalives moved)
-    blocked      generation thread present, ~0% CPU, its stack the same in every snapshot
-    livelock     generation thread present and burning CPU while no token was delivered
+    blocked      generation thread present and not stepping: the launch shim saw no step with
+                 requests in flight, or its stack is parked in a wait (threading, queue, socket),
+                 or it is stuck in one call while the process computes nothing
+    livelock     generation thread present and stepping while no token was delivered: the shim
+                 counted steps without tokens, or its stack moved between snapshots, or it sat in
+                 one call while the process computed
     unknown      the evidence does not decide; the competing lines say why
+
+Where the launch shim's heartbeat speaks, it decides. From outside, the stacks decide where they
+can (moving = stepping, parked in a wait = blocked) and the process CPU only where they cannot
+(one compute call in every snapshot). Load on the machine only *lowers* a spinning server's CPU
+share and never raises a blocked one's, so the line between "computes" and "computes nothing" is
+the idle mark; below the busy mark the confidence drops a step instead of the verdict turning
+``unknown`` (measured: a livelock at 19% of a core under load). Each clue is stated once, in
+``evidence`` when it supports the kind and in ``competing`` when it argues against it.
 
 CPU alone never makes a server healthy or busy: a livelock burns CPU and delivers nothing.
 Neither do admissions: mlx-lm logs ``POST /v1/chat/completions ... 200`` when it *admits* a
@@ -25,14 +37,18 @@ the verdict and what the capture saw, and the confidence drops one step.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 from mlxwatch.capture.pyspy import ThreadStack, generation_thread
 from mlxwatch.serverlog import LogMarkers
 
-IDLE_CPU = 5.0  # percent of one core: below this the thread is parked
-BUSY_CPU = 20.0  # above this it is computing
+IDLE_CPU = 5.0  # percent of one core: below this the process computes nothing
+BUSY_CPU = 20.0  # at or above this "computing" needs no other support; between the two, a step less confidence
 IDLE_FUNCTIONS = ("_next_request", "get_next_request")  # an idle server waits here for requests
+# The innermost Python frame in one of these files: the thread waits on a lock, event, queue or
+# socket (the lab's block fault: Condition.wait in threading.py), not on a computation.
+WAIT_FILES = ("threading.py", "queue.py", "selectors.py", "socket.py")
 
 KINDS = ("dead_thread", "blocked", "livelock", "wedged", "crashed", "busy", "healthy", "unknown")
 
@@ -100,6 +116,7 @@ METAL_RAISES = ("mlx >= 0.32.0 (PR #3523) raises a Metal command-buffer error on
 
 CONTRADICTING_KINDS = ("busy", "healthy")  # kinds that say "not hung": they contradict a verdict
 _LOWER = {"high": "medium", "medium": "low", "low": "low"}
+_CONFIDENCE = ("high", "medium", "low")  # indexed by how many steps the clues against took off
 MAX_NATIVE_LINES = 6  # sample findings listed as evidence when there are no Python stacks
 
 
@@ -146,51 +163,112 @@ def _classify(ev: Evidence) -> Classification:
         return Classification("busy", "high" if exact else "medium", lines)
 
     present = [g for g in gens if g is not None]
-    # Process CPU decides, not the generation thread's own: MLX evaluates on its own worker
-    # threads, so a livelocked Python thread mostly waits in mx.eval while the process computes.
-    cpu = ev.process_cpu
-    no_delivery = "the probe got no token" if ev.probe_ran else "no probe was run (no URL): delivery unknown"
-    lines.append(no_delivery)
-    if cpu is not None:
-        thread = f" (generation thread itself: {ev.generation_cpu:.0f}%)" if ev.generation_cpu is not None else ""
-        lines.append(f"process CPU over the window: {cpu:.0f}% of one core{thread}")
+    # Process CPU, not the generation thread's own: MLX evaluates on its own worker threads, so
+    # a livelocked Python thread mostly waits in mx.eval while the process computes.
+    cpu = CpuClue(ev.process_cpu, ev.generation_cpu)
+    lines.append("the probe got no token" if ev.probe_ran else "no probe was run (no URL): delivery unknown")
 
-    decided = _from_shim(ev, present, cpu, lines, competing)
+    stack = StackClue.of(present)
+    decided = _from_shim(ev, stack, cpu, lines, competing)
     if decided is not None:
         return decided
-    if not present:
+    if stack is None:
+        lines.append(cpu.line())
         competing.append(f"no stacks: {ev.stacks_error or 'py-spy gave none'}")
         # Where py-spy fails (often, on a Mac), sample's native call graph is what a person reads:
         # it names the C/MLX/Metal frames each thread is in; it cannot name the Python frame.
         lines.extend(f"sample: {finding}" for finding in ev.native_findings[:MAX_NATIVE_LINES])
-        if not ev.probe_ran:  # neither delivery nor stacks: an idle server would look the same
+        if not ev.probe_ran or cpu.band is None:  # an idle server, or nothing measured, would look the same
             return Classification("unknown", "low", lines, competing)
-        return _from_cpu_only(cpu, lines, competing)
+        return Classification("blocked" if cpu.band == "idle" else "livelock", "low", lines, competing)
 
-    top = present[-1].frames[0].where if present[-1].frames else "?"
-    identical = len(present) >= 2 and len({g.signature() for g in present}) == 1
-    lines.append(
-        f"generation thread stack {'identical' if identical else 'changing'} across {len(present)} snapshot(s); innermost: {top}"
-    )
     if not ev.probe_ran and _idle(present[-1]):
-        lines.append("the generation thread is waiting for new requests: an idle server")
+        lines += [stack.line(), cpu.line(), "the generation thread is waiting for new requests: an idle server"]
         return Classification("healthy", "low", lines, ["no generation probe confirmed delivery"])
+    return _from_outside(ev, stack, cpu, lines, competing)
 
-    confidence_cut = "high" if ev.probe_ran else "low"
-    if cpu is not None and cpu < IDLE_CPU:
-        if not identical:
-            competing.append("the stack changed between snapshots although the CPU is idle")
-        return Classification("blocked", confidence_cut if identical else "medium", lines, competing)
-    if cpu is not None and cpu >= BUSY_CPU:
-        if identical:
-            competing.append("the stack looked the same in every snapshot (one long native call?)")
-        return Classification("livelock", confidence_cut if not identical else "medium", lines, competing)
-    if cpu is None:
+
+@dataclass(frozen=True)
+class StackClue:
+    """The generation thread across the snapshots that show it: did it move, and where is it."""
+
+    snapshots: int
+    motion: str  # moving | identical | single
+    innermost: str
+    waiting: bool  # innermost frame in a lock/event/queue/socket wait
+
+    @classmethod
+    def of(cls, present: list[ThreadStack]) -> StackClue | None:
+        if not present:
+            return None
+        motion = ("single" if len(present) == 1
+                  else "identical" if len({g.signature() for g in present}) == 1 else "moving")
+        frames = present[-1].frames
+        waiting = bool(frames) and Path(frames[0].filename).name in WAIT_FILES
+        return cls(len(present), motion, frames[0].where if frames else "?", waiting)
+
+    def line(self) -> str:
+        if self.motion == "single":
+            return (f"generation thread in only one stack snapshot (whether it moves is unknown); "
+                    f"innermost: {self.innermost}")
+        seen = "identical" if self.motion == "identical" else "changing"
+        return f"generation thread stack {seen} across {self.snapshots} snapshot(s); innermost: {self.innermost}"
+
+
+@dataclass(frozen=True)
+class CpuClue:
+    process: float | None
+    thread: float | None
+
+    @property
+    def band(self) -> str | None:
+        if self.process is None:
+            return None
+        return "idle" if self.process < IDLE_CPU else "busy" if self.process >= BUSY_CPU else "middle"
+
+    def line(self) -> str:
+        if self.process is None:
+            return "CPU use could not be measured"
+        thread = f" (generation thread itself: {self.thread:.0f}%)" if self.thread is not None else ""
+        return f"process CPU over the window: {self.process:.0f}% of one core{thread}"
+
+
+def _from_outside(ev: Evidence, stack: StackClue, cpu: CpuClue, lines: list[str],
+                  competing: list[str]) -> Classification:
+    """Livelock or blocked from stacks and CPU, each clue stated once: a moving stack is a thread
+    that steps (livelock), one parked in a wait is blocked, whatever the CPU; only a thread sat in
+    one compute call needs the CPU to tell "computing" (livelock) from "stuck in it" (blocked)."""
+    lines.append(stack.line())
+    if stack.motion == "moving":
+        kind = "livelock"
+    elif stack.waiting:
+        kind = "blocked"
+    else:
+        kind = "blocked" if cpu.band in ("idle", None) else "livelock"
+    steps = 0 if ev.probe_ran else 2  # without a probe, delivery is unknown: low at best
+    if stack.motion == "single":  # missing evidence, said in the stack line: a step less confidence
+        steps += 1
+    band = cpu.band
+    if band is None:
         competing.append("CPU use could not be measured")
-        kind = "blocked" if identical else "livelock"
-        return Classification(kind, "low", lines, competing)
-    competing.append(f"CPU {cpu:.0f}% is between idle ({IDLE_CPU:g}%) and busy ({BUSY_CPU:g}%)")
-    return Classification("unknown", "low", lines, competing)
+        steps += 1 if stack.motion == "moving" or stack.waiting else 2
+    elif (kind, band) in (("livelock", "busy"), ("blocked", "idle")):
+        lines.append(cpu.line())
+    elif band == "middle":  # weak: for a livelock it supports, for a block it argues against
+        steps += 1
+        if kind == "livelock":
+            lines.append(f"{cpu.line()}: above idle ({IDLE_CPU:g}%), so it computes; below busy "
+                         f"({BUSY_CPU:g}%), as a loaded machine leaves a spinning server")
+        else:
+            competing.append(f"{cpu.line()}: above idle ({IDLE_CPU:g}%) while the generation thread waits "
+                             "(another thread computes?)")
+    elif kind == "livelock":  # idle CPU, yet the stack moved
+        steps += 2
+        competing.append(f"{cpu.line()}: idle, although the stack moved between snapshots")
+    else:  # blocked in a wait while the process computes
+        steps += 1
+        competing.append(f"{cpu.line()}: busy, while the generation thread waits (another thread computes?)")
+    return Classification(kind, _CONFIDENCE[min(steps, 2)], lines, competing)
 
 
 def _dead_thread_signals(ev: Evidence, gens: list[ThreadStack | None]) -> list[str]:
@@ -227,43 +305,33 @@ def _idle(thread: ThreadStack) -> bool:
     return any(f.name.rsplit(".", 1)[-1] in IDLE_FUNCTIONS for f in thread.frames[:8])
 
 
-def _from_cpu_only(cpu: float | None, lines: list[str], competing: list[str]) -> Classification:
-    if cpu is not None and cpu < IDLE_CPU:
-        return Classification("blocked", "low", lines, competing)
-    if cpu is not None and cpu >= BUSY_CPU:
-        return Classification("livelock", "low", lines, competing)
-    return Classification("unknown", "low", lines, competing)
-
-
-def _from_shim(ev: Evidence, present: list[ThreadStack], cpu: float | None, lines: list[str],
+def _from_shim(ev: Evidence, stack: StackClue | None, cpu: CpuClue, lines: list[str],
                competing: list[str]) -> Classification | None:
     """The launch shim's heartbeat decides livelock or blocked from inside the batch loop: steps
     taken with no token emitted is a livelock, no step with requests in flight is a block, and a
     heartbeat that stopped is a native call holding the GIL (or a stopped process). Stacks and
-    CPU corroborate (high confidence) or compete (medium). None: the shim says nothing here."""
+    CPU corroborate (high confidence) or compete (medium), each stated once. None: the shim says
+    nothing here."""
     shim = ev.shim
     if shim is None or not (shim.livelock or shim.blocked or shim.stale):
         return None
-    identical = len(present) >= 2 and len({g.signature() for g in present}) == 1
-    if present:
-        top = present[-1].frames[0].where if present[-1].frames else "?"
-        lines.append(f"generation thread stack {'identical' if identical else 'changing'} across "
-                     f"{len(present)} snapshot(s); innermost: {top}")
+    stack_line = [stack.line()] if stack is not None else []
     if shim.livelock:
-        lines += shim.livelock
         against = []
-        if cpu is not None and cpu < IDLE_CPU:
-            against.append(f"yet the process CPU is idle ({cpu:.0f}%)")
+        if cpu.band == "idle":
+            against.append(f"{cpu.line()}: idle")
+        lines += stack_line + ([] if against else [cpu.line()]) + shim.livelock
         return Classification("livelock", "medium" if against else "high", lines, competing + against)
     if shim.blocked:
-        lines += shim.blocked
         against = []
-        if cpu is not None and cpu >= BUSY_CPU:
-            against.append(f"the process CPU is busy ({cpu:.0f}%): one long native computation?")
-        if len(present) >= 2 and not identical:
-            against.append("the generation thread's stack changed between snapshots")
+        if cpu.band == "busy":
+            against.append(f"{cpu.line()}: busy (one long native computation?)")
+        if stack is not None and stack.motion == "moving":
+            against.append(stack.line())
+            stack_line = []
+        lines += stack_line + ([] if cpu.band == "busy" else [cpu.line()]) + shim.blocked
         return Classification("blocked", "medium" if against else "high", lines, competing + against)
-    lines += shim.stale
+    lines += stack_line + [cpu.line()] + shim.stale
     if "stopped" in ev.process_statuses:
         return Classification("wedged", "high", lines, competing)
     return Classification("blocked", "medium", lines, competing)

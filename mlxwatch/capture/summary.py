@@ -3,7 +3,8 @@
 The verdict and its evidence first (and, when the watchdog judged the server hung but the
 evidence says otherwise, that contradiction in the first lines), then the generation thread's
 stack across snapshots, CPU over the window, the last log markers, and what could not be
-captured and why.
+captured and why. "Last completion" names only a line mlx-lm writes after answering; its
+``POST ... 200`` access line is an admission and is called one.
 """
 
 from __future__ import annotations
@@ -11,6 +12,10 @@ from __future__ import annotations
 from typing import Any
 
 from mlxwatch.capture.pyspy import ThreadStack, generation_thread
+
+
+NO_COMPLETION = ("none known (mlx-lm logs no line when it finishes a request, except 'Outgoing Response' "
+                 "at --log-level DEBUG for a non-streamed one; the launch shim's heartbeat counts tokens)")
 
 
 def render_summary(manifest: dict[str, Any], snapshots: list[tuple[float, list[ThreadStack]]], markers: dict | None) -> str:
@@ -67,9 +72,12 @@ def render_summary(manifest: dict[str, Any], snapshots: list[tuple[float, list[T
                        f"{change['prompt_tokens']} prompt tokens")
     if markers:
         out += ["", "## Log markers", ""]
-        for key in ("last_prompt_progress", "last_completion"):
-            if markers.get(key):
-                out.append(f"- {key.replace('_', ' ')}: `{markers[key].strip()}`")
+        if markers.get("last_prompt_progress"):
+            out.append(f"- last prompt progress: `{markers['last_prompt_progress'].strip()}`")
+        if markers.get("last_admission"):  # logged when the batch loop takes a request, before any token
+            out.append(f"- last admission (not a completion): `{markers['last_admission'].strip()}`")
+        out.append(f"- last completion: `{markers['last_completion'].strip()}`" if markers.get("last_completion")
+                   else f"- last completion: {NO_COMPLETION}")
         for key in ("thread_exceptions", "metal_malloc", "insufficient_memory", "missing_parameters", "generation_thread_died"):
             for line in markers.get(key) or []:
                 out.append(f"- {key.replace('_', ' ')}: `{line}`")
