@@ -210,7 +210,7 @@ def test_reload_refuses_a_config_that_run_refuses_and_keeps_the_old_one(tmp_path
     assert proc.returncode == 0, err
     reload = last_reload(tmp_path)
     assert reload["ok"] is False and str(config) in reload["message"] and "no instances to watch" in reload["message"]
-    (line,) = [ln for ln in err.splitlines() if "reload" in ln]
+    (line,) = [ln for ln in err.splitlines() if "config reload" in ln]
     assert " WARNING " in line and str(config) in line and "no instances to watch" in line
     assert "watching none" not in err
     (noted,) = [r for r in Journal(tmp_path / "state").records() if r["event"] == "config_reload"]
