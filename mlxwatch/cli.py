@@ -551,7 +551,8 @@ def cmd_capture(args: argparse.Namespace, out: Console) -> int:
         pid=pid, out_dir=target_dir, label=label, url=url, log=log,
         snapshots=args.snapshots or cap.snapshots, spacing=args.spacing or cap.spacing,
         ceiling=args.ceiling or cap.ceiling, sudo=cap.sudo, log_tail_lines=cap.log_tail_lines,
-        keep=cap.keep, max_bytes=cap.max_bytes, stacks=args.stacks or cap.stacks, redact=cap.redact,
+        keep=cap.keep, max_bytes=cap.max_bytes, keep_days=cap.keep_days, min_free_bytes=cap.min_free_bytes,
+        stacks=args.stacks or cap.stacks, redact=cap.redact,
         probe_first_token_timeout=min(probe.first_token_timeout, CaptureRequest.probe_first_token_timeout),
         probe_timeout=min(probe.timeout, CaptureRequest.probe_timeout),
     )

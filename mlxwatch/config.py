@@ -112,6 +112,8 @@ class CaptureConfig:
     log_tail_lines: int = 400
     keep: int = 50  # newest bundles kept per directory
     max_bytes: int = 2 * 1024**3  # all bundles together
+    keep_days: int = 90  # bundles older than this are deleted (incomplete and unfinished ones too)
+    min_free_bytes: int = 1024**3  # below this much free disk, no bundle: a one-line note instead
     stacks: str = "auto"  # Python stack source: auto (shim if present, else py-spy) | pyspy | shim | sample
     redact: bool = True  # the raw bundle without secret environment values and URL passwords; false: complete
 
@@ -810,6 +812,8 @@ def _capture(sec: _Section, base: Path) -> CaptureConfig:
         "log_tail_lines": _positive_int,
         "keep": _positive_int,
         "max_bytes": _size,
+        "keep_days": _positive_int,
+        "min_free_bytes": _size,
         "stacks": _choice(STACK_SOURCES),
         "redact": _bool,
     }))

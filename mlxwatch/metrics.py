@@ -357,8 +357,10 @@ def describe(settings: MetricsConfig) -> str:
 
 def write_textfile(path: Path, data: bytes) -> None:
     """Replace ``path`` atomically: node_exporter never reads half a file. The temp file's name
-    does not end in .prom, so the collector ignores it. 0644: node_exporter may run as another
-    user, and the file holds instance names and numbers only."""
+    is random and does not end in .prom (the collector ignores it), and it is created with
+    ``O_EXCL|O_NOFOLLOW``: a link planted in a shared textfile directory is never written
+    through, whatever user the daemon runs as. 0644: node_exporter may run as another user,
+    and the file holds instance names and numbers only."""
     replace_atomically(path, data, mode=0o644)
 
 

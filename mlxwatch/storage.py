@@ -1,26 +1,75 @@
-"""Writing files so that nothing is lost or half-written, whatever kills us.
+"""Writing files so that nothing is lost or half-written, whatever kills us, and nothing is
+written through a name someone else could aim.
 
 - ``write_new``: create a file that must not exist yet (never overwrite), fsync it.
 - ``replace_atomically``: write a temp file beside the target, fsync, rename over it.
 - ``append_record``: one JSON line appended and fsynced (the incident journal).
 - ``read_records`` / ``read_records_from``: the journal's whole records, all or from an offset.
-- ``private_dir``: a directory only the owner can read (bundles and logs hold private prompts).
+- ``private_dir``: a directory only the owner can write (bundles and logs hold private prompts);
+  one that others could write, or that another user owns, is refused (``UnsafeDirError``).
+- ``free_bytes``: free space for an unprivileged writer under a path (the capture's floor).
+
+No write follows a symbolic link: temp files get a random name and are created with
+``O_EXCL|O_NOFOLLOW``; appends and reads open with ``O_NOFOLLOW`` (a planted link fails with
+ELOOP instead of redirecting a root daemon's write to any file it names).
 """
 
 from __future__ import annotations
 
+import errno
 import json
+import logging
 import os
+import secrets
+import stat
 from pathlib import Path
 from typing import Any
 
+from mlxwatch.errors import StateError
+
+log = logging.getLogger("mlxwatch.storage")
+
 FILE_MODE = 0o600
 DIR_MODE = 0o700
+NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_TEMP_TRIES = 16
+
+
+class UnsafeDirError(StateError):
+    """A directory mlxwatch would write in can be written by others, or is owned by another
+    user: anyone who can write there can plant a link to aim our writes. ``str()`` is one line
+    naming the directory and the fix."""
 
 
 def private_dir(path: Path) -> Path:
-    path.mkdir(parents=True, exist_ok=True, mode=DIR_MODE)
+    """``path`` as a directory only this user can write: created 0700 if missing; an existing
+    one must be owned by this user and not group- or world-writable (``UnsafeDirError``
+    otherwise, naming the fix). A directory created here that still came out looser (a default
+    ACL, a filesystem that ignores the mode) is tightened to 0700, with a warning."""
+    try:
+        path.mkdir(parents=True, mode=DIR_MODE)
+        created = True
+    except FileExistsError:
+        created = False
+    st = path.stat()  # a symlink the user made to their own directory is fine: the target is checked
+    if not stat.S_ISDIR(st.st_mode):
+        raise UnsafeDirError(f"{path} is not a directory: move it away or choose another directory")
+    if st.st_uid != os.geteuid():
+        raise UnsafeDirError(f"{path} is owned by uid {st.st_uid}, not by this user (uid {os.geteuid()}): "
+                             f"use a directory of your own, or `chown {os.geteuid()} {path}`")
+    if st.st_mode & 0o022:
+        if not created:
+            raise UnsafeDirError(f"{path} is writable by {'others' if st.st_mode & 0o002 else 'its group'} "
+                                 f"(mode {stat.S_IMODE(st.st_mode):o}): `chmod 700 {path}` and check what is in it")
+        os.chmod(path, DIR_MODE)
+        log.warning("%s was created with mode %o; tightened to %o", path, stat.S_IMODE(st.st_mode), DIR_MODE)
     return path
+
+
+def free_bytes(path: Path) -> int:
+    """Bytes an unprivileged writer can still use on the filesystem holding ``path``."""
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
 
 
 def fsync_dir(path: Path) -> None:
@@ -44,8 +93,9 @@ def _write_all(fd: int, data: bytes) -> None:
 
 
 def _write_synced(path: Path, flags: int, data: bytes, mode: int = FILE_MODE) -> None:
-    """Open with ``flags``, write all of ``data``, fsync, close: the one way files are written."""
-    fd = os.open(path, os.O_WRONLY | flags, mode)
+    """Open with ``flags`` (never following a link), write all of ``data``, fsync, close: the
+    one way files are written."""
+    fd = os.open(path, os.O_WRONLY | NOFOLLOW | flags, mode)
     try:
         _write_all(fd, data)
         os.fsync(fd)
@@ -60,10 +110,27 @@ def write_new(path: Path, data: bytes) -> None:
 
 def replace_atomically(path: Path, data: bytes, mode: int = FILE_MODE) -> None:
     """Readers see the old content or the new, never a torn file; a failed write leaves no temp.
-    The temp file is ``.<name>.<pid>.tmp``: hidden, and not matched by a reader's suffix."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+
+    The temp file is ``.<name>.<random>.tmp`` in the target's directory (hidden, and not
+    matched by a reader's suffix), created with ``O_EXCL|O_NOFOLLOW``: a name planted there in
+    advance, link or file, is never opened, another random name is tried. The rename replaces
+    a link at ``path`` itself, never the file it points to."""
+    for _ in range(_TEMP_TRIES):
+        tmp = path.with_name(f".{path.name}.{secrets.token_hex(8)}.tmp")
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | NOFOLLOW, mode)
+        except FileExistsError:
+            continue
+        break
+    else:
+        raise FileExistsError(errno.EEXIST, f"no free temp name beside {path}")
     try:
-        _write_synced(tmp, os.O_CREAT | os.O_TRUNC, data, mode)
+        try:
+            os.fchmod(fd, mode)  # the umask narrowed it at creation; a 0644 textfile needs it back
+            _write_all(fd, data)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
         os.replace(tmp, path)
     except BaseException:
         try:
@@ -81,15 +148,31 @@ def append_record(path: Path, record: dict[str, Any]) -> None:
     stays alone and this record is not glued to it.
     """
     line = (json.dumps(record, sort_keys=True, default=str) + "\n").encode()
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND, FILE_MODE)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND | NOFOLLOW | getattr(os, "O_NONBLOCK", 0), FILE_MODE)
     try:
-        size = os.fstat(fd).st_size
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise OSError(errno.EINVAL, f"{path} is not a regular file")
+        size = st.st_size
         if size and os.pread(fd, 1, size - 1) != b"\n":
             line = b"\n" + line
         _write_all(fd, line)
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def open_regular(path: Path):
+    """``path`` opened for reading as a binary file object, never through a link and never a
+    FIFO or device (OSError: ELOOP for a link, EINVAL for anything but a regular file)."""
+    fd = os.open(path, os.O_RDONLY | NOFOLLOW | getattr(os, "O_NONBLOCK", 0))
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, f"{path} is not a regular file")
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 MAX_LINE = 1024 * 1024  # longer journal lines are garbage: only their tail is kept, to recover a record
@@ -111,7 +194,7 @@ def read_records_from(path: Path, start: int = 0) -> tuple[list[dict[str, Any]],
     """
     records: list[dict[str, Any]] = []
     try:
-        fh = open(path, "rb")
+        fh = open_regular(path)
     except FileNotFoundError:
         return records, start
     with fh:

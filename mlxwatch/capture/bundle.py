@@ -7,8 +7,18 @@ Names are never reused and nothing is overwritten; a capture killed midway leave
 ``.<name>.partial`` dir that ``adopt_partials`` renames to ``<name>-incomplete`` so it is kept
 and visible. A partial dir holds a ``.writer`` file (PID, process create time, host) naming the
 process that writes it: a partial whose writer is gone is adopted at once, one whose writer is
-alive is another capture in progress and is left alone. ``prune`` keeps the newest ``keep``
-bundles within ``max_bytes``.
+alive is another capture in progress and is left alone.
+
+Retention (``prune``, after each capture): the newest ``keep`` bundles within ``max_bytes``
+and ``keep_days``. ``-incomplete`` bundles and unfinished partials whose writer is gone count
+and go like complete ones; a partial still being written counts toward the bytes but is never
+deleted, nor is the bundle just written. A bundle's time is the UTC stamp in its name (copies
+keep it), else its mtime. Links in the bundles dir are never followed, counted or deleted.
+
+Disk floor: ``BundleWriter`` refuses to start a bundle (``LowDiskSpace``, one line) when less
+than ``min_free_bytes`` is free where it would go, and refuses any file that would take the
+free space below it: a capture never takes a nearly full disk's last bytes. The watchdog
+journals that line (``capture_failed``) and restarts the server all the same.
 
 The writer's methods are plain blocking file I/O (every file is fsynced): the async collector
 calls them through ``asyncio.to_thread``, possibly several at once, so they are thread-safe.
@@ -26,20 +36,33 @@ import stat
 import threading
 import time
 import uuid
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import psutil
 
+from mlxwatch.errors import BundleError
 from mlxwatch.process import ProcessIdentity
-from mlxwatch.storage import fsync_dir, private_dir, write_new
+from mlxwatch.storage import free_bytes, fsync_dir, private_dir, write_new
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 SUMMARY = "summary.md"
 WRITER = ".writer"  # in a partial dir only: who is writing it (never listed, removed on finish)
 _SAFE = re.compile(r"[^A-Za-z0-9_.-]+")
+_STAMP = re.compile(r"-(\d{8}T\d{6}Z)-[0-9a-f]{6}(?:-incomplete)?$")
+PARTIAL_GRACE = 300.0  # a partial without a readable .writer is another capture's for this long
+DAY = 86400.0
+
+
+class LowDiskSpace(BundleError):
+    """Less free disk than ``capture.min_free_bytes`` where the bundle would go."""
+
+
+def _gib(n: int) -> str:
+    return f"{n / 1024**3:.2f} GiB" if n >= 1024**3 else f"{n / 1024**2:.0f} MiB"
 
 
 def bundle_name(label: str, now: float | None = None) -> str:
@@ -50,8 +73,12 @@ def bundle_name(label: str, now: float | None = None) -> str:
 class BundleWriter:
     """Collects files into a partial bundle; ``finish`` makes it whole and visible at once."""
 
-    def __init__(self, root: Path, label: str) -> None:
+    def __init__(self, root: Path, label: str, min_free_bytes: int = 0,
+                 free_space: Callable[[Path], int] = free_bytes) -> None:
         self.root = private_dir(root)
+        self.min_free_bytes = min_free_bytes
+        self.free_space = free_space  # injectable: tests simulate a full disk
+        self._check_floor(0, "no bundle written")
         self.name = bundle_name(label)
         self.partial = self.root / f".{self.name}.partial"
         self.partial.mkdir(mode=0o700)
@@ -61,6 +88,14 @@ class BundleWriter:
         self._lock = threading.Condition()
         self._busy = 0  # writes in progress (worker threads)
         self._closed = False
+
+    def _check_floor(self, size: int, what: str) -> None:
+        if not self.min_free_bytes:
+            return
+        free = self.free_space(self.root)
+        if free - size < self.min_free_bytes:
+            raise LowDiskSpace(f"{self.root}: {_gib(free)} free, below capture.min_free_bytes "
+                               f"({_gib(self.min_free_bytes)}); {what}: free some space or lower the floor")
 
     def _begin(self, relname: str) -> None:
         with self._lock:
@@ -76,6 +111,8 @@ class BundleWriter:
     def write(self, relname: str, data: bytes | str) -> Path:
         if isinstance(data, str):
             data = data.encode("utf-8")
+        if relname != SUMMARY:  # the summary (kilobytes) is what says why the rest is missing
+            self._check_floor(len(data), f"{relname} not written")
         self._begin(relname)
         try:
             path = self.partial / relname
@@ -226,10 +263,11 @@ def bundle_entries(root: Path) -> list[dict[str, Any]]:
 
 
 def list_bundles(root: Path) -> list[Path]:
-    """Complete bundles under ``root``, oldest first."""
+    """Complete bundles under ``root``, oldest first (links are not bundles)."""
     if not root.is_dir():
         return []
-    found = [p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".") and (p / MANIFEST).exists()]
+    found = [p for p in root.iterdir() if not p.is_symlink() and p.is_dir() and not p.name.startswith(".")
+             and (p / MANIFEST).exists()]
     return sorted(found, key=lambda p: p.stat().st_mtime)
 
 
@@ -244,20 +282,67 @@ def _size(path: Path) -> int:
     return total
 
 
-def prune(root: Path, keep: int, max_bytes: int, protect: Path | None = None) -> list[Path]:
-    """Delete the oldest complete bundles beyond ``keep`` or ``max_bytes``; never ``protect``."""
-    bundles = list_bundles(root)
-    sizes = {b: _size(b) for b in bundles}
-    total = sum(sizes.values())
-    removed = []
-    for bundle in bundles:
-        if len(bundles) - len(removed) <= keep and total <= max_bytes:
-            break
-        if protect is not None and bundle.resolve() == protect.resolve():
+def bundle_time(path: Path) -> float:
+    """When a bundle was made: the UTC stamp in its name, else its mtime."""
+    name = path.name[1:-len(".partial")] if path.name.endswith(".partial") else path.name
+    m = _STAMP.search(name)
+    if m:
+        return datetime.strptime(m.group(1), "%Y%m%dT%H%M%SZ").replace(tzinfo=timezone.utc).timestamp()
+    return path.lstat().st_mtime
+
+
+@dataclass
+class _Held:
+    """One directory retention counts: deletable unless a capture is still writing it."""
+
+    path: Path
+    at: float
+    size: int
+    deletable: bool
+
+
+def _retained(root: Path, now: float) -> list[_Held]:
+    """Complete, ``-incomplete`` and partial bundles under ``root``, oldest first."""
+    held = []
+    for path in root.iterdir():
+        try:
+            if path.is_symlink() or not path.is_dir():
+                continue
+            name = path.name
+            if name.startswith(".") and name.endswith(".partial"):
+                alive = partial_writer_alive(path)
+                busy = alive or (alive is None and now - path.stat().st_mtime < PARTIAL_GRACE)
+                held.append(_Held(path, bundle_time(path), _size(path), deletable=not busy))
+            elif not name.startswith(".") and (name.endswith("-incomplete") or (path / MANIFEST).is_file()):
+                held.append(_Held(path, bundle_time(path), _size(path), deletable=True))
+        except OSError:
             continue
-        shutil.rmtree(bundle, ignore_errors=True)
-        total -= sizes[bundle]
-        removed.append(bundle)
+    return sorted(held, key=lambda h: h.at)
+
+
+def prune(root: Path, keep: int, max_bytes: int, protect: Path | None = None,
+          keep_days: float | None = None, now: float | None = None) -> list[Path]:
+    """Delete the oldest bundles beyond ``keep``, ``max_bytes`` or ``keep_days`` (complete,
+    incomplete and abandoned partial ones alike); never ``protect`` or a partial being written."""
+    if not root.is_dir():
+        return []
+    now = time.time() if now is None else now
+    held = _retained(root, now)
+    count, total = len(held), sum(h.size for h in held)
+    oldest_kept = now - keep_days * DAY if keep_days else None
+    protected = protect.resolve() if protect is not None else None
+    removed = []
+    for h in held:
+        too_old = oldest_kept is not None and h.at < oldest_kept
+        if count <= keep and total <= max_bytes and not too_old:
+            continue  # not `break`: an old bundle later in the list may still be past keep_days
+        if not h.deletable or (protected is not None and h.path.resolve() == protected):
+            continue
+        shutil.rmtree(h.path, ignore_errors=True)
+        if h.path.exists():
+            continue
+        count, total = count - 1, total - h.size
+        removed.append(h.path)
     return removed
 
 
@@ -291,6 +376,8 @@ def adopt_partials(root: Path, older_than: float = 300.0) -> list[Path]:
         return adopted
     for partial in root.glob(".*.partial"):
         try:
+            if partial.is_symlink() or not partial.is_dir():
+                continue  # not ours: never renamed, followed or deleted
             alive = partial_writer_alive(partial)
             if alive or (alive is None and time.time() - partial.stat().st_mtime < older_than):
                 continue  # another capture may still be writing it

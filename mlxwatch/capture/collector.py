@@ -89,6 +89,8 @@ class CaptureRequest:
     prior_probes: list[dict] = field(default_factory=list)  # the watchdog's failed probes
     keep: int = 50
     max_bytes: int = 2 * 1024**3
+    keep_days: float | None = CaptureConfig.keep_days
+    min_free_bytes: int = CaptureConfig.min_free_bytes  # below it: LowDiskSpace, no bundle
     verdict: str | None = None  # the watchdog's reason for judging the server hung; None: manual capture
     probe_linger: float = PROBE_LINGER  # 0: a given-up probe closes its stream at once
     stacks: str = "auto"  # Python stacks from: auto (the launch shim if present, else py-spy) | pyspy | shim | sample
@@ -207,7 +209,7 @@ async def capture_bundle(req: CaptureRequest, *, runner: Runner = run_command, o
     The returned ``Bundle.lingering`` (if not None) is a task still draining the capture probe's
     stream; the caller awaits or cancels it."""
     cap = _Capture(req, runner, on_step)
-    cap.writer = await asyncio.to_thread(BundleWriter, req.out_dir, req.label or f"pid-{req.pid}")
+    cap.writer = await asyncio.to_thread(BundleWriter, req.out_dir, req.label or f"pid-{req.pid}", req.min_free_bytes)
     before: asyncio.Future | None = None
     try:
         if req.log is not None:
@@ -611,5 +613,5 @@ def _finish(cap: _Capture) -> Bundle:
     summary = redact_text(render_summary(manifest, cap.snapshots, cap.markers.to_dict() if cap.markers else None),
                           cap.redaction)
     path = cap.writer.finish(manifest, summary)
-    prune(req.out_dir, req.keep, req.max_bytes, protect=path)
+    prune(req.out_dir, req.keep, req.max_bytes, protect=path, keep_days=req.keep_days)
     return Bundle(path, classification, cap.writer.manifest)

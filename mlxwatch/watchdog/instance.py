@@ -354,7 +354,8 @@ class InstanceWatcher:
             ceiling=cap.ceiling, sudo=cap.sudo, stacks=cap.stacks, redact=cap.redact,
             log_tail_lines=cap.log_tail_lines, probe_first_token_timeout=min(p.first_token_timeout, 10.0),
             probe_timeout=min(p.timeout, 20.0), prior_probes=[r.to_dict() for r in self.failed_reports],
-            keep=cap.keep, max_bytes=cap.max_bytes, verdict=_verdict_text(self.failed_reports, inc.stranger),
+            keep=cap.keep, max_bytes=cap.max_bytes, keep_days=cap.keep_days, min_free_bytes=cap.min_free_bytes,
+            verdict=_verdict_text(self.failed_reports, inc.stranger),
         )
         try:
             bundle = await self.shared.capture_fn(request)

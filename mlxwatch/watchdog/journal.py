@@ -8,6 +8,21 @@ closing event is open: either a daemon is working on it, or a daemon stopped mid
 each such incident with a ``closed`` record saying where it stopped, and ``mlxwatch status``
 says which of the two it is.
 
+Segments. ``incidents.jsonl`` is the live segment. Before an append finds it at
+``SEGMENT_BYTES`` (1 MiB, about 200 incidents) or more, it is renamed to the next
+``incidents-NNNNNN.jsonl`` (numbered from 1, oldest first; never deleted by mlxwatch) and
+``incidents.index.json`` is rewritten: a ``Summary`` of every closed segment, i.e. what those
+records still decide about the present (each instance's last incident record, the last record
+of each incident still open, each instance's restart times and gave-up time). So ``status``,
+a daemon start and the state rebuild read the index plus the live segment: bounded bytes,
+however many months of incidents lie behind. A segment that no index covers yet (killed
+between the rename and the index write; an index deleted or damaged) is folded in when read
+and covered by the next index the daemon writes. ``records()`` is that bounded view; the whole
+history is the segments in order, then the live one (``cat incidents-*.jsonl incidents.jsonl``).
+
+No file here is opened through a symbolic link: a link at the journal's name is refused
+(``StateError``), appends use ``O_NOFOLLOW``.
+
 Observers (``Journal.observers``, callables taking the record as written) are told of every
 ``record`` and ``note`` after it is appended: the metrics follow incidents this way. An observer
 that raises is logged and ignored; it never stops the journal or the watcher that wrote. Records
@@ -16,18 +31,29 @@ written by ``close_left_open`` (incidents of an earlier daemon run) are not obse
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+import re
+import stat
 import time
 import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
-from mlxwatch.storage import append_record, private_dir, read_records
+from mlxwatch.errors import StateError
+from mlxwatch.storage import append_record, fsync_dir, open_regular, private_dir, read_records, replace_atomically
 
 log = logging.getLogger("mlxwatch.watchdog")
 
-JOURNAL_NAME = "incidents.jsonl"
+JOURNAL_NAME = "incidents.jsonl"  # the live segment
+INDEX_NAME = "incidents.index.json"
+SEGMENT_BYTES = 1024 * 1024  # the live segment is rotated once it holds this much
+MAX_INDEX_BYTES = 16 * 1024 * 1024  # an index is kilobytes; a bigger one is not ours and is ignored
+MAX_RESTARTS_KEPT = 1000  # restart times per instance the index keeps (budgets look back one window)
+INDEX_FORMAT = 1
+_SEGMENT = re.compile(r"incidents-(\d{6,})\.jsonl")
 CLOSING_EVENTS = ("recovered", "gave_up", "closed")
 RECORD_FIELDS = ("ts", "event")
 MAX_BACKLOG = 1000  # records kept in memory while the journal cannot be written  # set by the journal itself, never copied from an older record
@@ -54,9 +80,151 @@ class Incident:
         return asdict(self)
 
 
+@dataclass
+class Summary:
+    """What a run of journal records still decides about the present, folded record by record.
+
+    ``latest`` and ``open`` hold ``(position, record)``: each instance's last incident record
+    and the last record of each incident not closed, with the record's position in the whole
+    journal, so the kept records can be replayed in their order. ``history`` is each instance's
+    restart times and gave-up time, as the state rebuild needs them. Folding the same records
+    twice changes nothing (a crash between a segment's rename and its index write is harmless)."""
+
+    segments: list[str] = field(default_factory=list)  # the closed segments folded in, oldest first
+    position: int = 0  # records folded so far
+    latest: dict[str, tuple[int, dict[str, Any]]] = field(default_factory=dict)
+    open: dict[str, tuple[int, dict[str, Any]]] = field(default_factory=dict)
+    history: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    def fold(self, records: Iterable[dict[str, Any]]) -> "Summary":
+        for rec in records:
+            self.position += 1
+            name, incident_id = rec.get("instance"), rec.get("id")
+            if isinstance(incident_id, str) and isinstance(name, str):
+                self.latest[name] = (self.position, rec)
+                if rec.get("event") in CLOSING_EVENTS:
+                    self.open.pop(incident_id, None)
+                else:
+                    self.open[incident_id] = (self.position, rec)
+            if isinstance(name, str):
+                _fold_history(self.history.setdefault(name, {"restarts": [], "gave_up_at": None}), rec)
+        return self
+
+    def kept_records(self) -> list[dict[str, Any]]:
+        """The records that still decide the present, in journal order."""
+        kept = {pos: rec for pos, rec in (*self.latest.values(), *self.open.values())}
+        return [kept[pos] for pos in sorted(kept)]
+
+    def to_json(self) -> bytes:
+        history = {name: {"restarts": sorted(h["restarts"])[-MAX_RESTARTS_KEPT:], "gave_up_at": h["gave_up_at"]}
+                   for name, h in self.history.items()}
+        return json.dumps({"format": INDEX_FORMAT, "segments": self.segments, "position": self.position,
+                           "latest": self.latest, "open": self.open, "history": history},
+                          sort_keys=True, default=str).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes) -> "Summary":
+        """Raises ValueError for anything that is not an index this module wrote."""
+        try:
+            raw = json.loads(data.decode("utf-8"))
+            if raw.get("format") != INDEX_FORMAT:
+                raise ValueError(f"format {raw.get('format')!r}")
+            summary = cls(segments=[str(n) for n in raw["segments"]], position=int(raw["position"]))
+            for key in ("latest", "open"):
+                getattr(summary, key).update({str(k): (int(pos), dict(rec)) for k, (pos, rec) in raw[key].items()})
+            for name, h in raw["history"].items():
+                summary.history[str(name)] = {"restarts": [float(t) for t in h["restarts"]],
+                                              "gave_up_at": h["gave_up_at"]}
+        except (AttributeError, KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"not a journal index ({type(exc).__name__}: {exc})") from None
+        return summary
+
+
+def _fold_history(inst: dict[str, Any], rec: dict[str, Any]) -> None:
+    """Restart times (from the incident's ``restarts``) and the gave-up time of one instance."""
+    restarts = rec.get("restarts")
+    for restart in restarts if isinstance(restarts, list) else []:
+        at = restart.get("at") if isinstance(restart, dict) else None
+        if isinstance(at, (int, float)) and not isinstance(at, bool) and at not in inst["restarts"]:
+            inst["restarts"].append(float(at))
+    event = rec.get("event")
+    if event == "gave_up":
+        inst["gave_up_at"] = rec.get("ts")
+    elif event in ("resumed", "recovered"):
+        inst["gave_up_at"] = None
+        if event == "resumed":
+            inst["restarts"] = []
+
+
+def segment_paths(state_dir: Path) -> list[Path]:
+    """The closed segments, oldest first."""
+    found = []
+    try:
+        names = os.listdir(state_dir)
+    except OSError:
+        return []
+    for name in names:
+        m = _SEGMENT.fullmatch(name)
+        if m:
+            found.append((int(m.group(1)), state_dir / name))
+    return [p for _, p in sorted(found)]
+
+
+def load_summary(state_dir: Path) -> Summary:
+    """The index of the closed segments plus any segment it does not cover yet (folded here).
+    An index that is missing or damaged costs a read of every segment, never a wrong answer."""
+    summary = Summary()
+    try:
+        with open_regular(state_dir / INDEX_NAME) as fh:
+            data = fh.read(MAX_INDEX_BYTES + 1)
+        if len(data) > MAX_INDEX_BYTES:
+            raise ValueError(f"larger than {MAX_INDEX_BYTES} bytes")
+        summary = Summary.from_json(data)
+    except FileNotFoundError:
+        pass
+    except (OSError, ValueError) as exc:
+        log.warning("journal index %s is unusable (%s); reading every segment instead",
+                    state_dir / INDEX_NAME, getattr(exc, "strerror", None) or exc)
+    covered = set(summary.segments)
+    for path in segment_paths(state_dir):
+        if path.name not in covered:
+            summary.fold(read_records(path))
+            summary.segments.append(path.name)
+    return summary
+
+
+def journal_summary(journal_path: Path) -> Summary:
+    """Everything the journal at ``journal_path`` (its live segment) says, as a ``Summary``:
+    the index, uncovered segments and the live segment folded. Reads bounded bytes."""
+    return load_summary(journal_path.parent).fold(read_records(journal_path))
+
+
+def has_records(journal_path: Path) -> bool:
+    """True when the journal holds anything: a non-empty live segment or a closed one."""
+    try:
+        if journal_path.stat().st_size > 0:
+            return True
+    except OSError:
+        pass
+    return bool(segment_paths(journal_path.parent))
+
+
 class Journal:
-    def __init__(self, state_dir: Path) -> None:
-        self.path = private_dir(state_dir) / JOURNAL_NAME
+    def __init__(self, state_dir: Path, segment_bytes: int = SEGMENT_BYTES) -> None:
+        self.dir = private_dir(state_dir)
+        self.path = self.dir / JOURNAL_NAME
+        self.segment_bytes = segment_bytes
+        try:
+            st = os.lstat(self.path)
+        except FileNotFoundError:
+            pass
+        else:
+            if stat.S_ISLNK(st.st_mode):
+                raise StateError(f"{self.path} is a symbolic link; mlxwatch never writes through one: "
+                                 "remove it (and check who made it)")
+            if not stat.S_ISREG(st.st_mode):
+                raise StateError(f"{self.path} is not a regular file: move it away")
+        self._index_checked = False  # the first append makes sure the index covers every segment
         self.observers: list[Callable[[dict[str, Any]], None]] = []
         self._observer_errors: set[str] = set()
         self.backlog: list[dict[str, Any]] = []  # records a full disk kept us from writing, oldest first
@@ -80,6 +248,7 @@ class Journal:
         it first, in order. Logged once per failing streak."""
         self.backlog.append(entry)
         try:
+            self._keep_bounded()
             while self.backlog:
                 append_record(self.path, self.backlog[0])
                 self.backlog.pop(0)
@@ -93,6 +262,29 @@ class Journal:
         if self.write_error is not None:
             log.warning("journal written again (it had failed: %s)", self.write_error)
             self.write_error = None
+
+    def _keep_bounded(self) -> None:
+        """Rotate the live segment once it holds ``segment_bytes``, and keep the index covering
+        every closed segment (the first append of a run repairs one a crash left behind)."""
+        try:
+            size = os.stat(self.path).st_size
+        except FileNotFoundError:
+            size = 0
+        if size >= self.segment_bytes:
+            segments = segment_paths(self.dir)
+            last = int(_SEGMENT.fullmatch(segments[-1].name).group(1)) if segments else 0
+            target = self.dir / f"incidents-{last + 1:06d}.jsonl"
+            if os.path.lexists(target):  # numbers only grow; this would be a bug, and we never overwrite
+                raise FileExistsError(target)
+            os.rename(self.path, target)
+            fsync_dir(self.dir)
+            log.info("journal segment %s closed (%d bytes)", target.name, size)
+            self._index_checked = False
+        if not self._index_checked:
+            summary = load_summary(self.dir)
+            if not _index_covers(self.dir, summary):
+                replace_atomically(self.dir / INDEX_NAME, summary.to_json())
+            self._index_checked = True
 
     def _tell(self, entry: dict[str, Any]) -> None:
         for observer in list(self.observers):
@@ -118,20 +310,27 @@ class Journal:
         self._tell(entry)
         return entry
 
+    def summary(self) -> Summary:
+        return journal_summary(self.path)
+
     def records(self) -> list[dict[str, Any]]:
-        return read_records(self.path)
+        """The records that decide the present, in order: the closed segments' kept records
+        (each instance's last incident record, each open incident's last record), then every
+        record of the live segment. Folding these gives what folding the whole history gives."""
+        return load_summary(self.dir).kept_records() + read_records(self.path)
 
     def open_incidents(self) -> list[dict[str, Any]]:
         """The last record of each incident that never reached a closing event."""
-        last: dict[str, dict[str, Any]] = {}
-        for rec in self.records():
-            if "id" in rec and "instance" in rec:
-                last[rec["id"]] = rec
-        return [r for r in last.values() if r["event"] not in CLOSING_EVENTS]
+        return [rec for _, rec in sorted(self.summary().open.values(), key=lambda kept: kept[0])]
 
     def latest_by_instance(self) -> dict[str, dict[str, Any]]:
-        out: dict[str, dict[str, Any]] = {}
-        for rec in self.records():
-            if "id" in rec and "instance" in rec:
-                out[rec["instance"]] = rec
-        return out
+        return {name: rec for name, (_, rec) in self.summary().latest.items()}
+
+
+def _index_covers(state_dir: Path, summary: Summary) -> bool:
+    """Does the index on disk already say what ``summary`` says about the closed segments?"""
+    try:
+        with open_regular(state_dir / INDEX_NAME) as fh:
+            return Summary.from_json(fh.read(MAX_INDEX_BYTES + 1)).segments == summary.segments
+    except (OSError, ValueError):
+        return False

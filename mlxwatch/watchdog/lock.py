@@ -3,17 +3,20 @@
 Two daemons on one state dir capture and restart the same hang twice and kill each other's
 fresh servers (measured: six hook runs for one hang). The lock file holds the holder's PID so
 the refusal can name it; the kernel drops the lock when the holder dies, however it dies, so a
-SIGKILLed daemon never leaves a stale lock behind.
+SIGKILLed daemon never leaves a stale lock behind. Taking the lock checks the state dir first
+(``storage.private_dir``: ours, not writable by others) and never opens the lock file through a
+symbolic link.
 """
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
 from pathlib import Path
 
 from mlxwatch.errors import StateError
-from mlxwatch.storage import private_dir
+from mlxwatch.storage import NOFOLLOW, private_dir
 
 LOCK_NAME = "daemon.lock"
 
@@ -24,9 +27,16 @@ class StateDirLock:
         self.fd: int | None = None
 
     def acquire(self) -> None:
-        """Take the lock or raise ``StateError`` naming the daemon that holds it."""
+        """Take the lock or raise ``StateError`` naming the daemon that holds it, or the state
+        dir's problem (``UnsafeDirError``), or the link planted at the lock's name."""
         private_dir(self.path.parent)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | NOFOLLOW, 0o600)
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise StateError(f"{self.path} is a symbolic link; mlxwatch never writes through one: "
+                                 "remove it and check who made it") from None
+            raise
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -47,7 +57,7 @@ class StateDirLock:
 def lock_holder(state_dir: Path) -> int | None:
     """The PID of the daemon holding ``state_dir``, or None if no daemon holds it."""
     try:
-        fd = os.open(state_dir / LOCK_NAME, os.O_RDONLY)
+        fd = os.open(state_dir / LOCK_NAME, os.O_RDONLY | NOFOLLOW)
     except OSError:
         return None
     try:

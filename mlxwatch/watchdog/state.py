@@ -29,7 +29,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from mlxwatch.errors import StateError
-from mlxwatch.storage import private_dir, read_records, replace_atomically
+from mlxwatch.storage import open_regular, private_dir, replace_atomically
+from mlxwatch.watchdog.journal import has_records, journal_summary
 
 log = logging.getLogger("mlxwatch.watchdog")
 
@@ -43,7 +44,7 @@ class StateFile:
         self.path = state_dir / STATE_NAME
         self.data, self.problem = load_state(state_dir)
         if self.problem is None and not self.data["instances"] and journal_path is not None \
-                and _has_records(journal_path):
+                and has_records(journal_path):
             self.problem = "is missing while the journal is not"  # deleted: never a silent reset
         if self.problem is not None and journal_path is not None:
             self.data = rebuild_from_journal(journal_path)
@@ -113,11 +114,14 @@ def load_state(state_dir: Path) -> tuple[dict[str, Any], str | None]:
     path = state_dir / STATE_NAME
     empty: dict[str, Any] = {"instances": {}}
     try:
-        st = os.stat(path)
+        st = os.lstat(path)  # never through a link: a planted one would choose what we read
     except FileNotFoundError:
         return empty, None
     except OSError as exc:
         raise StateError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    if stat.S_ISLNK(st.st_mode):
+        raise StateError(f"{path} is a symbolic link; mlxwatch never reads or writes through one: "
+                         "remove it (and check who made it)")
     if stat.S_ISDIR(st.st_mode):
         raise StateError(f"{path} is a directory, not the state file: move it away")
     if not stat.S_ISREG(st.st_mode):
@@ -125,7 +129,8 @@ def load_state(state_dir: Path) -> tuple[dict[str, Any], str | None]:
     if st.st_size > MAX_STATE_BYTES:
         return empty, f"is larger than {MAX_STATE_BYTES} bytes"
     try:
-        data = json.loads(path.read_bytes().decode("utf-8"))
+        with open_regular(path) as fh:
+            data = json.loads(fh.read(MAX_STATE_BYTES).decode("utf-8"))
     except (OSError, ValueError) as exc:
         return empty, f"is unreadable ({type(exc).__name__})"
     if not isinstance(data, dict) or not isinstance(data.get("instances", {}), dict) \
@@ -138,34 +143,12 @@ def load_state(state_dir: Path) -> tuple[dict[str, Any], str | None]:
     return data, None
 
 
-def _has_records(journal_path: Path) -> bool:
-    try:
-        return journal_path.stat().st_size > 0
-    except OSError:
-        return False
-
-
 def rebuild_from_journal(journal_path: Path) -> dict[str, Any]:
-    """Restart times and gave-up times per instance, from the incident records."""
-    instances: dict[str, dict[str, Any]] = {}
-    for rec in read_records(journal_path):
-        name = rec.get("instance")
-        if not isinstance(name, str):
-            continue
-        inst = instances.setdefault(name, {"restarts": [], "gave_up_at": None})
-        for restart in rec.get("restarts") or []:
-            at = restart.get("at") if isinstance(restart, dict) else None
-            if isinstance(at, (int, float)) and at not in inst["restarts"]:
-                inst["restarts"].append(float(at))
-        event = rec.get("event")
-        if event == "gave_up":
-            inst["gave_up_at"] = rec.get("ts")
-        elif event in ("resumed", "recovered"):
-            inst["gave_up_at"] = None
-            if event == "resumed":
-                inst["restarts"] = []
-    for inst in instances.values():
-        inst["restarts"].sort()
+    """Restart times and gave-up times per instance, from the incident records: the journal's
+    index of its closed segments plus the live segment (bounded bytes, however old the journal)."""
+    history = journal_summary(journal_path).history
+    instances = {name: {"restarts": sorted(h["restarts"]), "gave_up_at": h["gave_up_at"]}
+                 for name, h in history.items()}
     return {"instances": instances, "rebuilt_from_journal": True}
 
 
