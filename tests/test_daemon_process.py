@@ -334,3 +334,24 @@ def test_an_instance_removed_while_it_stays_hung_is_dropped(tmp_path):
         standin.kill()
         standin.communicate(timeout=10)
     assert proc.returncode == 0
+
+
+def test_a_sigterm_while_the_daemon_starts_stops_it_cleanly(tmp_path):
+    """A SIGTERM before the event loop runs (launchd unloading an agent that just started) is
+    remembered too: exit 0 with a line, before any watching, instead of death by the signal."""
+    config = write_config(tmp_path, "none: true")
+    marker, release = tmp_path / "held", tmp_path / "release"
+    proc = subprocess.Popen([sys.executable, "-c", HELD_START, str(marker), str(release), "import",
+                             "--config", str(config), "run"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(lambda: marker.exists() or proc.poll() is not None, 60, "the start to reach the held point")
+        proc.send_signal(signal.SIGTERM)
+        release.touch()
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate(timeout=10)
+    assert proc.returncode == 0, err
+    assert "SIGTERM arrived while starting" in err
+    assert "daemon_start" not in events(tmp_path)
