@@ -556,17 +556,17 @@ def _hb(pid=1, **loop) -> heartbeat.Heartbeat:
     return heartbeat.Heartbeat(pid, data, now, "x")
 
 
-def test_shimwatch_turns_readings_into_stall_busy_and_evidence():
+def test_shimwatch_turns_readings_into_stall_delivered_busy_and_evidence():
     w = ShimWatch(stall_timeout=10.0)
     assert w.judge(_hb(tokens=10, steps=10)).stall is None
     j = w.judge(_hb(tokens=30, steps=30, in_flight=2), probe_tokens=0)
-    assert j.busy and "20 token(s)" in j.busy[0] and j.stall is None
+    assert j.delivered and "20 token(s)" in j.delivered[0] and j.stall is None and not j.busy
     j = w.judge(_hb(tokens=30, steps=90, in_flight=2, quiet_since=time.time() - 12))
     assert j.stall and "no token for 12s" in j.stall and "livelock" in j.evidence[0]
     assert w.first_time(j) and not w.first_time(w.judge(_hb(tokens=30, steps=95, in_flight=2,
                                                              quiet_since=j.stall_key[1])))
     j = w.judge(_hb(tokens=34, steps=96, in_flight=1), probe_tokens=4)  # the probe's own tokens are not "others"
-    assert not j.busy
+    assert not j.delivered and not j.busy
     w2 = ShimWatch(stall_timeout=5.0)
     stale = _hb(tokens=1)
     stale.data["published_at"] -= 8

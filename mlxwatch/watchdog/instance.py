@@ -31,7 +31,7 @@ from mlxwatch.config import CaptureConfig, InstanceConfig
 from mlxwatch.errors import MlxwatchError
 from mlxwatch.probes import CheckReport, make_client, run_check
 from mlxwatch.process import ProcessIdentity, ServerLookup, lookup_server
-from mlxwatch.watchdog import policy
+from mlxwatch.watchdog import lookagain, policy
 from mlxwatch.watchdog.flapguard import FlapGuard
 from mlxwatch.watchdog.journal import Incident, Journal
 from mlxwatch.watchdog.notify import Notifier
@@ -84,6 +84,8 @@ class InstanceWatcher:
     loading_seen: tuple[tuple[int, float], float] | None = None  # a loading process and when first seen (monotonic)
     restart_in_flight: bool = False  # a stopped daemon left a restart running: its hook may still be at work
     lingering: asyncio.Task | None = None  # the last failed probe's stream, still being read
+    last_probe: CheckReport | None = None  # the last probe made (its late tokens count once the next one has its answer)
+    slow_said: bool = False  # this slow episode was journaled and notified (once, until healthy or a verdict)
     client: httpx.AsyncClient | None = None
     said: set[str] = field(default_factory=set)  # notes already logged once
     shimwatch: ShimWatch | None = None  # the launch shim's heartbeat readings (see "launch shim" below)
@@ -174,7 +176,7 @@ class InstanceWatcher:
     def next_delay(self) -> float:
         """A suspect server is probed again soon: one failure is a question, not an answer."""
         p = self.inst.probe
-        return min(p.interval, p.suspect_interval) if self.detect.state == policy.SUSPECT else p.interval
+        return min(p.interval, p.suspect_interval) if self.detect.state in policy.PROBING_SOON else p.interval
 
     async def _sleep(self, seconds: float) -> None:
         """Sleep that a stop request interrupts."""
@@ -184,24 +186,28 @@ class InstanceWatcher:
             pass
 
     async def probe(self) -> CheckReport:
-        """One check; the previous probe's stream is ended first (one probe in flight)."""
-        await self._end_linger()
-        if self.detect.state == policy.HEALTHY and self.tracker.follower is not None:
-            # Progress is judged from here on: lines written while it was healthy are history.
-            self._say(await asyncio.to_thread(self.tracker.prime))
-        p = self.inst.probe
-        assert self.client is not None
-        report = await run_check(self.client, self.inst.url, first_token_timeout=p.first_token_timeout,
-                                 timeout=p.timeout, max_tokens=p.max_tokens, endpoint_timeout=p.endpoint_timeout,
-                                 linger=p.interval)
-        self.lingering = report.lingering
+        """One check. The previous probe's stream, if it is still being read, is read on until
+        this one has its answer, then ended: the server serves that reply anyway (mlx-lm
+        notices a closed stream only when it writes), and tokens it delivers late, even while
+        this probe waits, prove the server works (``progress.late_delivery``)."""
+        earlier, self.lingering = self.lingering, None
+        try:
+            if self.detect.state == policy.HEALTHY and self.tracker.follower is not None:
+                # Progress is judged from here on: lines written while it was healthy are history.
+                self._say(await asyncio.to_thread(self.tracker.prime))
+            p = self.inst.probe
+            assert self.client is not None
+            report = await run_check(self.client, self.inst.url, first_token_timeout=p.first_token_timeout,
+                                     timeout=p.timeout, max_tokens=p.max_tokens, endpoint_timeout=p.endpoint_timeout,
+                                     linger=p.interval)
+        finally:
+            await _end(earlier)
+        self.lingering, self.last_probe = report.lingering, report
         return report
 
     async def _end_linger(self) -> None:
         task, self.lingering = self.lingering, None
-        if task is not None and not task.done():
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+        await _end(task)
 
     async def cycle(self) -> None:
         now = self.shared.clock.monotonic()
@@ -209,6 +215,7 @@ class InstanceWatcher:
             self._resume("resumed by `mlxwatch resume`")
         elif self.detect.state == policy.GAVE_UP and self.guard.cooled_down(now):
             self._resume(f"cool-down of {self.inst.restart.cooldown:g}s passed")
+        previous = self.last_probe  # its stream is read until this probe has its answer: then its late tokens are final
         report = await self.probe()
         now = self.shared.clock.monotonic()
         self.shared.state.update(self.name, quiet=True, last_probe=_probe_summary(report, self.shared.clock.wall()))
@@ -220,13 +227,18 @@ class InstanceWatcher:
             return  # gave up, or waiting for a server we may not restart to come back by itself
         if not self.seen_healthy and await self._starting(now):
             return
-        progress = await asyncio.to_thread(self.tracker.observe, report)
+        progress = await asyncio.to_thread(self.tracker.observe, report, previous)
         for note in progress.notes:
             self._say(note)
         self.failed_reports = [*self.failed_reports[-(KEPT_FAILED_REPORTS - 1):], report]
-        if not self.detect.failure(now, list(progress.signals) + await self._shim_on_failure(report)):
-            if progress.signals:
-                log.info("%s: no token, but progress holds the verdict: %s", self.name, "; ".join(progress.signals))
+        busy, delivered = await self._shim_on_failure(report)
+        was = self.detect.state
+        if not self.detect.failure(now, list(progress.signals) + busy, list(progress.delivered) + delivered):
+            if self.detect.state == policy.SLOW:
+                self._slow(was)
+            elif progress.signals or busy:
+                log.info("%s: no token, but progress holds the verdict: %s", self.name,
+                         "; ".join([*progress.signals, *busy]))
             self._save()
             return
         await self.handle_verdict(now)
@@ -272,7 +284,25 @@ class InstanceWatcher:
             await self._first_healthy()
         if self.detect.state != policy.HEALTHY:
             log.info("%s: healthy (first token after %.2fs)", self.name, report.generation.ttft or 0)
+            if self.slow_said:
+                self.slow_said = False
+                self.shared.journal.note("slow_ended", instance=self.name, ttft=report.generation.ttft)
             self._back_to_healthy()
+
+    def _slow(self, was: str) -> None:
+        """Delivered, but later than the deadlines: degraded, never restarted. Said (logged,
+        journaled, notified) when it starts; the state file and metrics show it meanwhile."""
+        for line in self.detect.delivered:
+            log.info("%s: slow: %s", self.name, line)
+        if was == policy.SLOW or self.slow_said:
+            return
+        self.slow_said = True
+        log.warning("%s: SLOW: it delivers, but later than the deadlines (first-token %gs); not hung, "
+                    "not restarted: %s", self.name, self.inst.probe.first_token_timeout, "; ".join(self.detect.delivered))
+        payload = {"instance": self.name, "url": self.inst.url, "state": policy.SLOW,
+                   "evidence": list(self.detect.delivered), "reason": self.failed_reports[-1].reason}
+        self.shared.journal.note("slow", **payload)
+        self.shared.notifier.fire("slow", payload)
 
     async def _first_healthy(self) -> None:
         """Record which process serves this instance: looked up once, here, not per probe."""
@@ -308,6 +338,7 @@ class InstanceWatcher:
         return found.identity, found.stranger
 
     async def handle_verdict(self, now: float) -> None:
+        self.slow_said = False  # a slow episode ends with a verdict
         server, stranger = await self._prove_server()
         clock = self.shared.clock
         self.incident_began = self.detect.first_failure_at if self.detect.first_failure_at is not None else now
@@ -342,9 +373,27 @@ class InstanceWatcher:
                 await self._sleep(wait)
                 if self.stop.is_set():
                     return
+            looked = await self._look_again(server)
+            if looked.recovered:
+                await self._recovered(self.shared.clock.monotonic(), looked.recovered, answered=looked.answered)
+                return
+            server = looked.act_on
             if await self._restart(inc, server) and await self._await_recovery(inc):
                 return
             server, _ = await self._prove_server()
+
+    async def _look_again(self, server: ProcessIdentity | None) -> lookagain.LookAgain:
+        """Right before a restart: probe once more and prove the server's identity again
+        (``mlxwatch.watchdog.lookagain``). Someone else may have fixed it meanwhile."""
+        report = await self.probe()
+        self.shared.state.update(self.name, quiet=True, last_probe=_probe_summary(report, self.shared.clock.wall()))
+        alive = server is not None and await asyncio.to_thread(server.alive)
+        found = await asyncio.to_thread(self._lookup)
+        looked = lookagain.decide(server, answered=report.healthy, alive=alive, now_server=found.identity or found.loading)
+        if not looked.recovered:
+            log.info("%s: looked again before restarting: %s; %s", self.name, _one_line(report.reason),
+                     looked.act_on.describe() if looked.act_on else f"no server process to name ({found.detail or 'none'})")
+        return looked
 
     async def _capture(self, inc: Incident, server: ProcessIdentity | None) -> None:
         cap, p = self.shared.capture, self.inst.probe
@@ -406,7 +455,10 @@ class InstanceWatcher:
             self._change(policy.RECOVERING, "not_recovered")
         return False
 
-    async def _recovered(self, now: float, how: str) -> None:
+    async def _recovered(self, now: float, how: str, answered: bool = True) -> None:
+        """Close the incident as recovered. ``answered`` False: another server process replaced
+        the one the verdict was about and does not answer yet (loading): it starts over as
+        ``starting``, with its startup allowance."""
         inc = self.incident
         assert inc is not None
         inc.recovered_at = self.shared.clock.wall_of(now)  # now: monotonic, as every ``now`` here
@@ -417,6 +469,13 @@ class InstanceWatcher:
         self.shared.notifier.fire("recovered", inc.to_dict())
         self.incident = None
         self.seen_healthy = False
+        if not answered:
+            self.identity = None
+            self.failed_reports.clear()
+            self.detect.success()
+            self.detect.state = policy.STARTING
+            self._save(last_incident=_incident_summary(inc))
+            return
         await self._first_healthy()
         self._back_to_healthy(last_incident=_incident_summary(inc))
 
@@ -464,16 +523,17 @@ class InstanceWatcher:
                 self._say(f"shim: required, but the server (PID {self.identity.pid}) has none: {problem}")
         return hb
 
-    async def _shim_on_failure(self, report: CheckReport) -> list[str]:
-        """A failed probe: the heartbeat's busy lines hold the verdict like prompt progress; a
+    async def _shim_on_failure(self, report: CheckReport) -> tuple[list[str], list[str]]:
+        """A failed probe: (busy, delivered) from the heartbeat. Busy lines hold the verdict like
+        prompt progress; tokens delivered to other clients make the server slow, not hung; a
         stall it shows makes this failure decisive (the heartbeat was the first failure)."""
         hb = await self._shim_read()
         judged = self._shim().judge(hb, report.generation.tokens)
-        for line in judged.evidence + judged.busy:
+        for line in judged.evidence + judged.busy + judged.delivered:
             log.info("%s: %s", self.name, line)
-        if judged.stall and not judged.busy:
+        if judged.stall and not judged.busy and not judged.delivered:
             self.detect.failures = max(self.detect.failures, self.detect.failures_needed - 1)
-        return judged.busy
+        return judged.busy, judged.delivered
 
     async def _sleep_watching_shim(self, seconds: float) -> None:
         """``_sleep``, reading the heartbeat every ``SHIM_POLL`` s meanwhile: a stall (requests in
@@ -487,7 +547,7 @@ class InstanceWatcher:
             if left <= 0:
                 return
             if (self.inst.shim == "off" or self.identity is None or self.incident is not None
-                    or self.detect.state not in (policy.HEALTHY, policy.SUSPECT)):
+                    or self.detect.state not in (policy.HEALTHY, *policy.PROBING_SOON)):
                 await self._sleep(left)
                 return
             hb = await self._shim_read()
@@ -530,6 +590,13 @@ class InstanceWatcher:
             server=self.identity.to_dict() if self.identity else None,
             incident=self.incident.id if self.incident else None, **fields,
         )
+
+
+async def _end(linger: asyncio.Task | None) -> None:
+    """End a lingering probe stream (its counts stay in its result)."""
+    if linger is not None and not linger.done():
+        linger.cancel()
+        await asyncio.gather(linger, return_exceptions=True)
 
 
 def _one_line(text: str, limit: int = 300) -> str:

@@ -1,7 +1,11 @@
 """Is the server doing legitimate work while our probe waits? Only work that advanced counts.
 
-Read between two failed probes, from the log followed by offset and inode (old lines are
-never read twice, however large the log grows):
+Delivery first: tokens of the previous failed probe that arrived after its deadline, on the
+stream the watcher keeps reading (``GenerationProbeResult.late_tokens``), prove the server
+works; it is slow, not hung (``Progress.delivered``).
+
+Then work with nothing delivered yet (busy), read between two failed probes, from the log
+followed by offset and inode (old lines are never read twice, however large the log grows):
 
 - ``Prompt processing progress: X/Y`` for a prompt other than the probe's own, with X higher
   than the last X seen for that prompt: a long prefill advanced, and the probe may be queued
@@ -34,6 +38,18 @@ class Progress:
 
     signals: tuple[str, ...] = ()
     notes: tuple[str, ...] = ()  # log rotated, unreadable, ... (said once, not evidence)
+    delivered: tuple[str, ...] = ()  # tokens delivered since the previous probe: slow, not hung
+
+
+def late_delivery(previous: CheckReport | None) -> str | None:
+    """What a failed probe's stream delivered after its deadline, once it is no longer read
+    (the next probe ended it); None if nothing. A late token is a delivery like any other."""
+    if previous is None or previous.healthy or previous.generation.late_tokens <= 0:
+        return None
+    g = previous.generation
+    first = next((e["t"] for e in g.transcript if e.get("kind") == "late_token"), None)
+    when = f", the first {first:.1f}s after it was sent" if first is not None else ""
+    return f"the previous probe's reply arrived late: {g.late_tokens} token(s){when} ({g.reason})"
 
 
 @dataclass
@@ -52,9 +68,11 @@ class ProgressTracker:
         self.last_x.clear()
         return self.follower.prime() if self.follower else None
 
-    def observe(self, report: CheckReport) -> Progress:
-        """Progress since the previous call, given the failed probe just made (blocking I/O)."""
+    def observe(self, report: CheckReport, previous: CheckReport | None = None) -> Progress:
+        """Progress since the previous call, given the failed probe just made and the one
+        before it, if that one failed too and its stream was read on (blocking I/O)."""
         signals, notes = [], []
+        late = late_delivery(previous)
         keepalives = report.generation.keepalives
         for k in keepalives:
             self.probe_totals.add(k.total)
@@ -73,7 +91,7 @@ class ProgressTracker:
             if advanced:
                 x, y = advanced[-1]
                 signals.append(f"log: prompt processing advanced ({len(advanced)} step(s), now {x}/{y})")
-        return Progress(tuple(signals), tuple(notes))
+        return Progress(tuple(signals), tuple(notes), (late,) if late else ())
 
     def _advanced(self, lines: list[str]) -> list[tuple[int, int]]:
         out = []

@@ -1,8 +1,9 @@
 """Restart methods: launchd, systemd, a custom command, a signal, or none.
 
 Commands are argv lists, never a shell string. ``{name}``, ``{pid}``, ``{url}`` and
-``{bundle}`` are substituted inside each argument; ``{pid}`` is the proven server process
-or empty, never a guess. ``signal`` re-checks the process identity (same PID, same create
+``{bundle}`` are substituted inside each argument; ``{pid}`` is the proven server process,
+checked alive (same PID and create time) right before the hook runs, or empty: never a guess,
+never a dead process's PID. ``signal`` re-checks the process identity (same PID, same create
 time) before every signal it sends, and continues a stopped process first (SIGTERM stays
 pending on a SIGSTOPped one). A restart that found no process to restart says so: it is
 recorded as ``nothing_to_restart``, not ``ok``.
@@ -13,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal as signals
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from mlxwatch import launchctl
 from mlxwatch.capture.commands import Runner, run_command
@@ -86,6 +87,8 @@ async def restart(ctx: RestartContext, runner: Runner = run_command) -> RestartO
         return RestartOutcome(NOTHING_TO_RESTART, "no restart configured (capture and notify only)")
     if cfg.method == "signal":
         return await _signal(ctx, cfg)
+    if ctx.identity is not None and not await asyncio.to_thread(ctx.identity.alive):
+        ctx = replace(ctx, identity=None)  # gone since it was proven: its PID may be anyone's soon
     argv = {"launchd": lambda: launchd_command(cfg, server_pid=ctx.identity.pid if ctx.identity else None),
             "systemd": lambda: systemd_command(cfg),
             "command": lambda: custom_command(cfg, ctx)}[cfg.method]()

@@ -10,9 +10,10 @@ into what ``policy.Detection`` already understands:
   generation thread died. A livelock is then found within ``stall_timeout`` plus one probe,
   without waiting out first-token timeouts ``failures`` times. One stall episode triggers one
   early probe (a stall that a good probe contradicts is not chased every poll);
-- **busy** (holds the verdict like prompt progress does, up to ``grace_ceiling``): tokens
-  delivered to other clients since the previous reading (the probe's own tokens subtracted),
-  or a long prompt being processed (more than ``PROMPT_ALLOWANCE`` prompt tokens);
+- **delivered** (the server works: ``slow``, never a verdict): tokens delivered to other
+  clients since the previous reading (the probe's own tokens subtracted);
+- **busy** (holds the verdict like prompt progress does, up to ``grace_ceiling``): a long
+  prompt being processed (more than ``PROMPT_ALLOWANCE`` prompt tokens);
 - **evidence** (logged, journaled with the stall): steps taken with no token (livelock), no
   step with requests in flight (blocked), a stale heartbeat, a dead thread.
 
@@ -36,7 +37,8 @@ PROMPT_ALLOWANCE = 512  # prompt tokens per reading a probe's own prompt could n
 class Judgement:
     stall: str | None = None  # why to suspect now (None: no reason)
     stall_key: Any = None  # identifies the stall episode (one early probe per episode)
-    busy: list[str] = field(default_factory=list)
+    delivered: list[str] = field(default_factory=list)  # tokens to other clients: proof the server works
+    busy: list[str] = field(default_factory=list)  # work without delivery: grace
     evidence: list[str] = field(default_factory=list)
 
 
@@ -87,10 +89,10 @@ class ShimWatch:
         if change is not None:
             others = change.tokens - max(0, probe_tokens)
             if others > 0:
-                j.busy.append(f"shim: {others} token(s) delivered to other clients in the last {change.seconds:.0f}s")
+                j.delivered.append(f"shim: {others} token(s) delivered to other clients in the last {change.seconds:.0f}s")
             if change.prompt_tokens > PROMPT_ALLOWANCE:
                 j.busy.append(f"shim: {change.prompt_tokens} prompt token(s) processed in the last {change.seconds:.0f}s")
-            if hb.in_flight and not j.busy:
+            if hb.in_flight and not j.busy and not j.delivered:
                 if change.steps > 0 and change.tokens == 0:
                     j.evidence.append(f"shim: {change.steps} batch step(s) in {change.seconds:.0f}s and no token "
                                       f"({hb.in_flight} request(s) in flight): livelock")

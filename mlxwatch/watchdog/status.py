@@ -128,7 +128,7 @@ def status_exit_code(status: dict[str, Any]) -> int:
 # --- rendering: fits 80 columns; long texts end in an ellipsis, never cut mid-word unmarked
 
 HUNG_STATES = ("hung", "capturing", "restarting", "recovering", "gave_up")
-STATE_STYLES = {"healthy": "green", "starting": "cyan", "suspect": "yellow", "never probed": "yellow"}
+STATE_STYLES = {"healthy": "green", "starting": "cyan", "suspect": "yellow", "slow": "yellow", "never probed": "yellow"}
 
 
 def state_label(instance: dict[str, Any]) -> str:

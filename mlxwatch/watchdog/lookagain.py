@@ -1,0 +1,55 @@
+"""Look again before acting: the last word before a restart or a signal.
+
+A capture takes seconds, a backoff longer; meanwhile the user, launchd or a script may have
+restarted the server already (measured: a ``command`` hook like ``launchctl kickstart -k`` ran
+7.7 s after someone else's restart, with the old, dead PID as ``{pid}``, and killed the new
+healthy server). So right before each restart the watcher probes once more and proves the
+server's identity again, and this module decides::
+
+    decision = decide(verdict_server, answered=report.healthy, now_server=found)
+    if decision.recovered:      # close the incident: "recovered before restart: new server PID N"
+        ...
+    else:                       # act on decision.act_on: alive and the same process, or None
+        ...
+
+``act_on`` is never a dead process or another one than the verdict was about: a restart hook
+gets an empty ``{pid}`` when there is none (documented in docs/deciding.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mlxwatch.process import ProcessIdentity
+
+
+@dataclass(frozen=True)
+class LookAgain:
+    """What the last look found: close the incident (``recovered`` says why), or act on ``act_on``."""
+
+    recovered: str | None = None  # "recovered before restart: ..." (None: go on with the restart)
+    answered: bool = False  # the probe just made was healthy
+    act_on: ProcessIdentity | None = None  # the verdict's server, alive now; None: no process to name
+
+
+def same_process(a: ProcessIdentity | None, b: ProcessIdentity | None) -> bool:
+    return a is not None and b is not None and a.pid == b.pid and abs(a.create_time - b.create_time) < 0.01
+
+
+def decide(verdict_server: ProcessIdentity | None, *, answered: bool, alive: bool,
+           now_server: ProcessIdentity | None) -> LookAgain:
+    """The decision, from what the look found.
+
+    ``verdict_server``: the process the verdict (or the last failed restart) was about, or None;
+    ``answered``: the probe just made was healthy; ``alive``: ``verdict_server`` is still that
+    very process (PID and create time); ``now_server``: the instance's server found now (proven,
+    or an mlx-lm server for this port still loading), or None."""
+    newcomer = now_server is not None and not same_process(now_server, verdict_server)
+    if answered:
+        who = f"new server PID {now_server.pid}" if newcomer else (
+            f"same server PID {verdict_server.pid}" if verdict_server is not None and alive else "server unproven")
+        return LookAgain(recovered=f"recovered before restart: the instance answers again ({who})", answered=True)
+    if newcomer:
+        return LookAgain(recovered=f"recovered before restart: new server PID {now_server.pid} "
+                                   "(someone else restarted it)")
+    return LookAgain(act_on=verdict_server if alive else None)
