@@ -299,6 +299,7 @@ class _Held:
     at: float
     size: int
     deletable: bool
+    mtime: float = 0.0
 
 
 def _retained(root: Path, now: float) -> list[_Held]:
@@ -312,12 +313,12 @@ def _retained(root: Path, now: float) -> list[_Held]:
             if name.startswith(".") and name.endswith(".partial"):
                 alive = partial_writer_alive(path)
                 busy = alive or (alive is None and now - path.stat().st_mtime < PARTIAL_GRACE)
-                held.append(_Held(path, bundle_time(path), _size(path), deletable=not busy))
+                held.append(_Held(path, bundle_time(path), _size(path), not busy, path.lstat().st_mtime))
             elif not name.startswith(".") and (name.endswith("-incomplete") or (path / MANIFEST).is_file()):
-                held.append(_Held(path, bundle_time(path), _size(path), deletable=True))
+                held.append(_Held(path, bundle_time(path), _size(path), True, path.lstat().st_mtime))
         except OSError:
             continue
-    return sorted(held, key=lambda h: h.at)
+    return sorted(held, key=lambda h: (h.at, h.mtime))  # a name's stamp is to the second: mtime breaks ties
 
 
 def prune(root: Path, keep: int, max_bytes: int, protect: Path | None = None,
