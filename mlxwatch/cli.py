@@ -769,7 +769,6 @@ def _run_daemon(args: argparse.Namespace, held: _HeldSignals) -> int:
     if args.log_level != "DEBUG":  # httpx logs every request at INFO: three lines per probe, not events
         for noisy in ("httpx", "httpcore"):
             logging.getLogger(noisy).setLevel(logging.WARNING)
-    _announce_watch(config, logging.getLogger("mlxwatch.run"))
     daemon = Daemon(config, _state_dir(config, args.state_dir))
 
     async def go() -> None:
@@ -787,17 +786,25 @@ def _run_daemon(args: argparse.Namespace, held: _HeldSignals) -> int:
                 stop.set()
         if stop.is_set():
             return
-        await daemon.run(stop, reload, load_config=lambda: load_runnable_config(path))
+        announce = asyncio.create_task(_announce_watch(daemon, config, logging.getLogger("mlxwatch.run")))
+        try:
+            await daemon.run(stop, reload, load_config=lambda: load_runnable_config(path))
+        finally:
+            announce.cancel()
 
     asyncio.run(go())
     return EXIT_OK
 
 
-def _announce_watch(config: Config, log: Any) -> None:
-    """One INFO line per fact a first run would otherwise wait minutes to learn (reports.watch_plan)."""
+async def _announce_watch(daemon: Any, config: Config, log: Any) -> None:
+    """One INFO line per fact a first run would otherwise wait minutes to learn (reports.watch_plan),
+    said once the daemon holds its state dir and has started its watchers (before their first
+    probe, which comes 0-5 s later): a daemon refused at start still says one line only."""
     from mlxwatch.reports import watch_plan
 
-    for line in watch_plan(config.instances, _lookup, time.time()):
+    while not daemon.tasks:
+        await asyncio.sleep(0.05)
+    for line in await asyncio.to_thread(watch_plan, config.instances, _lookup, time.time()):
         log.info("%s", line)
 
 

@@ -6,6 +6,7 @@ what it watches and when a starting server will first be judged."""
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 import os
@@ -226,7 +227,7 @@ def test_an_empty_config_is_refused(argv, capsys):
 # --- run: what it watches, when it first probes, when a loading server is first judged
 
 
-def test_run_says_what_it_watches_and_when_a_starting_server_is_judged(tmp_path, fake_server, monkeypatch, capfd):
+def test_run_says_what_it_watches_and_when_a_starting_server_is_judged(tmp_path, fake_server, monkeypatch):
     """Measured: a first `run` on defaults said nothing for minutes with no word why. Now, as it
     starts: the URL, when the first probe comes, and for a server younger than startup_timeout
     the wall time before which no verdict is drawn."""
@@ -237,26 +238,37 @@ def test_run_says_what_it_watches_and_when_a_starting_server_is_judged(tmp_path,
 
     pid, port, log = fake_server
 
-    class FakeDaemon:  # the plan is said before the daemon starts; the daemon itself is not the point
+    said: list[str] = []
+
+    class Said(logging.Handler):
+        def emit(self, record):
+            said.append(record.getMessage())
+
+    class FakeDaemon:  # the plan is said once the daemon has started its watchers; the daemon is not the point
         def __init__(self, config, state_dir):
-            pass
+            self.tasks = {}
 
         async def run(self, stop, reload, load_config):
-            return None
+            self.tasks = {"lab": None}
+            deadline = time.monotonic() + 30
+            while len(said) < 2 and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
 
     monkeypatch.setattr("mlxwatch.watchdog.daemon.Daemon", FakeDaemon)
     cfg = tmp_path / "c.yaml"
     cfg.write_text(f"state_dir: {tmp_path / 'state'}\ninstances: [{{name: lab, url: 'http://127.0.0.1:{port}'}}]\n")
-    root = logging.getLogger()
+    root, plan_log = logging.getLogger(), logging.getLogger("mlxwatch.run")
     handlers, level = root.handlers[:], root.level
+    plan_log.addHandler(Said())
     try:
         assert cli.run(["run", "--config", str(cfg)]) == 0
     finally:
+        plan_log.handlers.clear()
         root.handlers[:] = handlers
         root.setLevel(level)
         for name in ("httpx", "httpcore"):
             logging.getLogger(name).setLevel(logging.NOTSET)
-    err = capfd.readouterr().err
+    err = "\n".join(said)
     until = datetime.fromtimestamp(psutil.Process(pid).create_time() + 600).strftime("%H:%M:%S")
     assert f"lab: watching http://127.0.0.1:{port}: first probe within 5s, then every 30s" in err, err
     assert f"lab: server PID {pid} started" in err and f"no verdict before {until} (startup_timeout 10m)" in err, err

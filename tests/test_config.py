@@ -247,7 +247,7 @@ def test_check_instance_unknown_name_is_config_error(config_file, capsys):
 @pytest.mark.parametrize("argv, message", [
     (["check"], "check: give a URL (e.g. http://127.0.0.1:8080) or --instance NAME"),
     (["check", "127.0.0.1:8080"], "check: must be a URL such as http://127.0.0.1:8080 (got '127.0.0.1:8080')"),
-    (["check", "http://127.0.0.1:1", "--timeout", "soon"], "argument --timeout: not a duration: 'soon' (try 30, 30s, 5m)"),
+    (["check", "http://127.0.0.1:1", "--timeout", "soon"], "argument --timeout: must be a duration such as 30, 30s, 5m or 1h (got 'soon')"),
     (["check", "http://127.0.0.1:1", "--timeout", "5", "--first-token-timeout", "10"],
      "check: --first-token-timeout (10s) exceeds --timeout (5s)"),
 ])
