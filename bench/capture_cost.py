@@ -26,10 +26,9 @@ from typing import Any, Sequence
 import httpx
 
 from bench.common import log, summary
-from mlxwatch.capture import CaptureRequest, capture_bundle
-from mlxwatch.capture import pyspy
-from mlxwatch.capture.commands import run_command
+from mlxwatch.capture import CaptureRequest, capture_bundle, pyspy
 from mlxwatch.config import CaptureConfig, ProbeConfig
+from mlxwatch.host.commands import run_command
 from mlxwatch.lab.server import LabServer, server_version
 
 FAULTS = ("spin", "block", "die")

@@ -1,6 +1,6 @@
 """Exact detection distributions from the policy, and the cron workaround's, on a 10 ms grid.
 
-mlxwatch (``mlxwatch/watchdog/instance.py``): after each healthy probe the watcher sleeps
+mlxwatch (``mlxwatch/daemon/watcher.py``): after each healthy probe the watcher sleeps
 ``interval`` x J (J uniform on 0.9..1.1). A fault that starts at a random moment meets the next
 probe after R, the residual of a gap of length interval x J (density P(gap > r) / E[gap]:
 flat up to 0.9 x interval, then falling linearly to 0 at 1.1 x interval). That probe fails

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from bench import analysis, capture_cost, detection, scale, soak, tax
+from bench import analysis, detection, tax
 from bench.common import fmt_mmm, summary
 
 FAULT_NAMES = {"spin": "livelock (spin)", "block": "blocked", "die": "dead thread", "kill": "killed (SIGKILL)"}
@@ -95,8 +95,8 @@ def _detection(r: dict[str, Any], add) -> None:
     fast = detection.FAST
     add("## Detection and recovery")
     add("")
-    add(f"Fault onset → verdict → bundle written → restart done → first healthy probe, per fault shape, on "
-        f"both mlx-lm versions. Seconds, median (min–max).")
+    add("Fault onset → verdict → bundle written → restart done → first healthy probe, per fault shape, on "
+        "both mlx-lm versions. Seconds, median (min–max).")
     add("")
     add(f"**Measured, in real time, at the FAST config** (`bench/detection.py`): interval {fast['interval']:g} s, "
         f"suspect_interval {fast['suspect_interval']:g} s, first_token_timeout {fast['first_token_timeout']:g} s, "

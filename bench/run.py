@@ -35,7 +35,17 @@ from pathlib import Path
 from typing import Any, Callable
 
 # Only the standard library and bench.common (no mlxwatch) before the snapshot is in place.
-from bench.common import OLD_PYTHON, ROOT, TEST_PYTHON, git_commit, load_average, log, machine, versions, write_json
+from bench.common import (
+    OLD_PYTHON,
+    ROOT,
+    TEST_PYTHON,
+    git_commit,
+    load_average,
+    log,
+    machine,
+    versions,
+    write_json,
+)
 
 PARTS = ("soak", "detection", "scale", "capture", "tax")
 HERE = ROOT / "bench"  # results are written to the repository, whatever the code was imported from

@@ -24,7 +24,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import SRC, TEST_PYTHON, DaemonProcess, log, quantile, summary, write_config
+from bench.common import (
+    SRC,
+    TEST_PYTHON,
+    DaemonProcess,
+    log,
+    quantile,
+    summary,
+    write_config,
+)
 
 JITTER = 0.10  # the daemon's designed jitter: interval x U(0.9, 1.1)
 SKIP_FACTOR = 1.8

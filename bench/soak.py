@@ -33,7 +33,7 @@ import httpx
 from bench.common import DaemonProcess, log, summary, write_config
 from bench.detection import FAST
 from mlxwatch.lab.server import LabServer, server_version
-from mlxwatch.serverlog import PROGRESS
+from mlxwatch.serverlog.markers import PROGRESS
 
 PREFILL_STEP = 32
 SLOW_STEP = 0.3  # seconds added to every batch step (a real model's step costs real time)

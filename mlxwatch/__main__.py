@@ -1,3 +1,3 @@
-from mlxwatch.cli import main
+from mlxwatch.cli.main import main
 
 main()

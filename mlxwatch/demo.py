@@ -21,10 +21,16 @@ from pathlib import Path
 from rich.console import Console
 from rich.logging import RichHandler
 
-from mlxwatch.config import CaptureConfig, Config, InstanceConfig, ProbeConfig, RestartConfig
+from mlxwatch.config import (
+    CaptureConfig,
+    Config,
+    InstanceConfig,
+    ProbeConfig,
+    RestartConfig,
+)
+from mlxwatch.daemon.supervisor import Daemon
 from mlxwatch.errors import UsageError
-from mlxwatch.watchdog.daemon import Daemon
-from mlxwatch.watchdog.journal import Journal
+from mlxwatch.journal.incidents import Journal
 
 DEMO_PROBE = ProbeConfig(interval=2.0, first_token_timeout=3.0, timeout=6.0, failures=2, grace_ceiling=30.0,
                          endpoint_timeout=2.0, startup_timeout=90.0)

@@ -34,14 +34,14 @@ from typing import Any, Awaitable, Callable
 
 import psutil
 
-from mlxwatch import launchctl
 from mlxwatch.capture import macos, pyspy
-from mlxwatch.capture.commands import CommandResult, Runner, run_command
 from mlxwatch.config import Config, InstanceConfig
 from mlxwatch.durations import format_duration
 from mlxwatch.errors import StateError
-from mlxwatch.process import ProcessIdentity, ServerLookup, lookup_server
-from mlxwatch.serverlog import open_regular
+from mlxwatch.host import launchctl
+from mlxwatch.host.commands import CommandResult, Runner, run_command
+from mlxwatch.host.process import ProcessIdentity, ServerLookup, lookup_server
+from mlxwatch.serverlog.markers import open_regular
 
 OK, WARN, FAIL, SKIP = "ok", "warn", "FAIL", "skip"
 DUMP_TIMEOUT = 10.0
@@ -119,7 +119,7 @@ async def diagnose(config: Config | None, config_path: Path, config_error: str |
     found.append(writable("state dir", state_dir))
     if found[-1].status == OK:
         try:
-            from mlxwatch.watchdog.state import load_state
+            from mlxwatch.journal.state import load_state
 
             _, problem = load_state(state_dir)
             if problem:
@@ -168,7 +168,7 @@ def writable(check: str, path: Path) -> Finding:
 
 
 def daemon_finding(state_dir: Path) -> Finding:
-    from mlxwatch.watchdog.lock import lock_holder
+    from mlxwatch.journal.lock import lock_holder
 
     holder = lock_holder(state_dir)
     if holder is None:

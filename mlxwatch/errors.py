@@ -8,7 +8,7 @@
     ├── StateError         the state dir is held by another daemon or unusable (CLI exit 2)
     └── BundleError        a path is not a bundle or archive, or it cannot be read or exported (CLI exit 2)
 
-Library code raises these; only ``mlxwatch.cli`` turns them into messages and exit codes.
+Library code raises these; only ``mlxwatch.cli.main`` turns them into messages and exit codes.
 Probe failures are not exceptions: a probe always returns a result that says what went wrong.
 """
 

@@ -16,17 +16,22 @@ import time
 import pytest
 
 from mlxwatch import storage
-from mlxwatch.capture.commands import MAX_OUTPUT, run_command
-from mlxwatch.storage import append_record, read_records, read_records_from, replace_atomically
-from mlxwatch.watchdog.notify import STDERR_TAIL, run_notify
+from mlxwatch.daemon.notify import STDERR_TAIL, run_notify
+from mlxwatch.host.commands import MAX_OUTPUT, run_command
+from mlxwatch.storage import (
+    append_record,
+    read_records,
+    read_records_from,
+    replace_atomically,
+)
 
 MB = 1024 * 1024
 
 # Run in a fresh interpreter so ru_maxrss measures only this: 500 MB through each pipe.
 _SPEW_SCRIPT = textwrap.dedent('''
     import asyncio, json, logging, resource, sys
-    from mlxwatch.capture.commands import MAX_OUTPUT, run_command
-    from mlxwatch.watchdog.notify import run_notify
+    from mlxwatch.host.commands import MAX_OUTPUT, run_command
+    from mlxwatch.daemon.notify import run_notify
 
     BLOCK = bytes(range(256)) * 4096  # 1 MiB
     TOOL = """
@@ -136,8 +141,8 @@ async def test_a_tool_or_hook_that_spews_forever_is_ended_at_its_timeout_and_its
 
 async def test_notify_keeps_only_the_tail_of_stderr(caplog, monkeypatch):
     """The hook's warning shows the end of its stderr (where the error is), from a bounded tail."""
-    import mlxwatch.watchdog.notify as notify
-    from mlxwatch.capture import commands
+    import mlxwatch.daemon.notify as notify
+    from mlxwatch.host import commands
 
     kept = []
     real = commands.communicate_bounded
@@ -267,7 +272,7 @@ async def test_a_hook_that_starts_a_background_server_and_exits_0_succeeds_at_on
     import signal
     import time
 
-    from mlxwatch.capture.commands import run_command
+    from mlxwatch.host.commands import run_command
 
     t0 = time.monotonic()
     result = await run_command(["/bin/sh", "-c", "sleep 300 & echo started; exit 0"], 20.0)
@@ -293,7 +298,7 @@ async def test_a_hook_still_running_at_shutdown_is_ended_not_left_behind(tmp_pat
     gives hooks a moment, then ends their process groups."""
     import os
 
-    from mlxwatch.watchdog.notify import Notifier
+    from mlxwatch.daemon.notify import Notifier
 
     pid_file = tmp_path / "hook.pid"
     hook = ["/bin/sh", "-c", f"echo $$ > {pid_file}; exec sleep 300"]

@@ -16,22 +16,29 @@ from pathlib import Path
 
 import pytest
 
+from mlxwatch import stacks
 from mlxwatch.capture import CaptureRequest, capture_bundle, collector, procstats, pyspy
-from mlxwatch.capture.bundle import WRITER, BundleWriter, adopt_partials, list_bundles, prune
+from mlxwatch.capture.bundle import (
+    WRITER,
+    BundleWriter,
+    adopt_partials,
+    list_bundles,
+    prune,
+)
 from mlxwatch.capture.classify import Evidence, classify
-from mlxwatch.capture.commands import CommandResult, run_command
 from mlxwatch.capture.export import export_bundle, redact_file
 from mlxwatch.capture.redact import PRIVATE, redact_environment
 from mlxwatch.capture.summary import render_summary
-from mlxwatch.serverlog import scan, since_last_start
+from mlxwatch.host.commands import CommandResult, run_command
+from mlxwatch.serverlog.markers import scan, since_last_start
 
 
 def thread(name="Thread-1 (_generate)", frames=(("_step", 1369), ("next", 1415), ("_generate", 853))):
-    return pyspy.ThreadStack(name, 101, True, False,
-                             [pyspy.Frame(fn, "/x/mlx_lm/server.py", line) for fn, line in frames])
+    return stacks.ThreadStack(name, 101, True, False,
+                             [stacks.Frame(fn, "/x/mlx_lm/server.py", line) for fn, line in frames])
 
 
-MAIN = pyspy.ThreadStack("MainThread", 100, False, False, [pyspy.Frame("serve_forever", "socketserver.py", 233)])
+MAIN = stacks.ThreadStack("MainThread", 100, False, False, [stacks.Frame("serve_forever", "socketserver.py", 233)])
 SAME = [[MAIN, thread()] for _ in range(3)]
 MOVING = [[MAIN, thread(frames=((f"f{i}", i), ("_generate", 853)))] for i in range(3)]
 NO_GEN = [[MAIN] for _ in range(3)]
@@ -322,13 +329,13 @@ BLOCK_FRAMES = (("Condition.wait", "threading.py", 320), ("Event.wait", "threadi
 
 
 def recorded(frames, n=3):
-    gen = pyspy.ThreadStack("Thread-1 (_run_generate)", 101, False, False, [pyspy.Frame(*f) for f in frames])
+    gen = stacks.ThreadStack("Thread-1 (_run_generate)", 101, False, False, [stacks.Frame(*f) for f in frames])
     return [[MAIN, gen] for _ in range(n)]
 
 
 SPIN_SAME = recorded(SPIN_FRAMES)
-SPIN_MOVING = [[MAIN, pyspy.ThreadStack("Thread-1 (_run_generate)", 101, True, False,
-                                        [pyspy.Frame(*f) for f in ((fn, "fault_server.py", line), *SPIN_FRAMES[1:])])]
+SPIN_MOVING = [[MAIN, stacks.ThreadStack("Thread-1 (_run_generate)", 101, True, False,
+                                        [stacks.Frame(*f) for f in ((fn, "fault_server.py", line), *SPIN_FRAMES[1:])])]
                for fn, line in (("_spin_step", 65), ("_spin_step", 62), ("read_fault", 37))]
 
 

@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from mlxwatch import cli
 from mlxwatch.capture.bundle import BundleWriter, bundle_entries
 from mlxwatch.capture.export import export_bundle, read_archive
+from mlxwatch.cli import main as cli
 from mlxwatch.config import CaptureConfig, ProbeConfig
 from mlxwatch.lab.server import free_port  # a loopback port free a moment ago
 
@@ -323,7 +323,7 @@ def _instance(name="gemma", state="healthy", ok=True, reason=None, open_incident
 
 def test_status_fits_80_columns_and_cuts_with_an_ellipsis():
     """Measured: headers cut, a row wrapping to 7 lines, reasons cut mid-word with no mark."""
-    from mlxwatch.watchdog.status import status_lines
+    from mlxwatch.daemon.status import status_lines
 
     reason = "no token delivered within the first-token timeout: 45s passed (headers received, 3 keepalives)" * 2
     status = _status(instances=[
@@ -351,7 +351,7 @@ def test_status_fits_80_columns_and_cuts_with_an_ellipsis():
 ])
 def test_status_exit_codes(running, states, code):
     """0 only when a daemon runs and every instance is healthy."""
-    from mlxwatch.watchdog.status import status_exit_code
+    from mlxwatch.daemon.status import status_exit_code
 
     status = _status(running, [_instance(f"i{n}", s) for n, s in enumerate(states)])
     assert status_exit_code(status) == code
@@ -453,7 +453,7 @@ def test_bundle_show_a_directory_a_name_or_an_archive(tmp_path, capsys):
 
 def test_capture_progress_says_no_token_when_the_probe_got_none():
     """Measured: the progress table said "probe ok" when the probe got no token."""
-    from mlxwatch.reports import CaptureProgress
+    from mlxwatch.output.reports import CaptureProgress
 
     console = Console(file=io.StringIO(), width=100, color_system=None)
     with CaptureProgress(console) as progress:
@@ -484,9 +484,9 @@ async def test_notify_fires_captured_with_kind_confidence_and_bundle(tmp_path):
 
     from mlxwatch.capture import Bundle, Classification
     from mlxwatch.config import InstanceConfig
-    from mlxwatch.watchdog.instance import InstanceWatcher, Shared
-    from mlxwatch.watchdog.journal import Incident, Journal
-    from mlxwatch.watchdog.state import StateFile
+    from mlxwatch.daemon.watcher import InstanceWatcher, Shared
+    from mlxwatch.journal.incidents import Incident, Journal
+    from mlxwatch.journal.state import StateFile
 
     fired = []
 
@@ -530,9 +530,10 @@ def test_config_validate_json(tmp_path, capsys):
 
 def test_starter_config_validates_and_names_are_unique():
     """What `config init` writes always loads; names come from the model and never repeat."""
-    from mlxwatch.config import parse_config
     import yaml
-    from mlxwatch.discover import FoundServer, starter_config, _name_all
+
+    from mlxwatch.config import parse_config
+    from mlxwatch.host.discover import FoundServer, _name_all, starter_config
 
     servers = [FoundServer(10, ("mlx_lm.server",), "http://127.0.0.1:8080", True, Path("/var/log/a b.log"),
                            "stderr", model="mlx-community/gemma-3-27b-it-4bit"),
@@ -558,7 +559,7 @@ def test_starter_config_validates_and_names_are_unique():
     ([("fe80::1", 9)], "http://[fe80::1]:9"),
 ])
 def test_found_servers_are_addressed_as_a_local_client_would(addresses, url):
-    from mlxwatch.discover import _url
+    from mlxwatch.host.discover import _url
 
     assert _url(addresses) == url
 
@@ -570,14 +571,14 @@ def test_found_servers_are_addressed_as_a_local_client_would(addresses, url):
     ("0::/\n", None),
 ])
 def test_systemd_unit_from_cgroup(cgroup, unit):
-    from mlxwatch.discover import unit_from_cgroup
+    from mlxwatch.host.discover import unit_from_cgroup
 
     assert unit_from_cgroup(cgroup) == unit
 
 
 def test_config_init_with_no_server_says_so(tmp_path, monkeypatch, capsys):
     """Nothing running: exit 1, nothing written, one line pointing to `config example`."""
-    monkeypatch.setattr("mlxwatch.discover.find_servers", lambda: [])
+    monkeypatch.setattr("mlxwatch.host.discover.find_servers", lambda: [])
     assert cli.run(["config", "init", "--out", str(tmp_path / "c.yaml")]) == 1
     assert not (tmp_path / "c.yaml").exists()
     one_line_error(capsys, 1, ["config", "init"], 1, "mlxwatch config example")
@@ -599,7 +600,7 @@ def test_run_keeps_httpx_request_lines_out_of_the_log(tmp_path, monkeypatch):
         async def run(self, stop, reload, load_config):
             return None
 
-    monkeypatch.setattr("mlxwatch.watchdog.daemon.Daemon", FakeDaemon)
+    monkeypatch.setattr("mlxwatch.daemon.supervisor.Daemon", FakeDaemon)
     cfg = tmp_path / "c.yaml"
     cfg.write_text(f"state_dir: {tmp_path}\ninstances: [{{name: a, url: 'http://127.0.0.1:1'}}]\n")
     root = logging.getLogger()
@@ -619,7 +620,7 @@ def test_stderr_file_is_rotated(tmp_path):
     """A log file nothing rotates (launchd's StandardErrorPath) is rotated by the daemon itself."""
     import logging
 
-    from mlxwatch.logfile import RotatingStderr
+    from mlxwatch.daemon.selflog import RotatingStderr
 
     path = tmp_path / "mlxwatch.log"
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
@@ -645,7 +646,7 @@ def test_stderr_file_is_rotated(tmp_path):
 def test_stderr_that_is_not_a_file_is_never_rotated(tmp_path):
     import logging
 
-    from mlxwatch.logfile import RotatingStderr
+    from mlxwatch.daemon.selflog import RotatingStderr
 
     read, write = os.pipe()
     try:
@@ -751,7 +752,7 @@ async def test_readme_ntfy_and_slack_examples_post_the_incident(webhook):
     """The ntfy and Slack examples, pointed at a loopback server, post what they promise."""
     import shutil
 
-    from mlxwatch.watchdog.notify import run_notify
+    from mlxwatch.daemon.notify import run_notify
 
     url, received = webhook
     examples = _readme_notify_examples()
@@ -772,7 +773,7 @@ async def test_readme_ntfy_and_slack_examples_post_the_incident(webhook):
 async def test_readme_macos_notification_example_passes_the_text_as_an_argument(tmp_path, monkeypatch):
     """The osascript example (run with a stand-in osascript): the text is an argument of the
     run handler, never spliced into the AppleScript."""
-    from mlxwatch.watchdog.notify import run_notify
+    from mlxwatch.daemon.notify import run_notify
 
     fake = tmp_path / "bin" / "osascript"
     fake.parent.mkdir()
@@ -827,9 +828,7 @@ def test_resume_json_and_what_it_says_about_the_state(tmp_path, capsys):
 def test_demo_keep_says_what_was_kept(tmp_path):
     """Measured: `demo --keep` ended with "the server and model are gone" when they were kept."""
     from mlxwatch.demo import _report
-    from mlxwatch.watchdog.journal import Journal
-
-    from mlxwatch.watchdog.journal import Incident
+    from mlxwatch.journal.incidents import Incident, Journal
 
     for with_incident in (False, True):
         if with_incident:
@@ -849,10 +848,10 @@ async def test_after_recovery_status_shows_the_recovery_probe(tmp_path):
 
     from mlxwatch.capture import Bundle, Classification
     from mlxwatch.config import Config, InstanceConfig, RestartConfig
-    from mlxwatch.watchdog.daemon import Daemon
-    from mlxwatch.watchdog.journal import Journal
-    from mlxwatch.watchdog.restart import OK, RestartOutcome
-    from mlxwatch.watchdog.status import collect_status, status_lines
+    from mlxwatch.daemon.status import collect_status, status_lines
+    from mlxwatch.daemon.supervisor import Daemon
+    from mlxwatch.journal.incidents import Journal
+    from mlxwatch.restart.methods import OK, RestartOutcome
 
     port = free_port()
     mode = tmp_path / "mode"
@@ -899,8 +898,8 @@ async def test_after_recovery_status_shows_the_recovery_probe(tmp_path):
 def test_status_names_the_state_a_clean_stop_interrupted(tmp_path):
     """An incident a SIGTERM interrupted is shown at the state it was in, not at "interrupted"."""
     from mlxwatch.config import Config, InstanceConfig
-    from mlxwatch.watchdog.journal import Incident, Journal
-    from mlxwatch.watchdog.status import collect_status, status_lines
+    from mlxwatch.daemon.status import collect_status, status_lines
+    from mlxwatch.journal.incidents import Incident, Journal
 
     inc = Incident("gemma")
     Journal(tmp_path).record("restarting", inc, state="restarting")
@@ -915,7 +914,7 @@ def test_stderr_and_stdout_of_a_launchd_like_process_rotate_together(tmp_path):
     """As under launchd (stdout and stderr to one file): after rotation both write to the new file."""
     log = tmp_path / "daemon.log"
     script = ("import logging, sys\n"
-              "from mlxwatch.logfile import RotatingStderr\n"
+              "from mlxwatch.daemon.selflog import RotatingStderr\n"
               "h = RotatingStderr(max_bytes=400, keep=2)\n"
               "logging.basicConfig(level=logging.INFO, handlers=[h])\n"
               "for i in range(20):\n"

@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from mlxwatch import launchctl
-from mlxwatch.capture.commands import CommandResult
 from mlxwatch.config import CaptureConfig, Config, InstanceConfig, RestartConfig
 from mlxwatch.doctor import FAIL, OK, SKIP, WARN, Env, diagnose, exit_code, pyspy_hint
-from mlxwatch.process import ProcessIdentity, ServerLookup
+from mlxwatch.host import launchctl
+from mlxwatch.host.commands import CommandResult
+from mlxwatch.host.process import ProcessIdentity, ServerLookup
 
 
 class Report:

@@ -18,11 +18,10 @@ from pathlib import Path
 
 import pytest
 from rich.console import Console
-
-from mlxwatch import cli
-from mlxwatch.lab.server import free_port
-
 from test_cli import make_bundle, no_user_config, one_line_error, sleeper  # noqa: F401 - fixtures
+
+from mlxwatch.cli import main as cli
+from mlxwatch.lab.server import free_port
 
 FAKE_SERVER = """\
 import http.server, sys
@@ -46,7 +45,7 @@ def fake_server(tmp_path):
         proc = subprocess.Popen([sys.executable, "-m", "mlx_lm.server", "--port", str(port)], stdout=fh,
                                 stderr=subprocess.STDOUT, cwd=tmp_path / "fake")
     deadline = time.monotonic() + 30
-    from mlxwatch.process import own_listeners
+    from mlxwatch.host.process import own_listeners
 
     while not own_listeners(proc.pid) and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -254,7 +253,7 @@ def test_run_says_what_it_watches_and_when_a_starting_server_is_judged(tmp_path,
             while len(said) < 2 and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
 
-    monkeypatch.setattr("mlxwatch.watchdog.daemon.Daemon", FakeDaemon)
+    monkeypatch.setattr("mlxwatch.daemon.supervisor.Daemon", FakeDaemon)
     cfg = tmp_path / "c.yaml"
     cfg.write_text(f"state_dir: {tmp_path / 'state'}\ninstances: [{{name: lab, url: 'http://127.0.0.1:{port}'}}]\n")
     root, plan_log = logging.getLogger(), logging.getLogger("mlxwatch.run")

@@ -21,16 +21,22 @@ from pathlib import Path
 
 import pytest
 
-from mlxwatch.config import CaptureConfig, Config, InstanceConfig, ProbeConfig, RestartConfig
+from mlxwatch.config import (
+    CaptureConfig,
+    Config,
+    InstanceConfig,
+    ProbeConfig,
+    RestartConfig,
+)
+from mlxwatch.daemon.status import collect_status, render_status
+from mlxwatch.daemon.supervisor import Daemon
 from mlxwatch.errors import RestartError, StateError
-from mlxwatch.process import ProcessIdentity, lookup_server
-from mlxwatch.watchdog import journal as journal_module
-from mlxwatch.watchdog.daemon import Daemon
-from mlxwatch.watchdog.journal import Journal
-from mlxwatch.watchdog.restart import RestartContext, restart
-from mlxwatch.watchdog.state import StateFile
-from mlxwatch.watchdog.status import collect_status, render_status
+from mlxwatch.host.process import ProcessIdentity, lookup_server
+from mlxwatch.journal import incidents as journal_module
+from mlxwatch.journal.incidents import Journal
+from mlxwatch.journal.state import StateFile
 from mlxwatch.lab.server import free_port  # a loopback port free a moment ago
+from mlxwatch.restart.methods import RestartContext, restart
 
 FAST = ProbeConfig(interval=0.2, suspect_interval=0.1, first_token_timeout=0.5, timeout=1.0, failures=1,
                    endpoint_timeout=0.3, startup_timeout=30.0)
@@ -505,7 +511,7 @@ def test_restart_times_from_the_future_do_not_hold_the_budget(tmp_path):
     """A clock stepped back (or a bad state file) must not keep an instance given up for a day:
     read back without this boot's monotonic readings, a time from the future counts as now."""
     from mlxwatch.clock import Clock
-    from mlxwatch.watchdog.flapguard import FlapGuard
+    from mlxwatch.restart.flapguard import FlapGuard
 
     now = 1_000_000.0
     clock = Clock(monotonic=lambda: 50.0, wall=lambda: now, boot="this-boot")

@@ -18,8 +18,10 @@ from pathlib import Path
 import psutil
 import pytest
 
-from mlxwatch.watchdog.journal import Journal
-from mlxwatch.lab.server import free_port as closed_port  # a loopback port free a moment ago
+from mlxwatch.journal.incidents import Journal
+from mlxwatch.lab.server import (
+    free_port as closed_port,  # a loopback port free a moment ago
+)
 
 
 def write_config(tmp_path: Path, restart: str, extra: str = "", budget: int = 2) -> Path:
@@ -247,14 +249,14 @@ if where == "config read":  # a config on a slow disk
 else:  # the daemon's own imports, as a cold start on a loaded Mac takes them
     class Hold:
         def find_spec(self, name, path=None, target=None):
-            if name == "mlxwatch.watchdog":
+            if name == "mlxwatch.daemon.supervisor":
                 sys.meta_path.remove(self)
                 hold()
             return None
 
     sys.meta_path.insert(0, Hold())
 
-from mlxwatch.cli import main
+from mlxwatch.cli.main import main
 
 sys.argv = ["mlxwatch", *sys.argv[4:]]
 main()

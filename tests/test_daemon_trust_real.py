@@ -18,10 +18,16 @@ from pathlib import Path
 import httpx
 import pytest
 
-from mlxwatch.config import CaptureConfig, Config, InstanceConfig, ProbeConfig, RestartConfig
+from mlxwatch.config import (
+    CaptureConfig,
+    Config,
+    InstanceConfig,
+    ProbeConfig,
+    RestartConfig,
+)
+from mlxwatch.daemon.supervisor import Daemon
+from mlxwatch.journal.incidents import Journal
 from mlxwatch.lab.server import LabServer, free_port, make_tiny_model
-from mlxwatch.watchdog.daemon import Daemon
-from mlxwatch.watchdog.journal import Journal
 
 pytestmark = pytest.mark.real_server
 

@@ -17,11 +17,17 @@ import httpx
 import pytest
 
 from mlxwatch.capture import capture_bundle
-from mlxwatch.config import CaptureConfig, Config, InstanceConfig, ProbeConfig, RestartConfig
+from mlxwatch.config import (
+    CaptureConfig,
+    Config,
+    InstanceConfig,
+    ProbeConfig,
+    RestartConfig,
+)
+from mlxwatch.daemon.supervisor import Daemon
+from mlxwatch.host.process import ProcessIdentity
+from mlxwatch.journal.incidents import Journal
 from mlxwatch.lab.server import LabServer
-from mlxwatch.process import ProcessIdentity
-from mlxwatch.watchdog.daemon import Daemon
-from mlxwatch.watchdog.journal import Journal
 
 
 def lab_config(lab: LabServer, state_dir: Path, probe: ProbeConfig) -> Config:

@@ -17,17 +17,29 @@ import pytest
 
 from mlxwatch.capture import Bundle
 from mlxwatch.capture.classify import Classification
-from mlxwatch.config import CaptureConfig, Config, InstanceConfig, ProbeConfig, RestartConfig
+from mlxwatch.config import (
+    CaptureConfig,
+    Config,
+    InstanceConfig,
+    ProbeConfig,
+    RestartConfig,
+)
+from mlxwatch.daemon.supervisor import Daemon
+from mlxwatch.host.process import ProcessIdentity, ServerLookup
+from mlxwatch.journal.incidents import Journal
 from mlxwatch.probes import CheckReport
 from mlxwatch.probes.endpoints import EndpointResult
 from mlxwatch.probes.generation import GenerationProbeResult
-from mlxwatch.process import ProcessIdentity, ServerLookup
-from mlxwatch.watchdog import policy
-from mlxwatch.watchdog.daemon import Daemon
-from mlxwatch.watchdog.journal import Journal
-from mlxwatch.watchdog.lookagain import decide
-from mlxwatch.watchdog.progress import late_delivery
-from mlxwatch.watchdog.restart import OK, RestartContext, RestartOutcome, custom_command, restart
+from mlxwatch.restart.lookagain import decide
+from mlxwatch.restart.methods import (
+    OK,
+    RestartContext,
+    RestartOutcome,
+    custom_command,
+    restart,
+)
+from mlxwatch.verdict import policy
+from mlxwatch.verdict.progress import late_delivery
 
 LATE = ["the previous probe's reply arrived late: 4 token(s)"]
 
@@ -121,7 +133,7 @@ async def test_a_hook_is_never_given_a_dead_pid():
 
     async def runner(argv, timeout):
         seen.append(list(argv))
-        from mlxwatch.capture.commands import CommandResult
+        from mlxwatch.host.commands import CommandResult
         return CommandResult(list(argv), 0, b"", b"", 0.0)
 
     await restart(RestartContext(cfg, dead, None), runner=runner)

@@ -17,12 +17,12 @@ from pathlib import Path
 import pytest
 
 from mlxwatch.capture.bundle import BundleWriter, adopt_partials, prune
+from mlxwatch.daemon.metrics import write_textfile
 from mlxwatch.errors import StateError
-from mlxwatch.metrics import write_textfile
+from mlxwatch.journal.incidents import Journal
+from mlxwatch.journal.lock import StateDirLock
+from mlxwatch.journal.state import StateFile
 from mlxwatch.storage import append_record, private_dir, replace_atomically
-from mlxwatch.watchdog.journal import Journal
-from mlxwatch.watchdog.lock import StateDirLock
-from mlxwatch.watchdog.state import StateFile
 
 VICTIM = b"precious: never to be overwritten by mlxwatch\n"
 OTHER_UID = 65534  # nobody
@@ -172,7 +172,7 @@ def test_links_in_the_bundles_dir_are_never_followed(tmp_path):
 async def test_the_daemon_refuses_a_world_writable_state_dir_before_writing(tmp_path):
     """The same refusal from the daemon core: StateError, nothing written."""
     from mlxwatch.config import Config, InstanceConfig
-    from mlxwatch.watchdog.daemon import Daemon
+    from mlxwatch.daemon.supervisor import Daemon
 
     state = tmp_path / "state"
     state.mkdir()

@@ -23,8 +23,8 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from mlxwatch.config import CaptureConfig, Config, InstanceConfig, MetricsConfig
-from mlxwatch.metrics import Metrics, MetricsExporter
-from mlxwatch.watchdog.journal import Incident
+from mlxwatch.daemon.metrics import Metrics, MetricsExporter
+from mlxwatch.journal.incidents import Incident
 from mlxwatch.lab.server import free_port  # a loopback port free a moment ago
 
 ROOT = Path(__file__).parent.parent

@@ -1,6 +1,6 @@
 """The launchd agent: what `mlxwatch launchd plist` prints, that the hand-edit template is the
 same agent, and `launchd install` / `uninstall` through the one launchctl seam
-(`mlxwatch.launchctl.runner`, replaced here: there is no launchd on Linux).
+(`mlxwatch.host.launchctl.runner`, replaced here: there is no launchd on Linux).
 
 The launchctl command lines are checked against launchctl(1)'s synopsis, written out below
 from the man page rather than from the code:
@@ -20,9 +20,9 @@ from pathlib import Path
 
 import pytest
 
-from mlxwatch import launchctl
-from mlxwatch.cli import run
-from mlxwatch.launchd import agent
+from mlxwatch.cli.main import run
+from mlxwatch.daemon.agent import agent
+from mlxwatch.host import launchctl
 
 TEMPLATE = Path(__file__).parent.parent / "launchd" / "com.mlxwatch.daemon.plist"
 SERVER_TEMPLATE = Path(__file__).parent.parent / "launchd" / "com.example.mlx-server.plist"

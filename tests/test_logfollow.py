@@ -12,9 +12,9 @@ import sys
 import time
 from pathlib import Path
 
-from mlxwatch.logfollow import LogFollower, open_by
 from mlxwatch.probes import CheckReport, EndpointResult, GenerationProbeResult
-from mlxwatch.watchdog.progress import ProgressTracker
+from mlxwatch.serverlog.follow import LogFollower, open_by
+from mlxwatch.verdict.progress import ProgressTracker
 
 TURNED_OVER = "Jul  5 08:20:00 mac newsyslog[123]: logfile turned over\n"
 
@@ -212,9 +212,9 @@ async def test_daemon_gives_no_verdict_while_progress_goes_on_in_the_rotated_log
     import asyncio
 
     from mlxwatch.config import CaptureConfig, Config, InstanceConfig, ProbeConfig
+    from mlxwatch.daemon.supervisor import Daemon
+    from mlxwatch.journal.incidents import Journal
     from mlxwatch.lab.server import free_port
-    from mlxwatch.watchdog.daemon import Daemon
-    from mlxwatch.watchdog.journal import Journal
 
     port = free_port()
     mode = tmp_path / "mode"

@@ -21,11 +21,11 @@ from pathlib import Path
 
 import pytest
 
-from mlxwatch import launchctl
 from mlxwatch.capture import macos, pyspy
 from mlxwatch.config import RestartConfig
 from mlxwatch.errors import RestartError
-from mlxwatch.watchdog.restart import launchd_command
+from mlxwatch.host import launchctl
+from mlxwatch.restart.methods import launchd_command
 
 SAMPLE_MAN = {"positional": ["pid", "duration", "samplingInterval"],
               "flags": {"-wait", "-mayDie", "-fullPaths", "-e"}, "with_value": {"-file"}}
@@ -186,7 +186,7 @@ def test_restart_uid_is_read_for_launchd(config_file):
      "instances[0].restart.uid: unknown key (got 501)"),
 ])
 def test_bad_restart_uid_is_one_line_exit_2(config_file, capsys, text, message):
-    from mlxwatch.cli import run
+    from mlxwatch.cli.main import run
 
     path = config_file(text)
     assert run(["config", "validate", str(path)]) == 2
@@ -239,7 +239,7 @@ def test_readme_sudoers_rule_allows_nothing_else(argv):
 ])
 def test_every_way_to_start_a_server_is_a_server_with_its_versions(cmdline, tmp_path):
     from mlxwatch.capture.versions import server_versions
-    from mlxwatch.process import is_mlx_server, server_port
+    from mlxwatch.host.process import is_mlx_server, server_port
 
     assert is_mlx_server(cmdline) and server_port(cmdline) == 8082
     venv = tmp_path / "v"

@@ -1,7 +1,7 @@
 """Discovery by launchd label: an instance with `url` and `restart: {launchd: LABEL}` gets its
 server's PID (and, without a `log`, its log) from launchd, proven by the exact address.
 
-launchctl is replaced at its seam (`mlxwatch.launchctl.runner`) by one that answers with the
+launchctl is replaced at its seam (`mlxwatch.host.launchctl.runner`) by one that answers with the
 real `launchctl print` output recorded in boxen/puppet-boxen#104 (tests/data), its `pid` and
 `path` lines pointed at this test's own processes and files. The servers are real processes
 listening on loopback (mlxwatch's token-streaming stand-in, whose command line is not mlx-lm's:
@@ -23,16 +23,16 @@ from pathlib import Path
 import psutil
 import pytest
 
-from mlxwatch import launchctl
 from mlxwatch.capture.classify import Classification
 from mlxwatch.capture.collector import Bundle
-from mlxwatch.capture.commands import CommandResult
 from mlxwatch.config import CaptureConfig, parse_config
-from mlxwatch.process import lookup_server
-from mlxwatch.watchdog.daemon import Daemon
-from mlxwatch.watchdog.journal import Journal
-from mlxwatch.watchdog.restart import restart
+from mlxwatch.daemon.supervisor import Daemon
+from mlxwatch.host import launchctl
+from mlxwatch.host.commands import CommandResult
+from mlxwatch.host.process import lookup_server
+from mlxwatch.journal.incidents import Journal
 from mlxwatch.lab.server import free_port  # a loopback port free a moment ago
+from mlxwatch.restart.methods import restart
 
 DATA = Path(__file__).parent / "data"
 RECORDED = (DATA / "launchctl-print-boxen-104.txt").read_text().split("# ----- output below, as quoted -----\n", 1)[1]

@@ -7,10 +7,8 @@ with its own ``pid`` line in ``launchctl print``), the input is written here and
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -18,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from mlxwatch import launchctl
 from mlxwatch.capture import CaptureRequest, collector, macos
-from mlxwatch.capture.commands import CommandResult
+from mlxwatch.host import launchctl
+from mlxwatch.host.commands import CommandResult
 
 DATA = Path(__file__).parent / "data"
 MARK = "# ----- output below, as quoted -----\n"
@@ -305,7 +303,7 @@ async def test_a_failed_spindump_keeps_what_it_printed_and_says_why(tmp_path, fa
 
 
 def _metal_log(thread_died: bool = True):
-    from mlxwatch.serverlog import scan
+    from mlxwatch.serverlog.markers import scan
 
     # Written here, not recorded: the shape of mlx >= 0.32's raise (mlx/backend/metal/device.cpp
     # at PR #3523 formats "[METAL] Command buffer execution failed: {}.") ending a thread's traceback.

@@ -16,13 +16,25 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from mlxwatch.config import CaptureConfig, Config, InstanceConfig, MetricsConfig, ProbeConfig, RestartConfig
-from mlxwatch.metrics import Metrics, MetricsExporter, buckets_up_to, start_metrics
-from mlxwatch.watchdog.daemon import Daemon
-from mlxwatch.watchdog.journal import Incident, Journal
-from mlxwatch.watchdog.policy import STATES
-from mlxwatch.watchdog.state import StateFile
+from mlxwatch.config import (
+    CaptureConfig,
+    Config,
+    InstanceConfig,
+    MetricsConfig,
+    ProbeConfig,
+    RestartConfig,
+)
+from mlxwatch.daemon.metrics import (
+    Metrics,
+    MetricsExporter,
+    buckets_up_to,
+    start_metrics,
+)
+from mlxwatch.daemon.supervisor import Daemon
+from mlxwatch.journal.incidents import Incident, Journal
+from mlxwatch.journal.state import StateFile
 from mlxwatch.lab.server import free_port  # a loopback port free a moment ago
+from mlxwatch.verdict.policy import STATES
 
 
 def samples(text: str | bytes) -> dict[tuple, float]:
@@ -387,10 +399,10 @@ def test_shim_series_come_from_the_servers_heartbeat(tmp_path, monkeypatch):
     import psutil
 
     from mlxwatch.config import Config, InstanceConfig
-    from mlxwatch.metrics import Metrics
+    from mlxwatch.daemon.metrics import Metrics
+    from mlxwatch.journal.state import StateFile
     from mlxwatch.shim import layout
     from mlxwatch.shim.agent import Agent
-    from mlxwatch.watchdog.state import StateFile
 
     runtime = tmp_path / "run"
     monkeypatch.setenv(layout.RUNTIME_ENV, str(runtime))

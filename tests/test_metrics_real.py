@@ -19,11 +19,18 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from mlxwatch.config import CaptureConfig, Config, InstanceConfig, MetricsConfig, ProbeConfig, RestartConfig
+from mlxwatch.config import (
+    CaptureConfig,
+    Config,
+    InstanceConfig,
+    MetricsConfig,
+    ProbeConfig,
+    RestartConfig,
+)
+from mlxwatch.daemon.supervisor import Daemon
+from mlxwatch.journal.incidents import Journal
 from mlxwatch.lab.server import LabServer, free_port
-from mlxwatch.watchdog.daemon import Daemon
-from mlxwatch.watchdog.journal import Journal
-from mlxwatch.watchdog.policy import STATES
+from mlxwatch.verdict.policy import STATES
 
 INCIDENT_STATES = ("hung", "capturing", "restarting", "recovering")
 

@@ -13,11 +13,23 @@ from pathlib import Path
 
 import pytest
 
-from mlxwatch.capture.bundle import WRITER, BundleWriter, LowDiskSpace, bundle_name, prune
-from mlxwatch.config import CaptureConfig, Config, InstanceConfig, ProbeConfig, RestartConfig
-from mlxwatch.watchdog.journal import Incident, Journal
-from mlxwatch.watchdog.state import STATE_NAME, StateFile
-from mlxwatch.watchdog.status import collect_status
+from mlxwatch.capture.bundle import (
+    WRITER,
+    BundleWriter,
+    LowDiskSpace,
+    bundle_name,
+    prune,
+)
+from mlxwatch.config import (
+    CaptureConfig,
+    Config,
+    InstanceConfig,
+    ProbeConfig,
+    RestartConfig,
+)
+from mlxwatch.daemon.status import collect_status
+from mlxwatch.journal.incidents import Incident, Journal
+from mlxwatch.journal.state import STATE_NAME, StateFile
 
 DAY = 86400.0
 PAD = "x" * 700  # a record of about 1 KB, an incident of about 5 KB, as measured on main
@@ -180,8 +192,8 @@ def test_below_the_free_space_floor_no_bundle_is_started(tmp_path):
 
 async def test_a_full_disk_gets_a_note_instead_of_a_bundle_and_the_restart_still_happens(tmp_path):
     """The watchdog journals the refusal (capture_failed, one line) and restarts all the same."""
+    from mlxwatch.daemon.supervisor import Daemon
     from mlxwatch.lab.server import free_port
-    from mlxwatch.watchdog.daemon import Daemon
 
     state = tmp_path / "state"
     probe = ProbeConfig(interval=0.2, suspect_interval=0.1, first_token_timeout=0.5, timeout=1.0, failures=1,

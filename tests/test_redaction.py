@@ -6,7 +6,6 @@ token counts, hex thread ids) survives every level."""
 from __future__ import annotations
 
 import asyncio
-import io
 import json
 import os
 import signal
@@ -20,9 +19,9 @@ import psutil
 import pytest
 
 import mlxwatch.probes
-from mlxwatch import cli, heartbeat
 from mlxwatch.capture import CaptureRequest, capture_bundle, export_bundle, pyspy
-from mlxwatch.shim import layout
+from mlxwatch.cli import main as cli
+from mlxwatch.shim import heartbeat, layout
 
 sys.path.insert(0, str(Path(__file__).parent))
 from shim_standin import write_standin  # noqa: E402

@@ -8,7 +8,7 @@ import plistlib
 
 import pytest
 
-from mlxwatch.cli import run
+from mlxwatch.cli.main import run
 
 GOOD = "instances: [{name: local, url: 'http://127.0.0.1:8082'}]\n"
 NOT_RUNNABLE = {
@@ -24,7 +24,7 @@ def test_config_validate_refuses_what_run_refuses_with_the_same_line(config_file
     path = config_file(text)
     assert run(["config", "validate", str(path)]) == 2
     validate_err = capsys.readouterr().err.strip().splitlines()
-    monkeypatch.setattr("mlxwatch.watchdog.daemon.Daemon", None)  # run must refuse before it builds one
+    monkeypatch.setattr("mlxwatch.daemon.supervisor.Daemon", None)  # run must refuse before it builds one
     assert run(["--config", str(path), "run"]) == 2
     run_err = capsys.readouterr().err.strip().splitlines()
     assert validate_err == run_err == [f"mlxwatch: {path}: instances: no instances to watch "

@@ -17,14 +17,14 @@ from pathlib import Path
 import psutil
 import pytest
 
-from mlxwatch import heartbeat
+from mlxwatch import stacks
 from mlxwatch.capture import CaptureRequest, capture_bundle, pyspy
 from mlxwatch.capture.classify import Evidence, classify
-from mlxwatch.capture.shimstacks import ShimFindings, ShimWindow, parse_dump
 from mlxwatch.errors import UsageError
-from mlxwatch.launch import BOOT_DIR, check_python_flags, clean_runtime_dir, plan
-from mlxwatch.shim import layout
-from mlxwatch.watchdog.shimwatch import ShimWatch
+from mlxwatch.shim import heartbeat, layout
+from mlxwatch.shim.launcher import BOOT_DIR, check_python_flags, clean_runtime_dir, plan
+from mlxwatch.shim.stacks import ShimFindings, ShimWindow, parse_dump
+from mlxwatch.shim.watch import ShimWatch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from shim_standin import write_standin  # noqa: E402
@@ -194,7 +194,7 @@ def test_a_blocked_loop_freezes_the_heartbeat_counts_and_still_gives_stacks(stan
     later = s.wait_for(lambda h: h.published_at > hb.published_at + 1, what="a later heartbeat")
     assert later.steps == hb.steps and not later.stale  # the publisher runs; the loop does not
     text = heartbeat.request_stacks(later, s.create_time)
-    gen = pyspy.generation_thread(parse_dump(text, later.thread_names()))
+    gen = stacks.generation_thread(parse_dump(text, later.thread_names()))
     assert gen is not None and gen.name == "Thread-1 (_generate)"
     assert [f.name for f in gen.frames[:3]] == ["wait", "wait", "next"]  # Event().wait() inside next
 
@@ -210,7 +210,7 @@ def test_a_held_gil_stales_the_heartbeat_but_faulthandler_still_dumps(standin):
         time.sleep(0.2)
     hb = s.heartbeat()
     text = heartbeat.request_stacks(hb, s.create_time)  # from the C signal handler, GIL held elsewhere
-    gen = pyspy.generation_thread(parse_dump(text, hb.thread_names()))
+    gen = stacks.generation_thread(parse_dump(text, hb.thread_names()))
     assert gen is not None and gen.frames[0].name == "next" and gen.frames[0].filename.endswith("generate.py")
     findings = ShimWindow(hb, hb).findings()
     assert findings.stale and "GIL" in findings.stale[0]
@@ -371,7 +371,7 @@ def test_status_shows_tokens_per_second_and_time_since_the_last_token(standin, t
     from rich.console import Console
 
     from mlxwatch.config import Config, InstanceConfig
-    from mlxwatch.watchdog.status import collect_status, render_status
+    from mlxwatch.daemon.status import collect_status, render_status
 
     s = standin()
     s.wait_for(lambda h: (h.tokens_per_s or 0) > 0, what="tokens/s")
@@ -520,7 +520,7 @@ Current thread 0x00007f3a3c1e8740 (most recent call first):
 
 def test_parse_faulthandler_dump_with_heartbeat_thread_names():
     threads = parse_dump(DUMP, {0x7f3a2b7fe640: ("Thread-1 (_run_generate)", 4242)})
-    gen = pyspy.generation_thread(threads)
+    gen = stacks.generation_thread(threads)
     assert gen is not None and gen.os_thread_id == 4242
     assert [f.where for f in gen.frames] == ["_step (generate.py:1369)", "next (generate.py:1415)",
                                             "next (agent.py:489)", "_generate (server.py:943)"]
@@ -577,7 +577,7 @@ def test_shimwatch_turns_readings_into_stall_delivered_busy_and_evidence():
 def test_the_example_server_agent_runs_the_server_through_launch():
     import plistlib
 
-    from mlxwatch.cli import build_parser
+    from mlxwatch.cli.main import build_parser
 
     plist = plistlib.loads((ROOT / "launchd" / "com.example.mlx-server-shim.plist").read_bytes())
     argv = plist["ProgramArguments"]
@@ -591,7 +591,7 @@ def test_the_example_server_agent_runs_the_server_through_launch():
 
 
 def test_a_server_without_a_heartbeat_is_not_read_again_every_probe():
-    from mlxwatch.watchdog.shimwatch import RECHECK_ABSENT
+    from mlxwatch.shim.watch import RECHECK_ABSENT
 
     w = ShimWatch()
     w.reset_for(10)

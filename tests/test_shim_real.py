@@ -14,16 +14,22 @@ from pathlib import Path
 import httpx
 import pytest
 
-from mlxwatch import heartbeat
+from mlxwatch import stacks
 from mlxwatch.capture import CaptureRequest, capture_bundle, pyspy
-from mlxwatch.capture.shimstacks import parse_dump
-from mlxwatch.config import CaptureConfig, Config, InstanceConfig, ProbeConfig, RestartConfig
-from mlxwatch.lab.server import LabServer
-from mlxwatch.shim import layout
-from mlxwatch.watchdog.daemon import Daemon
-from mlxwatch.watchdog.journal import Journal
-from mlxwatch.watchdog.shimwatch import POLL
+from mlxwatch.config import (
+    CaptureConfig,
+    Config,
+    InstanceConfig,
+    ProbeConfig,
+    RestartConfig,
+)
+from mlxwatch.daemon.supervisor import Daemon
+from mlxwatch.journal.incidents import Journal
 from mlxwatch.lab.clients import retry_every
+from mlxwatch.lab.server import LabServer
+from mlxwatch.shim import heartbeat, layout
+from mlxwatch.shim.stacks import parse_dump
+from mlxwatch.shim.watch import POLL
 
 _servers: dict[str, LabServer] = {}
 
@@ -100,7 +106,7 @@ def test_stacks_shim_shows_the_generation_thread_without_py_spy(shim_lab, tmp_pa
     assert len(dumps) == 3 and not list((bundle.path / "stacks").glob("pyspy-*"))
     for dump in dumps:
         threads = parse_dump(dump.read_text(), hb_of(shim_lab).thread_names())
-        gen = pyspy.generation_thread(threads)
+        gen = stacks.generation_thread(threads)
         assert gen is not None, dump.read_text()
         names = [f.name for f in gen.frames]
         assert mark in names and "_generate" in names and "next" in names

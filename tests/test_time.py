@@ -15,14 +15,13 @@ from dataclasses import replace
 
 import psutil
 import pytest
+from test_daemon_core import FAST, Running, config, standin  # noqa: F401 - standin is a fixture
 
-from mlxwatch import heartbeat
 from mlxwatch.clock import Clock, Stamp, boot_id
 from mlxwatch.config import RestartConfig
-from mlxwatch.shim import layout
-from mlxwatch.watchdog.flapguard import FlapGuard
-from mlxwatch.watchdog.restart import OK, RestartOutcome
-from test_daemon_core import FAST, Running, config, standin  # noqa: F401 - standin is a fixture
+from mlxwatch.restart.flapguard import FlapGuard
+from mlxwatch.restart.methods import OK, RestartOutcome
+from mlxwatch.shim import heartbeat, layout
 
 HOUR = 3600.0
 

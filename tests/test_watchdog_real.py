@@ -17,10 +17,16 @@ import httpx
 import pytest
 
 from mlxwatch.capture.classify import IDLE_CPU
-from mlxwatch.config import CaptureConfig, Config, InstanceConfig, ProbeConfig, RestartConfig
+from mlxwatch.config import (
+    CaptureConfig,
+    Config,
+    InstanceConfig,
+    ProbeConfig,
+    RestartConfig,
+)
+from mlxwatch.daemon.supervisor import Daemon
+from mlxwatch.journal.incidents import Journal
 from mlxwatch.lab.server import LabServer
-from mlxwatch.watchdog.daemon import Daemon
-from mlxwatch.watchdog.journal import Journal
 
 INTERVAL, FIRST, TOTAL, FAILURES = 1.0, 2.0, 4.0, 2
 # Stated slack: the fault bites at the first probe after it is switched on (up to one jittered

@@ -11,19 +11,25 @@ import time
 
 import pytest
 
+from mlxwatch.clock import Stamp
 from mlxwatch.config import InstanceConfig, RestartConfig
+from mlxwatch.daemon.notify import run_notify
 from mlxwatch.errors import RestartError
+from mlxwatch.host.process import ProcessIdentity
+from mlxwatch.journal.incidents import Incident, Journal
 from mlxwatch.probes import CheckReport
 from mlxwatch.probes.endpoints import EndpointResult
 from mlxwatch.probes.generation import GenerationProbeResult, Keepalive
-from mlxwatch.process import ProcessIdentity
-from mlxwatch.watchdog import policy
-from mlxwatch.clock import Stamp
-from mlxwatch.watchdog.flapguard import FlapGuard
-from mlxwatch.watchdog.journal import Incident, Journal
-from mlxwatch.watchdog.notify import run_notify
-from mlxwatch.watchdog.progress import ProgressTracker
-from mlxwatch.watchdog.restart import RestartContext, custom_command, launchd_command, restart, systemd_command
+from mlxwatch.restart.flapguard import FlapGuard
+from mlxwatch.restart.methods import (
+    RestartContext,
+    custom_command,
+    launchd_command,
+    restart,
+    systemd_command,
+)
+from mlxwatch.verdict import policy
+from mlxwatch.verdict.progress import ProgressTracker
 
 
 def test_verdict_after_n_consecutive_failures():
@@ -129,7 +135,7 @@ async def test_signal_restart_terminates_our_listening_server(tmp_path):
                               f"import socket,time; s=socket.socket(); s.bind(('127.0.0.1',{port})); s.listen(); time.sleep(60)"])
     try:
         for _ in range(100):
-            from mlxwatch.process import listening_pids
+            from mlxwatch.host.process import listening_pids
             if child.pid in listening_pids(port):
                 break
             await asyncio.sleep(0.05)
@@ -218,7 +224,7 @@ def test_progress_in_a_log_of_many_megabytes_is_never_phantom(tmp_path):
 def test_log_follower_handles_rotation_truncation_and_bursts(tmp_path):
     """Rotation (new inode) and copy-truncate start over at the new start; a burst larger than
     one read keeps its newest part; a partial last line waits for its newline."""
-    from mlxwatch.logfollow import LogFollower
+    from mlxwatch.serverlog.follow import LogFollower
 
     log = tmp_path / "server.log"
     log.write_text("old\n")
@@ -246,9 +252,9 @@ def test_log_follower_handles_rotation_truncation_and_bursts(tmp_path):
 def test_suspect_server_is_probed_again_sooner(tmp_path):
     """After one failed probe the next comes after suspect_interval, not the full interval."""
     from mlxwatch.config import CaptureConfig, ProbeConfig
-    from mlxwatch.watchdog.instance import InstanceWatcher, Shared
-    from mlxwatch.watchdog.notify import Notifier
-    from mlxwatch.watchdog.state import StateFile
+    from mlxwatch.daemon.notify import Notifier
+    from mlxwatch.daemon.watcher import InstanceWatcher, Shared
+    from mlxwatch.journal.state import StateFile
 
     shared = Shared(journal=Journal(tmp_path), state=StateFile(tmp_path), state_dir=tmp_path,
                     notifier=Notifier(()), capture=CaptureConfig(), bundles_dir=tmp_path / "b")

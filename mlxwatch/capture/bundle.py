@@ -44,7 +44,7 @@ from typing import Any, Callable
 import psutil
 
 from mlxwatch.errors import BundleError
-from mlxwatch.process import ProcessIdentity
+from mlxwatch.host.process import ProcessIdentity
 from mlxwatch.storage import free_bytes, fsync_dir, private_dir, write_new
 
 FORMAT_VERSION = 1

@@ -43,24 +43,38 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Awaitable, Callable
 
-from mlxwatch import __version__
-from mlxwatch.capture import macos, pyspy, shimstacks
+from mlxwatch import __version__, stacks
+from mlxwatch.capture import macos, pyspy
 from mlxwatch.capture.bundle import BundleWriter, prune
 from mlxwatch.capture.classify import Classification, Evidence, classify
-from mlxwatch.capture.commands import Runner, run_command
 from mlxwatch.capture.procstats import ProcessWindow, describe_process, sample_process
-from mlxwatch.capture.redact import NONE, PRIVATE, redact_bytes, redact_json, redact_text
+from mlxwatch.capture.redact import (
+    NONE,
+    PRIVATE,
+    redact_bytes,
+    redact_json,
+    redact_text,
+)
 from mlxwatch.capture.summary import render_summary
 from mlxwatch.capture.versions import server_versions
 from mlxwatch.config import CaptureConfig
-from mlxwatch.logfollow import LogFollower
-from mlxwatch.process import ProcessIdentity
-from mlxwatch.serverlog import (
-    RECENT_BYTES, SERVER_START, LogMarkers, completions_ok, open_regular, progress_lines, read_recent_across,
-    rotated_from, scan,
+from mlxwatch.host.commands import Runner, run_command
+from mlxwatch.host.process import ProcessIdentity
+from mlxwatch.serverlog.follow import LogFollower
+from mlxwatch.serverlog.markers import (
+    RECENT_BYTES,
+    SERVER_START,
+    LogMarkers,
+    completions_ok,
+    open_regular,
+    progress_lines,
+    read_recent_across,
+    rotated_from,
+    scan,
     since_last_start,
     tail_lines,
 )
+from mlxwatch.shim import stacks as shim_stacks
 
 DUMP_TIMEOUT = 10.0
 FINISH_RESERVE = 2.0  # seconds of the ceiling kept for classifying and writing
@@ -131,7 +145,7 @@ class _Capture:
         self.deadline = self.t0 + req.ceiling
         self.writer: BundleWriter = None  # type: ignore[assignment]  # made in a worker thread
         self.steps: list[_Step] = []
-        self.snapshots: list[tuple[float, list[pyspy.ThreadStack]]] = []
+        self.snapshots: list[tuple[float, list[stacks.ThreadStack]]] = []
         self.stacks_error: str | None = None
         self.window = ProcessWindow()
         self.window_seconds = max(0.5, (req.snapshots - 1) * req.spacing + 0.5)
@@ -146,7 +160,7 @@ class _Capture:
         self.process: dict = {}
         self.versions: dict = {}
         self.native_findings: list[str] = []  # macOS sample, when py-spy cannot read the server
-        self.shim_window: shimstacks.ShimWindow | None = None  # the launch shim's heartbeat over the window
+        self.shim_window: shim_stacks.ShimWindow | None = None  # the launch shim's heartbeat over the window
         self.redaction = PRIVATE if req.redact else NONE  # every file goes through it (write_blocking)
 
     def now(self) -> float:
@@ -221,7 +235,7 @@ async def capture_bundle(req: CaptureRequest, *, runner: Runner = run_command, o
             asyncio.ensure_future(cap.step("stacks", lambda rec: _stacks(cap, rec))),
             asyncio.ensure_future(cap.step("cpu", lambda rec: _cpu(cap, rec))),
             asyncio.ensure_future(cap.step("probe", lambda rec: _probe(cap, rec))),
-            asyncio.ensure_future(cap.step("heartbeat", lambda rec: shimstacks.watch_window(cap, rec))),
+            asyncio.ensure_future(cap.step("heartbeat", lambda rec: shim_stacks.watch_window(cap, rec))),
         ]
         await cap.phase(
             *window,
@@ -265,7 +279,7 @@ async def _stacks(cap: _Capture, rec: _Step) -> None:
         rec.outcome, rec.error = "skipped", "capture.stacks is sample: no Python stacks (macOS sample is the stack source)"
         cap.stacks_error = rec.error
         return
-    if req.stacks in ("shim", "auto") and (await shimstacks.take_stacks(cap, rec, required=req.stacks == "shim")
+    if req.stacks in ("shim", "auto") and (await shim_stacks.take_stacks(cap, rec, required=req.stacks == "shim")
                                            or req.stacks == "shim"):
         return  # the launch shim's faulthandler dumps (auto: py-spy when the process has no shim)
     exe = await asyncio.to_thread(pyspy.find_py_spy)
@@ -556,7 +570,7 @@ def _evidence(cap: _Capture) -> tuple[Evidence, LogWindow | None]:
     ev.process_statuses = cap.window.statuses()
     ev.snapshots = [threads for _, threads in cap.snapshots]
     ev.stacks_error = cap.stacks_error
-    gens = [pyspy.generation_thread(t) for t in ev.snapshots]
+    gens = [stacks.generation_thread(t) for t in ev.snapshots]
     tid = next((g.os_thread_id for g in gens if g is not None), None)
     ev.generation_cpu = cap.window.thread_cpu_percent(tid)
     ev.process_cpu = cap.window.cpu_percent()

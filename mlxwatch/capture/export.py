@@ -25,7 +25,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from mlxwatch.capture.bundle import MANIFEST, MAX_MANIFEST_BYTES, SUMMARY, load_manifest, read_bounded
+from mlxwatch.capture.bundle import (
+    MANIFEST,
+    MAX_MANIFEST_BYTES,
+    SUMMARY,
+    load_manifest,
+    read_bounded,
+)
 from mlxwatch.capture.redact import PUBLIC, redact_bytes, redact_json
 from mlxwatch.errors import BundleError
 from mlxwatch.probes.generation import DESCRIPTIONS

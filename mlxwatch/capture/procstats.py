@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import psutil
 
+
 @dataclass
 class CpuSample:
     t: float  # seconds since the window started

@@ -11,8 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from mlxwatch.capture.pyspy import ThreadStack, generation_thread
-
+from mlxwatch.stacks import ThreadStack, generation_thread
 
 NO_COMPLETION = ("none known (mlx-lm logs no line when it finishes a request, except 'Outgoing Response' "
                  "at --log-level DEBUG for a non-streamed one; the launch shim's heartbeat counts tokens)")

@@ -33,7 +33,7 @@ from pathlib import Path
 import httpx
 import psutil
 
-from mlxwatch.process import ProcessIdentity
+from mlxwatch.host.process import ProcessIdentity
 
 LAB_DIR = Path(__file__).parent
 TINY_MODEL_SCRIPT = LAB_DIR / "tiny_model.py"

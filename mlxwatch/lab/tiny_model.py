@@ -31,7 +31,7 @@ SPECIAL = ["<s>", "</s>", "<unk>", "<|user|>", "<|assistant|>", "<|system|>"]
 
 
 def make_tokenizer(out: Path) -> int:
-    from tokenizers import Tokenizer, models, pre_tokenizers, decoders, trainers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

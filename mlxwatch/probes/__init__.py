@@ -6,7 +6,12 @@ enforces its own deadline. ``run_check`` combines them into the verdict the CLI 
 
 from mlxwatch.probes.check import CheckReport, make_client, run_check
 from mlxwatch.probes.endpoints import EndpointResult, probe_endpoint
-from mlxwatch.probes.generation import PROBE_PROMPT, Failure, GenerationProbeResult, probe_generation
+from mlxwatch.probes.generation import (
+    PROBE_PROMPT,
+    Failure,
+    GenerationProbeResult,
+    probe_generation,
+)
 
 __all__ = [
     "PROBE_PROMPT",

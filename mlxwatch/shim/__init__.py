@@ -6,5 +6,5 @@
 ``agent``. Nothing here may import anything outside the standard library, in the server or in
 mlxwatch: ``layout`` is shared by both sides, ``agent`` runs only in the server.
 
-See ``agent`` for what the shim does and ``mlxwatch.heartbeat`` for the reader.
+See ``agent`` for what the shim does and ``mlxwatch.shim.heartbeat`` for the reader.
 """

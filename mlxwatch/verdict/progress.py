@@ -27,9 +27,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from mlxwatch.logfollow import LogFollower
 from mlxwatch.probes import CheckReport
-from mlxwatch.serverlog import PROGRESS, SERVER_START
+from mlxwatch.serverlog.follow import LogFollower
+from mlxwatch.serverlog.markers import PROGRESS, SERVER_START
 
 
 @dataclass(frozen=True)

@@ -43,7 +43,14 @@ from pathlib import Path
 from typing import Any, Callable, Iterable
 
 from mlxwatch.errors import StateError
-from mlxwatch.storage import append_record, fsync_dir, open_regular, private_dir, read_records, replace_atomically
+from mlxwatch.storage import (
+    append_record,
+    fsync_dir,
+    open_regular,
+    private_dir,
+    read_records,
+    replace_atomically,
+)
 
 log = logging.getLogger("mlxwatch.watchdog")
 

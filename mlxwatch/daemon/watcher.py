@@ -9,7 +9,7 @@ when it next writes, so an abandoned probe would stay in its batch and queue the
 Blocking work (log reads, process lookups) runs in threads and only when the state changes:
 a healthy probe costs one HTTP exchange and nothing else. Every state change is logged (one
 line), journaled (one fsynced record) and marked for the state file. On a verdict the order is
-fixed: the server is proven (see ``mlxwatch.process``), the bundle is captured while it is
+fixed: the server is proven (see ``mlxwatch.host.process``), the bundle is captured while it is
 still in its bad state, and only then is anything restarted.
 """
 
@@ -24,22 +24,29 @@ from typing import Awaitable, Callable
 
 import httpx
 
-from mlxwatch import heartbeat
-from mlxwatch.clock import Clock, Stamp
 from mlxwatch.capture import Bundle, CaptureRequest, capture_bundle
+from mlxwatch.clock import Clock, Stamp
 from mlxwatch.config import CaptureConfig, InstanceConfig
+from mlxwatch.daemon.notify import Notifier
 from mlxwatch.errors import MlxwatchError
+from mlxwatch.host.process import ProcessIdentity, ServerLookup, lookup_server
+from mlxwatch.journal.incidents import Incident, Journal
+from mlxwatch.journal.state import StateFile, take_resume
 from mlxwatch.probes import CheckReport, make_client, run_check
-from mlxwatch.process import ProcessIdentity, ServerLookup, lookup_server
-from mlxwatch.watchdog import lookagain, policy
-from mlxwatch.watchdog.flapguard import FlapGuard
-from mlxwatch.watchdog.journal import Incident, Journal
-from mlxwatch.watchdog.notify import Notifier
-from mlxwatch.watchdog.progress import ProgressTracker
-from mlxwatch.watchdog.restart import OK, RestartContext, RestartOutcome, describe, restart
-from mlxwatch.watchdog.shimwatch import POLL as SHIM_POLL
-from mlxwatch.watchdog.shimwatch import ShimWatch
-from mlxwatch.watchdog.state import StateFile, take_resume
+from mlxwatch.restart import lookagain
+from mlxwatch.restart.flapguard import FlapGuard
+from mlxwatch.restart.methods import (
+    OK,
+    RestartContext,
+    RestartOutcome,
+    describe,
+    restart,
+)
+from mlxwatch.shim import heartbeat
+from mlxwatch.shim.watch import POLL as SHIM_POLL
+from mlxwatch.shim.watch import ShimWatch
+from mlxwatch.verdict import policy
+from mlxwatch.verdict.progress import ProgressTracker
 
 log = logging.getLogger("mlxwatch.watchdog")
 
@@ -384,7 +391,7 @@ class InstanceWatcher:
 
     async def _look_again(self, server: ProcessIdentity | None) -> lookagain.LookAgain:
         """Right before a restart: probe once more and prove the server's identity again
-        (``mlxwatch.watchdog.lookagain``). Someone else may have fixed it meanwhile."""
+        (``mlxwatch.restart.lookagain``). Someone else may have fixed it meanwhile."""
         report = await self.probe()
         self.shared.state.update(self.name, quiet=True, last_probe=_probe_summary(report, self.shared.clock.wall()))
         alive = server is not None and await asyncio.to_thread(server.alive)
@@ -503,7 +510,7 @@ class InstanceWatcher:
         self._save()
 
     # --- launch shim (`mlxwatch launch`): the proven server's heartbeat as signals for the policy
-    # (mlxwatch.watchdog.shimwatch). Without a heartbeat every method here is a no-op.
+    # (mlxwatch.shim.watch). Without a heartbeat every method here is a no-op.
 
     def _shim(self) -> ShimWatch:
         if self.shimwatch is None:

@@ -4,7 +4,7 @@
 writes it to ``~/Library/LaunchAgents/<label>.plist`` (with ``plistlib``) and loads it with
 ``launchctl bootstrap gui/<uid> <plist>`` (after ``bootout`` when that label is loaded);
 ``uninstall`` boots it out and removes the file, keeping the state dir and the bundles. Every
-``launchctl`` call goes through ``mlxwatch.launchctl`` (one seam, replaced by tests).
+``launchctl`` call goes through ``mlxwatch.host.launchctl`` (one seam, replaced by tests).
 
 The agent, key by key:
 
@@ -38,8 +38,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from mlxwatch import launchctl
 from mlxwatch.errors import ConfigError, MlxwatchError, UsageError
+from mlxwatch.host import launchctl
 
 LABEL = "com.mlxwatch.daemon"
 BASE_PATH = "/usr/bin:/bin:/usr/sbin:/sbin"  # launchd's default PATH for a job

@@ -30,13 +30,19 @@ from pathlib import Path
 from typing import Callable
 
 from mlxwatch.capture.bundle import adopt_partials
-from mlxwatch.config import Config, InstanceConfig, check_runnable, default_state_dir, same_address
+from mlxwatch.config import (
+    Config,
+    InstanceConfig,
+    check_runnable,
+    default_state_dir,
+    same_address,
+)
+from mlxwatch.daemon.notify import Notifier
+from mlxwatch.daemon.watcher import InstanceWatcher, Shared
 from mlxwatch.errors import ConfigError, StateError
-from mlxwatch.watchdog.instance import InstanceWatcher, Shared
-from mlxwatch.watchdog.journal import Journal
-from mlxwatch.watchdog.lock import StateDirLock
-from mlxwatch.watchdog.notify import Notifier
-from mlxwatch.watchdog.state import StateFile
+from mlxwatch.journal.incidents import Journal
+from mlxwatch.journal.lock import StateDirLock
+from mlxwatch.journal.state import StateFile
 
 log = logging.getLogger("mlxwatch.watchdog")
 
@@ -107,7 +113,9 @@ class Daemon:
         self.shared = Shared(journal=self.journal, state=self.state, state_dir=self.state_dir,
                              notifier=Notifier(self.config.notify), capture=self.config.capture,
                              bundles_dir=bundles, **self.overrides)
-        from mlxwatch.metrics import start_metrics  # here: mlxwatch.metrics imports the watchdog package
+        from mlxwatch.daemon.metrics import (
+            start_metrics,  # here: mlxwatch.daemon.metrics imports the watchdog package
+        )
 
         # It observes the journal and the state file; metrics settings apply at start only.
         self.metrics = await start_metrics(self.config.metrics, self.journal, self.state, lambda: self.config)

@@ -29,8 +29,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from mlxwatch.errors import StateError
+from mlxwatch.journal.incidents import has_records, journal_summary
 from mlxwatch.storage import open_regular, private_dir, replace_atomically
-from mlxwatch.watchdog.journal import has_records, journal_summary
 
 log = logging.getLogger("mlxwatch.watchdog")
 

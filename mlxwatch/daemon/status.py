@@ -25,9 +25,9 @@ from rich.text import Text
 
 from mlxwatch.config import Config
 from mlxwatch.durations import format_duration
-from mlxwatch.watchdog.journal import CLOSING_EVENTS, Journal
-from mlxwatch.watchdog.lock import lock_holder
-from mlxwatch.watchdog.state import load_state
+from mlxwatch.journal.incidents import CLOSING_EVENTS, Journal
+from mlxwatch.journal.lock import lock_holder
+from mlxwatch.journal.state import load_state
 
 STALLED_AFTER = 120.0  # seconds without a daemon heartbeat (written every 30 s) before "stalled"
 
@@ -88,7 +88,7 @@ def collect_status(config: Config, state_dir: Path) -> dict[str, Any]:
 
 def _shim_status(s: dict) -> dict | None:
     """The launch shim's heartbeat of the recorded server (started by `mlxwatch launch`), if any."""
-    from mlxwatch import heartbeat
+    from mlxwatch.shim import heartbeat
 
     server = s.get("server") if isinstance(s.get("server"), dict) else {}
     pid, created = server.get("pid"), server.get("create_time")
@@ -184,7 +184,7 @@ def status_lines(status: dict[str, Any], width: int = 80) -> list[Text]:
         if p and not p["ok"] and p.get("reason"):
             lines.append(Text(f"  last probe: {p['reason']}"))
         if i.get("shim"):
-            from mlxwatch.heartbeat import describe
+            from mlxwatch.shim.heartbeat import describe
 
             lines.append(Text(f"  {describe(i['shim'])}"))
         o, inc = i["open_incident"], i["last_incident"]

@@ -57,20 +57,27 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.exposition import start_http_server
 
 from mlxwatch import __version__
 from mlxwatch.capture.classify import KINDS
 from mlxwatch.config import Config, MetricsConfig, ProbeConfig
+from mlxwatch.journal.incidents import Journal
+from mlxwatch.journal.state import StateFile
+from mlxwatch.restart.methods import NOTHING_TO_RESTART, OK
 from mlxwatch.storage import replace_atomically
-from mlxwatch.watchdog.journal import Journal
-from mlxwatch.watchdog.policy import STATES
-from mlxwatch.watchdog.restart import NOTHING_TO_RESTART, OK
-from mlxwatch.watchdog.state import StateFile
+from mlxwatch.verdict.policy import STATES
 
-log = logging.getLogger("mlxwatch.metrics")
+log = logging.getLogger("mlxwatch.daemon.metrics")
 
 RESTART_RESULTS = (OK, NOTHING_TO_RESTART, "failed")
 OTHER = "other"  # a value outside a label's fixed list (a newer daemon's kind): never the raw text
@@ -300,7 +307,7 @@ class _ShimCollector:
         return [GaugeMetricFamily(*self.RATE, labels=["server"]), GaugeMetricFamily(*self.SINCE, labels=["server"])]
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
-        from mlxwatch import heartbeat
+        from mlxwatch.shim import heartbeat
 
         rate, since = self.describe()
         instances = self.metrics.state.data.get("instances", {}) if self.metrics.state is not None else {}

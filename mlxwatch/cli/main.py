@@ -23,11 +23,29 @@ from rich.console import Console
 
 from mlxwatch import __version__
 from mlxwatch.config import (
-    MAX_COUNT, CaptureConfig, Config, InstanceConfig, ProbeConfig, load_config, load_runnable_config,
+    MAX_COUNT,
+    CaptureConfig,
+    Config,
+    InstanceConfig,
+    ProbeConfig,
+    load_config,
+    load_runnable_config,
     resolve_config_path,
 )
-from mlxwatch.durations import DURATION_FORM, NOT_A_DURATION, format_duration, human_duration, parse_duration
-from mlxwatch.errors import ConfigError, MlxwatchError, ProcessGoneError, StateError, UsageError
+from mlxwatch.durations import (
+    DURATION_FORM,
+    NOT_A_DURATION,
+    format_duration,
+    human_duration,
+    parse_duration,
+)
+from mlxwatch.errors import (
+    ConfigError,
+    MlxwatchError,
+    ProcessGoneError,
+    StateError,
+    UsageError,
+)
 
 EXIT_OK, EXIT_UNHEALTHY, EXIT_USAGE = 0, 1, 2
 EXIT_PIPE = 141  # stdout closed by the reader (`| head`): what a shell reports for SIGPIPE
@@ -248,7 +266,7 @@ def _load_optional(args: argparse.Namespace) -> Config:
 
 def bundles_dir(config: Config, override: str | None = None) -> Path:
     """--out, else where the daemon keeps its bundles for this config."""
-    from mlxwatch.watchdog.daemon import bundles_dir_for, state_dir_for
+    from mlxwatch.daemon.supervisor import bundles_dir_for, state_dir_for
 
     if override:
         return Path(override).expanduser()
@@ -348,7 +366,7 @@ def cmd_config_validate(args: argparse.Namespace, out: Console) -> int:
 
 
 def cmd_config_init(args: argparse.Namespace, out: Console) -> int:
-    from mlxwatch.discover import find_servers, starter_config
+    from mlxwatch.host.discover import find_servers, starter_config
     from mlxwatch.storage import write_new
 
     path = Path(args.out).expanduser() if args.out else resolve_config_path(args.config)
@@ -403,8 +421,8 @@ def _check_target(args: argparse.Namespace) -> tuple[str, ProbeConfig]:
 
 
 def cmd_check(args: argparse.Namespace, out: Console) -> int:
+    from mlxwatch.output.reports import render_check
     from mlxwatch.probes import make_client, run_check
-    from mlxwatch.reports import render_check
 
     url, probe = _check_target(args)
     timeout = args.timeout or probe.timeout
@@ -455,8 +473,8 @@ def _lookup(inst: InstanceConfig):
 
 def _listening_url(pid: int, cmdline: tuple[str, ...]) -> str | None:
     """Where a server process listens, as a URL a local client would use (None: nowhere yet)."""
-    from mlxwatch.discover import _url
-    from mlxwatch.process import own_listeners, server_port
+    from mlxwatch.host.discover import _url
+    from mlxwatch.host.process import own_listeners, server_port
 
     listeners = own_listeners(pid)
     if not listeners:
@@ -467,7 +485,7 @@ def _listening_url(pid: int, cmdline: tuple[str, ...]) -> str | None:
 
 def _not_the_server(pid: int, cmdline: tuple[str, ...], url: str | None, inst: InstanceConfig | None) -> str | None:
     """Why ``pid`` is not the mlx-lm server at ``url`` (proven as the daemon proves it), or None."""
-    from mlxwatch.process import is_mlx_server, lookup_server, short_cmdline
+    from mlxwatch.host.process import is_mlx_server, lookup_server, short_cmdline
 
     if url is None:
         if is_mlx_server(cmdline):
@@ -486,7 +504,7 @@ def _instance_at(config: Config, pid: int, url: str | None) -> tuple[InstanceCon
     """The configured instance whose server ``pid`` is, and the log its lookup found (a launchd
     job's): the instance at ``url`` when given, else the one at an address ``pid`` listens on,
     proven as the daemon proves its server. (None, None): no instance is this process's."""
-    from mlxwatch.process import own_listeners, url_port
+    from mlxwatch.host.process import own_listeners, url_port
 
     if url is not None:
         return next((i for i in config.instances if i.url == url), None), None
@@ -501,8 +519,8 @@ def _instance_at(config: Config, pid: int, url: str | None) -> tuple[InstanceCon
 
 def cmd_capture(args: argparse.Namespace, out: Console) -> int:
     from mlxwatch.capture import CaptureRequest, capture_bundle, export_bundle
-    from mlxwatch.process import ProcessIdentity
-    from mlxwatch.reports import CaptureProgress, render_capture
+    from mlxwatch.host.process import ProcessIdentity
+    from mlxwatch.output.reports import CaptureProgress, render_capture
 
     config = _load_optional(args)
     inst = config.instance(args.instance) if args.instance else None
@@ -631,7 +649,7 @@ def cmd_bundle(args: argparse.Namespace, out: Console) -> int:
 
 def _bundle_list(args: argparse.Namespace, out: Console) -> int:
     from mlxwatch.capture.bundle import bundle_entries
-    from mlxwatch.reports import render_bundle_list
+    from mlxwatch.output.reports import render_bundle_list
 
     root = Path(args.dir).expanduser() if args.dir else bundles_dir(_load_optional(args))
     if args.dir and not root.is_dir():
@@ -719,7 +737,7 @@ def _bundle_export(args: argparse.Namespace, out: Console) -> int:
 
 
 def _state_dir(config: Config, override: str | None) -> Path:
-    from mlxwatch.watchdog.daemon import state_dir_for
+    from mlxwatch.daemon.supervisor import state_dir_for
 
     return state_dir_for(config, Path(override).expanduser() if override else None)
 
@@ -754,8 +772,8 @@ def cmd_run(args: argparse.Namespace, out: Console) -> int:
 def _run_daemon(args: argparse.Namespace, held: _HeldSignals) -> int:
     import logging
 
-    from mlxwatch.logfile import RotatingStderr
-    from mlxwatch.watchdog.daemon import Daemon
+    from mlxwatch.daemon.selflog import RotatingStderr
+    from mlxwatch.daemon.supervisor import Daemon
 
     path = resolve_config_path(args.config)
     if not path.exists() and not _explicit_config(args):
@@ -800,7 +818,7 @@ async def _announce_watch(daemon: Any, config: Config, log: Any) -> None:
     """One INFO line per fact a first run would otherwise wait minutes to learn (reports.watch_plan),
     said once the daemon holds its state dir and has started its watchers (before their first
     probe, which comes 0-5 s later): a daemon refused at start still says one line only."""
-    from mlxwatch.reports import watch_plan
+    from mlxwatch.output.reports import watch_plan
 
     while not daemon.tasks:
         await asyncio.sleep(0.05)
@@ -809,7 +827,12 @@ async def _announce_watch(daemon: Any, config: Config, log: Any) -> None:
 
 
 def cmd_status(args: argparse.Namespace, out: Console) -> int:
-    from mlxwatch.watchdog.status import collect_status, render_status, status_exit_code, status_lines
+    from mlxwatch.daemon.status import (
+        collect_status,
+        render_status,
+        status_exit_code,
+        status_lines,
+    )
 
     if args.count is not None and args.watch is None:
         raise UsageError("status: --count needs --watch")
@@ -864,8 +887,8 @@ def cmd_status(args: argparse.Namespace, out: Console) -> int:
 
 
 def cmd_resume(args: argparse.Namespace, out: Console) -> int:
-    from mlxwatch.watchdog.lock import lock_holder
-    from mlxwatch.watchdog.state import load_state, request_resume
+    from mlxwatch.journal.lock import lock_holder
+    from mlxwatch.journal.state import load_state, request_resume
 
     path = resolve_config_path(args.config)
     if not _explicit_config(args) and not path.exists():
@@ -893,8 +916,8 @@ def cmd_resume(args: argparse.Namespace, out: Console) -> int:
 
 
 def cmd_doctor(args: argparse.Namespace, out: Console) -> int:
+    from mlxwatch.daemon.supervisor import bundles_dir_for
     from mlxwatch.doctor import diagnose, exit_code, render_findings
-    from mlxwatch.watchdog.daemon import bundles_dir_for
 
     path = resolve_config_path(args.config)
     config, problem = None, None
@@ -917,7 +940,7 @@ def cmd_doctor(args: argparse.Namespace, out: Console) -> int:
 
 
 def cmd_launchd(args: argparse.Namespace, out: Console) -> int:
-    from mlxwatch import launchd
+    from mlxwatch.daemon import agent as launchd
 
     label = launchd.check_label(args.label)
     if args.launchd_command == "uninstall":
@@ -946,7 +969,7 @@ def cmd_launchd(args: argparse.Namespace, out: Console) -> int:
 
 
 def cmd_launch(args: argparse.Namespace, out: Console) -> int:
-    from mlxwatch.launch import launch
+    from mlxwatch.shim.launcher import launch
 
     try:
         launch(list(args.server_command), name=args.name, exit_on_thread_death=args.exit_on_thread_death)

@@ -7,20 +7,19 @@ never cut, only folded); piped (``| grep``, a log file) every line stays whole, 
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Callable
 from pathlib import Path
+from typing import Callable
 
 from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
+from mlxwatch.capture.classify import Classification
 from mlxwatch.config import InstanceConfig
 from mlxwatch.durations import format_duration, human_duration
-from mlxwatch.process import ServerLookup
-from mlxwatch.capture.classify import Classification
+from mlxwatch.host.process import ServerLookup
 from mlxwatch.probes import CheckReport
-
 
 PIPED_WIDTH = 10**6  # no line is cut or wrapped when the reader is not a terminal
 

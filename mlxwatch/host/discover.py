@@ -27,9 +27,9 @@ from typing import Callable, Iterable
 import psutil
 import yaml
 
-from mlxwatch import launchctl
 from mlxwatch.config import parse_config
-from mlxwatch.process import is_mlx_server, own_listeners, server_port
+from mlxwatch.host import launchctl
+from mlxwatch.host.process import is_mlx_server, own_listeners, server_port
 
 
 @dataclass

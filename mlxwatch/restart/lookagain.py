@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mlxwatch.process import ProcessIdentity
+from mlxwatch.host.process import ProcessIdentity
 
 
 @dataclass(frozen=True)

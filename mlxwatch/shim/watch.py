@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from mlxwatch.heartbeat import Change, Heartbeat
+from mlxwatch.shim.heartbeat import Change, Heartbeat
 
 POLL = 2.0  # seconds between heartbeat reads while the watcher waits for its next probe
 RECHECK_ABSENT = 600.0  # a server found without a heartbeat is looked at again this often, not per probe

@@ -12,7 +12,7 @@ import logging
 import signal
 from typing import Any, Sequence
 
-from mlxwatch.capture.commands import communicate_bounded, end_process
+from mlxwatch.host.commands import communicate_bounded, end_process
 
 log = logging.getLogger("mlxwatch.notify")
 NOTIFY_TIMEOUT = 30.0

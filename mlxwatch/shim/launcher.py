@@ -32,7 +32,7 @@ import psutil
 from mlxwatch.errors import UsageError
 from mlxwatch.shim import layout
 
-BOOT_DIR = Path(__file__).resolve().parent / "shim" / "boot"
+BOOT_DIR = Path(__file__).resolve().parent / "boot"
 _PYTHON_NAME = re.compile(r"^python(\d+(\.\d+)*)?[tw]?$")
 _FILE = re.compile(r"^\.?(\d+)\.(json|stacks|fatal|json\.tmp)$")
 _DISABLING = {"I": "-I (isolated mode ignores PYTHONPATH)", "E": "-E (ignores PYTHONPATH)",

@@ -16,12 +16,11 @@ import os
 import signal as signals
 from dataclasses import dataclass, replace
 
-from mlxwatch import launchctl
-from mlxwatch.capture.commands import Runner, run_command
 from mlxwatch.config import InstanceConfig, RestartConfig
 from mlxwatch.errors import RestartError
-from mlxwatch.process import ProcessIdentity
-
+from mlxwatch.host import launchctl
+from mlxwatch.host.commands import Runner, run_command
+from mlxwatch.host.process import ProcessIdentity
 
 OK, NOTHING_TO_RESTART = "ok", "nothing_to_restart"
 
@@ -37,7 +36,7 @@ class RestartContext:
     """What a restart may refer to."""
 
     instance: InstanceConfig
-    identity: ProcessIdentity | None  # proven to be the server (see mlxwatch.process), or None
+    identity: ProcessIdentity | None  # proven to be the server (see mlxwatch.host.process), or None
     bundle: str | None
 
 

@@ -24,9 +24,9 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
-from mlxwatch import heartbeat
-from mlxwatch.capture.pyspy import Frame, ThreadStack
-from mlxwatch.heartbeat import Change, Heartbeat, ShimError
+from mlxwatch.shim import heartbeat
+from mlxwatch.shim.heartbeat import Change, Heartbeat, ShimError
+from mlxwatch.stacks import Frame, ThreadStack
 
 STACK_MODES = ("auto", "pyspy", "shim", "sample")
 PROMPT_ALLOWANCE = 512  # prompt tokens a probe's own prompt could account for (its prompt is ~30)

@@ -15,7 +15,7 @@ Anything else on the port is a stranger: reported, never touched::
     elif found.stranger: print(found.stranger)
 
 An instance restarted by launchd (``restart: {launchd: LABEL}``) may be found by its label:
-launchd's PID for the job (``launchctl print``, see ``mlxwatch.launchctl``) is proven the same
+launchd's PID for the job (``launchctl print``, see ``mlxwatch.host.launchctl``) is proven the same
 way as a ``pid_file``'s, by it (or a process it started, such as the Python that ``uv run``
 spawns) listening on the exact address; a label whose process does not listen there is reported
 and counted as loading, never acted on. Without a PID from launchd the port lookup is used.
@@ -293,7 +293,7 @@ def _lookup_by_label(url: str, label: str, domain: str,
     """The label's process if launchd has one: proven when it or a process it started listens on
     the exact address, else loading (and who holds the address instead). (None, why, log) when
     launchd gives no PID: the caller falls back to the port lookup."""
-    from mlxwatch import launchctl
+    from mlxwatch.host import launchctl
 
     try:
         status = launchctl.job_status(label, domain, launchctl.launchd_uid(domain, uid))

@@ -1,0 +1,1 @@
+"""Seams to the host system: which process is the server, bounded subprocesses, launchctl, discovery of running servers."""

@@ -1,0 +1,1 @@
+"""Output for people: one renderer per command family."""

@@ -1,0 +1,1 @@
+"""The server's log: followed by offset and inode as tail -F does, and its markers read."""
