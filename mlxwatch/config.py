@@ -83,6 +83,23 @@ class RestartConfig:
 
 
 @dataclass(frozen=True)
+class FrontConfig:
+    """The front door (``mlxwatch.front``): an optional proxy in front of one instance that sees
+    every client's tokens, fails requests loudly when the server hangs, and gates them while it
+    restarts. Off unless the instance has a ``front`` section; ``listen`` is then required and is
+    ``(host, port)`` as ``metrics.listen`` is: a host that is not loopback needs ``expose: true``."""
+
+    listen: tuple[str, int] = ("127.0.0.1", 8081)
+    expose: bool = False
+    stall_timeout: float = 10.0  # requests in flight and no token delivered to anyone this long -> suspect now
+    request_stall_timeout: float = 60.0  # one request with no token this long while others flow -> failed loudly alone
+    hold: float = 0.0  # while restarting: 0 = 503 + Retry-After at once; > 0 = hold a new request up to this long
+    replay: bool = False  # resend once to the recovered server a request that had received no byte
+    max_body: int = 16 * 1024**2  # request body limit (413)
+    max_header: int = 64 * 1024  # request header limit (431)
+
+
+@dataclass(frozen=True)
 class InstanceConfig:
     """One ``mlx_lm.server`` to watch."""
 
@@ -93,6 +110,7 @@ class InstanceConfig:
     probe: ProbeConfig = field(default_factory=ProbeConfig)
     restart: RestartConfig = field(default_factory=RestartConfig)
     shim: str = "auto"  # launch shim heartbeat: auto (use it when present) | required (warn when missing) | off
+    front: FrontConfig | None = None  # the front door; None: off (clients talk to the server directly)
 
     @property
     def port(self) -> int:
@@ -115,6 +133,7 @@ class CaptureConfig:
     keep_days: int = 90  # bundles older than this are deleted (incomplete and unfinished ones too)
     min_free_bytes: int = 1024**3  # below this much free disk, no bundle: a one-line note instead
     stacks: str = "auto"  # Python stack source: auto (shim if present, else py-spy) | pyspy | shim | sample
+    requests: str = "metadata"  # the front door's requests in a bundle: metadata | bodies (redacted request bodies too)
     redact: bool = True  # the raw bundle without secret environment values and URL passwords; false: complete
 
 
@@ -438,9 +457,30 @@ def parse_config(data: Any, file: str, path: Path | None = None) -> Config:
                     f"instances[{i}].url",
                     f"same address as instances[{j}] ({other.name!r} at {other.url}) (got {_show(inst.url)})",
                 )
+        _check_front_port(inst, i, instances, metrics, file)
         seen[inst.name] = i
         instances.append(inst)
     return Config(path, tuple(instances), state_dir, notify, capture, metrics)
+
+
+def _check_front_port(inst: InstanceConfig, i: int, earlier: list[InstanceConfig], metrics: MetricsConfig,
+                      file: str) -> None:
+    """A front door's address is its own: not another instance's server or front door, nor metrics'."""
+    taken = [(f"instances[{j}].url", other.url) for j, other in enumerate(earlier)]
+    taken += [(f"instances[{j}].front.listen", f"http://{_hostport(other.front.listen)}")
+              for j, other in enumerate(earlier) if other.front is not None]
+    if inst.front is not None:
+        mine = f"http://{_hostport(inst.front.listen)}"
+        if metrics.listen is not None:
+            taken.append(("metrics.listen", f"http://{_hostport(metrics.listen)}"))
+        for where, url in taken:
+            if same_address(mine, url):
+                raise ConfigError(file, f"instances[{i}].front.listen",
+                                  f"same address as {where} (got {_hostport(inst.front.listen)!r})")
+    for j, other in enumerate(earlier):
+        if other.front is not None and same_address(inst.url, f"http://{_hostport(other.front.listen)}"):
+            raise ConfigError(file, f"instances[{i}].url",
+                              f"same address as instances[{j}].front.listen (got {_show(inst.url)})")
 
 
 _LOOPBACKS = frozenset({"127.0.0.1", "::1"})
@@ -497,6 +537,17 @@ def _positive_duration(value: Any) -> float:
     return seconds
 
 
+def _duration_or_zero(value: Any) -> float:
+    """A duration where 0 means "not at all" (``front.hold``)."""
+    try:
+        seconds = parse_duration(value)
+    except ValueError as exc:
+        raise ValueError(_DURATION_FORM if str(exc) == NOT_A_DURATION else str(exc)) from None
+    if seconds < 0:
+        raise ValueError("must be 0 or a positive duration")
+    return seconds
+
+
 def _positive_int(value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise ValueError("must be a whole number")
@@ -507,8 +558,8 @@ def _positive_int(value: Any) -> int:
     return value
 
 
-_SIZE_UNITS = {"b": 1, "kb": 1024, "mb": 1024**2, "gb": 1024**3}
-_SIZE = re.compile(r"\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*(b|kb|mb|gb)\s*", re.ASCII)
+_SIZE_UNITS = {"b": 1, "kb": 1024, "mb": 1024**2, "gb": 1024**3, "kib": 1024, "mib": 1024**2, "gib": 1024**3}
+_SIZE = re.compile(r"\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*(b|kb|mb|gb|kib|mib|gib)\s*", re.ASCII)
 _SIZE_FORM = "must be a positive size such as 500MB or 2GB"
 
 
@@ -794,12 +845,42 @@ def _instance(sec: _Section, base: Path) -> InstanceConfig:
     probe = _probe(sec.section("probe"))
     restart = _restart(sec.data.pop("restart", None), sec.key_path("restart"), sec.file)
     shim = sec.take("shim", _choice(SHIM_MODES), "auto")
+    front = _front(sec.section("front")) if sec.data.get("front") is not None else None
+    sec.data.pop("front", None)
     sec.done()
-    return InstanceConfig(name, url, log, pid_file, probe, restart, shim)
+    if front is not None and same_address(url, f"http://{_hostport(front.listen)}"):
+        raise ConfigError(sec.file, f"{sec.path}.front.listen",
+                          f"is the server's own address; the front door needs a port of its own (got {_hostport(front.listen)!r})")
+    return InstanceConfig(name, url, log, pid_file, probe, restart, shim, front)
+
+
+def _front(sec: _Section) -> FrontConfig:
+    """``instances[].front``: present means on; ``listen`` is required."""
+    listen = sec.require("listen", _listen)
+    front = FrontConfig(listen=listen, **sec.take_present({
+        "expose": _bool,
+        "stall_timeout": _positive_duration,
+        "request_stall_timeout": _positive_duration,
+        "hold": _duration_or_zero,
+        "replay": _bool,
+        "max_body": _size,
+        "max_header": _size,
+    }))
+    sec.done()
+    if not front.expose and not ipaddress.ip_address(front.listen[0]).is_loopback:
+        raise sec.error("listen", f"{front.listen[0]} is not a loopback address; set front.expose: true to serve "
+                                  f"the front door beyond this machine (got {_hostport(front.listen)!r})")
+    return front
+
+
+def _hostport(listen: tuple[str, int]) -> str:
+    host, port = listen
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 SHIM_MODES = ("auto", "required", "off")
 STACK_SOURCES = ("auto", "pyspy", "shim", "sample")
+REQUEST_CAPTURE = ("metadata", "bodies")
 
 
 def _capture(sec: _Section, base: Path) -> CaptureConfig:
@@ -816,6 +897,7 @@ def _capture(sec: _Section, base: Path) -> CaptureConfig:
         "min_free_bytes": _size,
         "stacks": _choice(STACK_SOURCES),
         "redact": _bool,
+        "requests": _choice(REQUEST_CAPTURE),
     }))
     sec.done()
     return cap
