@@ -6,7 +6,8 @@
     ├── ProcessGoneError   the target PID does not exist (CLI exit 1)
     ├── RestartError       a restart method could not run or failed
     ├── StateError         the state dir is held by another daemon or unusable (CLI exit 2)
-    └── BundleError        a path is not a bundle or archive, or it cannot be read or exported (CLI exit 2)
+    ├── BundleError        a path is not a bundle or archive, or it cannot be read or exported (CLI exit 2)
+    └── FrontError         the front door cannot start (its address is taken or cannot be bound)
 
 Library code raises these; only ``mlxwatch.cli.main`` turns them into messages and exit codes.
 Probe failures are not exceptions: a probe always returns a result that says what went wrong.
@@ -48,3 +49,7 @@ class StateError(MlxwatchError):
 
 class BundleError(MlxwatchError):
     """A path is not a bundle (or an exported archive of one), or it cannot be read or exported."""
+
+
+class FrontError(MlxwatchError):
+    """The front door cannot serve: ``str()`` is one line naming the address and why."""
