@@ -31,6 +31,7 @@ from mlxwatch.capture.redact import PRIVATE, redact_environment
 from mlxwatch.capture.summary import render_summary
 from mlxwatch.host.commands import CommandResult, run_command
 from mlxwatch.serverlog.markers import scan, since_last_start
+from mlxwatch.verdict.progress import prompt_advances
 
 
 def thread(name="Thread-1 (_generate)", frames=(("_step", 1369), ("next", 1415), ("_generate", 853))):
@@ -411,6 +412,18 @@ def test_log_window_counts_other_prompts_progress_only():
     restarted = collector.log_window({100: 100}, "x Starting httpd at 127.0.0.1 on port 8082...\n"
                                                  "Prompt processing progress: 100/100\n", probe_totals=set())
     assert restarted.advances == [(100, 100)]
+
+
+def test_log_window_reads_progress_by_the_watchers_rule():
+    """Capture's window and the watcher read progress by one rule (verdict.progress): a prompt
+    that advanced before the server restarted within the window advanced all the same, and the
+    new process's prompts start over."""
+    gained = ("Prompt processing progress: 4096/25660\n"
+              "x Starting httpd at 127.0.0.1 on port 8082...\n"
+              "Prompt processing progress: 100/100\n")
+    window = collector.log_window({25660: 2048}, gained, probe_totals=set())
+    assert window.advances == [(4096, 25660), (100, 100)]
+    assert window.advances == prompt_advances(gained.splitlines(), {25660: 2048}, set())[0]
 
 
 VERDICT = "2 failed probes: no token delivered within the first-token timeout: 45s passed (headers received)"

@@ -63,7 +63,6 @@ from mlxwatch.host.process import ProcessIdentity
 from mlxwatch.serverlog.follow import LogFollower
 from mlxwatch.serverlog.markers import (
     RECENT_BYTES,
-    SERVER_START,
     LogMarkers,
     completions_ok,
     open_regular,
@@ -75,6 +74,7 @@ from mlxwatch.serverlog.markers import (
     tail_lines,
 )
 from mlxwatch.shim import stacks as shim_stacks
+from mlxwatch.verdict.progress import prompt_advances
 
 DUMP_TIMEOUT = 10.0
 FINISH_RESERVE = 2.0  # seconds of the ceiling kept for classifying and writing
@@ -532,23 +532,12 @@ class LogWindow:
 
 
 def log_window(before: dict[int, int], gained: str, probe_totals: set[int]) -> LogWindow:
-    """Read the log text written during the window.
-
-    Progress counts only for prompts other than the probes' own (their total Y is known from
-    the probes' keepalives), and only when X grows past the last X logged for that Y (mlx-lm
-    logs the last chunk of a prompt twice). ``before`` maps Y to the last X seen before the
-    window. Admission lines are counted separately: they are not progress."""
-    last = dict(before)
-    if SERVER_START in gained:  # the server restarted during the window: its history is gone
-        gained, last = since_last_start(gained), {}
-    found = LogWindow(admissions=completions_ok(gained))
-    for x, y in progress_lines(gained):
-        if y in probe_totals:
-            continue
-        if x > last.get(y, 0):
-            found.advances.append((x, y))
-        last[y] = x
-    return found
+    """Read the log text written during the window by the watcher's progress rule
+    (``verdict.progress.prompt_advances``); ``before`` maps each prompt's Y to the last X seen
+    before the window. Admission lines are counted apart, for the current server process only:
+    they are not progress."""
+    advances, _ = prompt_advances(gained.splitlines(), before, probe_totals)
+    return LogWindow(advances=advances, admissions=completions_ok(since_last_start(gained)))
 
 
 def _probe_totals(cap: _Capture) -> set[int]:

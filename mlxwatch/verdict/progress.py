@@ -23,6 +23,7 @@ invisible here until the launch shim's heartbeat reports deliveries from inside.
 
 from __future__ import annotations
 
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -50,6 +51,32 @@ def late_delivery(previous: CheckReport | None) -> str | None:
     first = next((e["t"] for e in g.transcript if e.get("kind") == "late_token"), None)
     when = f", the first {first:.1f}s after it was sent" if first is not None else ""
     return f"the previous probe's reply arrived late: {g.late_tokens} token(s){when} ({g.reason})"
+
+
+def prompt_advances(lines: Iterable[str], last_x: Mapping[int, int],
+                    probe_totals: Collection[int]) -> tuple[list[tuple[int, int]], dict[int, int]]:
+    """The progress rule, written once (the watcher between probes, capture over its window):
+    a ``Prompt processing progress: X/Y`` line advanced when its prompt is not a probe's own
+    (``probe_totals``: the Ys their keepalives showed) and X grew past the last X logged for
+    that Y (``last_x``; mlx-lm logs a prompt's last chunk twice). A server start line begins a
+    new process, whose prompts start over. Returns the advances (X, Y) in order and the last X
+    per Y after ``lines``; ``last_x`` itself is left as it was."""
+    last = dict(last_x)
+    out = []
+    for line in lines:
+        if SERVER_START in line:
+            last.clear()
+            continue
+        m = PROGRESS.search(line)
+        if not m:
+            continue
+        x, y = int(m.group(1)), int(m.group(2))
+        if y in probe_totals:
+            continue
+        if x > last.get(y, 0):
+            out.append((x, y))
+        last[y] = x
+    return out, last
 
 
 @dataclass
@@ -94,20 +121,7 @@ class ProgressTracker:
         return Progress(tuple(signals), tuple(notes), (late,) if late else ())
 
     def _advanced(self, lines: list[str]) -> list[tuple[int, int]]:
-        out = []
-        for line in lines:
-            if SERVER_START in line:
-                self.last_x.clear()  # a new server process: its prompts start over
-                continue
-            m = PROGRESS.search(line)
-            if not m:
-                continue
-            x, y = int(m.group(1)), int(m.group(2))
-            if y in self.probe_totals:
-                continue
-            if x > self.last_x.get(y, 0):
-                out.append((x, y))
-            self.last_x[y] = x
+        out, self.last_x = prompt_advances(lines, self.last_x, self.probe_totals)
         if len(self.last_x) > 1000:  # bounded memory over weeks of distinct prompts
             self.last_x = dict(list(self.last_x.items())[-100:])
         return out
