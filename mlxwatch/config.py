@@ -28,7 +28,7 @@ from urllib.parse import urlsplit
 import yaml
 from yaml.constructor import ConstructorError
 
-from mlxwatch.durations import NOT_A_DURATION, parse_duration
+from mlxwatch.durations import DURATION_FORM, NOT_A_DURATION, parse_duration
 from mlxwatch.errors import ConfigError
 
 CONFIG_ENV = "MLXWATCH_CONFIG"
@@ -114,8 +114,7 @@ class InstanceConfig:
 
     @property
     def port(self) -> int:
-        parts = urlsplit(self.url)
-        return parts.port or (443 if parts.scheme == "https" else 80)
+        return url_port(self.url)
 
 
 @dataclass(frozen=True)
@@ -187,6 +186,21 @@ def default_state_dir() -> Path:
         return Path("~/Library/Application Support/mlxwatch").expanduser()
     base = os.environ.get("XDG_STATE_HOME") or "~/.local/state"
     return Path(base).expanduser() / "mlxwatch"
+
+
+def state_dir_for(config: Config, override: Path | None = None) -> Path:
+    """The state dir: ``--state-dir``, else the config's ``state_dir``, else the platform's."""
+    return override or config.state_dir or default_state_dir()
+
+
+def default_bundles_dir(state_dir: Path) -> Path:
+    """Where bundles go when ``capture.dir`` is not set."""
+    return state_dir / "bundles"
+
+
+def bundles_dir_for(config: Config, state_dir: Path) -> Path:
+    """The bundles dir: ``capture.dir``, else ``<state_dir>/bundles``."""
+    return config.capture.dir or default_bundles_dir(state_dir)
 
 
 def load_config(path: Path) -> Config:
@@ -496,7 +510,7 @@ def same_address(a: str, b: str) -> bool:
     ``127.0.0.1`` and ``::1``, while those two are different sockets.
     """
     pa, pb = urlsplit(a), urlsplit(b)
-    if _port(pa) != _port(pb):
+    if url_port(a) != url_port(b):
         return False
     ha, hb = _host(pa.hostname or ""), _host(pb.hostname or "")
     if ha == hb:
@@ -504,7 +518,10 @@ def same_address(a: str, b: str) -> bool:
     return (ha == "localhost" and hb in _LOOPBACKS) or (hb == "localhost" and ha in _LOOPBACKS)
 
 
-def _port(parts: Any) -> int:
+def url_port(url: str) -> int:
+    """The TCP port a URL reaches: its own, else the scheme's (443 for https, 80 for http).
+    The one place this is decided: lookup, address comparison and discovery all ask it."""
+    parts = urlsplit(url)
     return parts.port or (443 if parts.scheme == "https" else 80)
 
 
@@ -522,14 +539,11 @@ def _host(host: str) -> str:
 # --- field readers: each takes the value and returns the typed value or raises ValueError
 
 
-_DURATION_FORM = "must be a duration such as 30, 30s, 5m or 1h"
-
-
 def _positive_duration(value: Any) -> float:
     try:
         seconds = parse_duration(value)
     except ValueError as exc:
-        raise ValueError(_DURATION_FORM if str(exc) == NOT_A_DURATION else str(exc)) from None
+        raise ValueError(DURATION_FORM if str(exc) == NOT_A_DURATION else str(exc)) from None
     if seconds <= 0:
         raise ValueError("must be a positive duration")
     if seconds < MIN_DURATION:
@@ -542,7 +556,7 @@ def _duration_or_zero(value: Any) -> float:
     try:
         seconds = parse_duration(value)
     except ValueError as exc:
-        raise ValueError(_DURATION_FORM if str(exc) == NOT_A_DURATION else str(exc)) from None
+        raise ValueError(DURATION_FORM if str(exc) == NOT_A_DURATION else str(exc)) from None
     if seconds < 0:
         raise ValueError("must be 0 or a positive duration")
     return seconds

@@ -35,12 +35,12 @@ from typing import Any, Awaitable, Callable
 import psutil
 
 from mlxwatch.capture import macos, pyspy
-from mlxwatch.config import Config, InstanceConfig
+from mlxwatch.config import Config, InstanceConfig, default_bundles_dir
 from mlxwatch.durations import format_duration
 from mlxwatch.errors import StateError
 from mlxwatch.host import launchctl
 from mlxwatch.host.commands import CommandResult, Runner, run_command
-from mlxwatch.host.process import ProcessIdentity, ServerLookup, lookup_server
+from mlxwatch.host.process import ProcessIdentity, ServerLookup, lookup_instance
 from mlxwatch.serverlog.markers import open_regular
 
 OK, WARN, FAIL, SKIP = "ok", "warn", "FAIL", "skip"
@@ -68,14 +68,6 @@ async def _check_url(inst: InstanceConfig) -> Any:
                                max_tokens=p.max_tokens, endpoint_timeout=p.endpoint_timeout)
 
 
-def _lookup_instance(inst: InstanceConfig) -> ServerLookup:
-    r = inst.restart
-    if r.method == "launchd":
-        return lookup_server(inst.url, inst.pid_file, launchd_label=r.target, launchd_domain=r.domain,
-                             launchd_uid=r.uid)
-    return lookup_server(inst.url, inst.pid_file)
-
-
 @dataclass
 class Env:
     """What the checks ask the machine (replaced in tests)."""
@@ -85,7 +77,7 @@ class Env:
     runner: Runner = run_command
     which: Callable[[str], str | None] = shutil.which
     find_py_spy: Callable[[], str | None] = pyspy.find_py_spy
-    lookup: Callable[[InstanceConfig], ServerLookup] = _lookup_instance  # blocking
+    lookup: Callable[[InstanceConfig], ServerLookup] = lookup_instance  # blocking
     check: Callable[[InstanceConfig], Awaitable[Any]] = _check_url
     job_status: Callable[..., launchctl.JobStatus] = launchctl.job_status  # blocking
     launchctl_available: Callable[[], bool] = launchctl.available
@@ -127,7 +119,7 @@ async def diagnose(config: Config | None, config_path: Path, config_error: str |
                                      "the daemon rebuilds it from the journal at its next start"))
         except StateError as exc:
             found.append(Finding("state file", FAIL, str(exc)))
-    if bundles_dir is not None and bundles_dir != state_dir / "bundles":
+    if bundles_dir is not None and bundles_dir != default_bundles_dir(state_dir):
         found.append(writable("bundles dir", bundles_dir))
     found.append(daemon_finding(state_dir))
     exe = await asyncio.to_thread(env.find_py_spy)

@@ -7,7 +7,7 @@ bundle atomically. The watchdog calls the same function the ``mlxwatch capture``
 
 from mlxwatch.capture.bundle import list_bundles, load_manifest
 from mlxwatch.capture.classify import Classification, Evidence, classify
-from mlxwatch.capture.collector import Bundle, CaptureRequest, capture_bundle
+from mlxwatch.capture.collector import Bundle, CaptureRequest, capture_bundle, capture_probe_timeouts
 from mlxwatch.capture.export import export_bundle
 
 __all__ = [
@@ -16,6 +16,7 @@ __all__ = [
     "Classification",
     "Evidence",
     "capture_bundle",
+    "capture_probe_timeouts",
     "classify",
     "export_bundle",
     "list_bundles",

@@ -57,7 +57,7 @@ from mlxwatch.capture.redact import (
 )
 from mlxwatch.capture.summary import render_summary
 from mlxwatch.capture.versions import server_versions
-from mlxwatch.config import CaptureConfig
+from mlxwatch.config import CaptureConfig, ProbeConfig
 from mlxwatch.host.commands import Runner, run_command
 from mlxwatch.host.process import ProcessIdentity
 from mlxwatch.serverlog.follow import LogFollower
@@ -82,6 +82,9 @@ LOG_RESERVE = 2.0  # the log is read at the latest this long before the steps ar
 PROBE_MARGIN = 1.0  # the capture's probe waits for a first token this long past the window's end
 PROBE_FLOOR = 5.0  # ...and never less than this
 PROBE_LINGER = 30.0  # how long a given-up probe keeps draining its stream in the background
+# The capture's own probe: the instance's timeouts, capped so that it fits the capture window.
+PROBE_FIRST_TOKEN_CAP = 10.0
+PROBE_TIMEOUT_CAP = 20.0
 
 StepCallback = Callable[[str, str], None]  # (step name, "start" | outcome)
 
@@ -93,22 +96,28 @@ class CaptureRequest:
     label: str | None = None
     url: str | None = None
     log: Path | None = None
-    snapshots: int = 3
-    spacing: float = 2.0
-    ceiling: float = 60.0
-    sudo: bool = False
-    log_tail_lines: int = 400
-    probe_first_token_timeout: float = 10.0  # an upper bound: the window's end (+ margin) cuts it
-    probe_timeout: float = 20.0
+    snapshots: int = CaptureConfig.snapshots
+    spacing: float = CaptureConfig.spacing
+    ceiling: float = CaptureConfig.ceiling
+    sudo: bool = CaptureConfig.sudo
+    log_tail_lines: int = CaptureConfig.log_tail_lines
+    probe_first_token_timeout: float = PROBE_FIRST_TOKEN_CAP  # an upper bound: the window's end (+ margin) cuts it
+    probe_timeout: float = PROBE_TIMEOUT_CAP
     prior_probes: list[dict] = field(default_factory=list)  # the watchdog's failed probes
-    keep: int = 50
-    max_bytes: int = 2 * 1024**3
+    keep: int = CaptureConfig.keep
+    max_bytes: int = CaptureConfig.max_bytes
     keep_days: float | None = CaptureConfig.keep_days
     min_free_bytes: int = CaptureConfig.min_free_bytes  # below it: LowDiskSpace, no bundle
     verdict: str | None = None  # the watchdog's reason for judging the server hung; None: manual capture
     probe_linger: float = PROBE_LINGER  # 0: a given-up probe closes its stream at once
-    stacks: str = "auto"  # Python stacks from: auto (the launch shim if present, else py-spy) | pyspy | shim | sample
+    stacks: str = CaptureConfig.stacks  # Python stacks from: auto (the launch shim if present, else py-spy) | pyspy | shim | sample
     redact: bool = CaptureConfig.redact  # the raw bundle's redaction (redact.PRIVATE); False: complete (NONE)
+
+
+def capture_probe_timeouts(probe: ProbeConfig) -> dict[str, float]:
+    """A CaptureRequest's probe limits for an instance probed with ``probe``: its own, capped."""
+    return {"probe_first_token_timeout": min(probe.first_token_timeout, PROBE_FIRST_TOKEN_CAP),
+            "probe_timeout": min(probe.timeout, PROBE_TIMEOUT_CAP)}
 
 
 @dataclass

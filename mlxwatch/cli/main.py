@@ -24,13 +24,16 @@ from rich.console import Console
 from mlxwatch import __version__
 from mlxwatch.config import (
     MAX_COUNT,
+    STACK_SOURCES,
     CaptureConfig,
     Config,
     InstanceConfig,
     ProbeConfig,
+    bundles_dir_for,
     load_config,
     load_runnable_config,
     resolve_config_path,
+    state_dir_for,
 )
 from mlxwatch.durations import (
     DURATION_FORM,
@@ -156,7 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help=f"hard limit for the whole capture (default {d(C.ceiling)}, or capture.ceiling)")
     cap.add_argument("--force", action="store_true",
                      help="capture PID even though it is not the mlx-lm server listening at the URL")
-    cap.add_argument("--stacks", choices=("auto", "pyspy", "shim", "sample"),
+    cap.add_argument("--stacks", choices=STACK_SOURCES,
                      help="Python stacks from: auto (the launch shim if the server has it, else py-spy), pyspy, "
                           "shim (faulthandler via `mlxwatch launch`, no root) or sample (none; macOS sample only) "
                           "(default: capture.stacks, else auto)")
@@ -266,8 +269,6 @@ def _load_optional(args: argparse.Namespace) -> Config:
 
 def bundles_dir(config: Config, override: str | None = None) -> Path:
     """--out, else where the daemon keeps its bundles for this config."""
-    from mlxwatch.daemon.supervisor import bundles_dir_for, state_dir_for
-
     if override:
         return Path(override).expanduser()
     return bundles_dir_for(config, state_dir_for(config))
@@ -466,9 +467,9 @@ def cmd_check(args: argparse.Namespace, out: Console) -> int:
 
 
 def _lookup(inst: InstanceConfig):
-    from mlxwatch.doctor import _lookup_instance
+    from mlxwatch.host.process import lookup_instance
 
-    return _lookup_instance(inst)
+    return lookup_instance(inst)
 
 
 def _listening_url(pid: int, cmdline: tuple[str, ...]) -> str | None:
@@ -518,7 +519,7 @@ def _instance_at(config: Config, pid: int, url: str | None) -> tuple[InstanceCon
 
 
 def cmd_capture(args: argparse.Namespace, out: Console) -> int:
-    from mlxwatch.capture import CaptureRequest, capture_bundle, export_bundle
+    from mlxwatch.capture import CaptureRequest, capture_bundle, capture_probe_timeouts, export_bundle
     from mlxwatch.host.process import ProcessIdentity
     from mlxwatch.output.reports import CaptureProgress, render_capture
 
@@ -571,8 +572,7 @@ def cmd_capture(args: argparse.Namespace, out: Console) -> int:
         ceiling=args.ceiling or cap.ceiling, sudo=cap.sudo, log_tail_lines=cap.log_tail_lines,
         keep=cap.keep, max_bytes=cap.max_bytes, keep_days=cap.keep_days, min_free_bytes=cap.min_free_bytes,
         stacks=args.stacks or cap.stacks, redact=cap.redact,
-        probe_first_token_timeout=min(probe.first_token_timeout, CaptureRequest.probe_first_token_timeout),
-        probe_timeout=min(probe.timeout, CaptureRequest.probe_timeout),
+        **capture_probe_timeouts(probe),
     )
     try:
         if args.json:
@@ -737,8 +737,6 @@ def _bundle_export(args: argparse.Namespace, out: Console) -> int:
 
 
 def _state_dir(config: Config, override: str | None) -> Path:
-    from mlxwatch.daemon.supervisor import state_dir_for
-
     return state_dir_for(config, Path(override).expanduser() if override else None)
 
 
@@ -916,7 +914,6 @@ def cmd_resume(args: argparse.Namespace, out: Console) -> int:
 
 
 def cmd_doctor(args: argparse.Namespace, out: Console) -> int:
-    from mlxwatch.daemon.supervisor import bundles_dir_for
     from mlxwatch.doctor import diagnose, exit_code, render_findings
 
     path = resolve_config_path(args.config)

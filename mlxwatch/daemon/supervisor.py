@@ -33,8 +33,8 @@ from mlxwatch.capture.bundle import adopt_partials
 from mlxwatch.config import (
     Config,
     InstanceConfig,
+    bundles_dir_for,
     check_runnable,
-    default_state_dir,
     same_address,
 )
 from mlxwatch.daemon.notify import Notifier
@@ -48,14 +48,6 @@ log = logging.getLogger("mlxwatch.watchdog")
 
 HEARTBEAT = 30.0  # seconds between the daemon's own liveness writes (status reads `last_tick`)
 MAX_WATCHER_BACKOFF = 60.0
-
-
-def state_dir_for(config: Config, override: Path | None = None) -> Path:
-    return override or config.state_dir or default_state_dir()
-
-
-def bundles_dir_for(config: Config, state_dir: Path) -> Path:
-    return config.capture.dir or state_dir / "bundles"
 
 
 class Daemon:

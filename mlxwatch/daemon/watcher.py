@@ -24,12 +24,12 @@ from typing import Awaitable, Callable
 
 import httpx
 
-from mlxwatch.capture import Bundle, CaptureRequest, capture_bundle
+from mlxwatch.capture import Bundle, CaptureRequest, capture_bundle, capture_probe_timeouts
 from mlxwatch.clock import Clock, Stamp
 from mlxwatch.config import CaptureConfig, InstanceConfig
 from mlxwatch.daemon.notify import Notifier
 from mlxwatch.errors import MlxwatchError
-from mlxwatch.host.process import ProcessIdentity, ServerLookup, lookup_server
+from mlxwatch.host.process import ProcessIdentity, ServerLookup, lookup_instance, lookup_server
 from mlxwatch.journal.incidents import Incident, Journal
 from mlxwatch.journal.state import StateFile, take_resume
 from mlxwatch.probes import CheckReport, make_client, run_check
@@ -126,11 +126,7 @@ class InstanceWatcher:
         """``lookup_fn`` for this instance (blocking: run it in a thread). An instance restarted by
         launchd is looked up by its label too, and without a configured ``log`` follows the job's
         StandardErrorPath that launchd names."""
-        r = self.inst.restart
-        if r.method != "launchd":
-            return self.shared.lookup_fn(self.inst.url, self.inst.pid_file)
-        found = self.shared.lookup_fn(self.inst.url, self.inst.pid_file, launchd_label=r.target,
-                                      launchd_domain=r.domain, launchd_uid=r.uid)
+        found = lookup_instance(self.inst, self.shared.lookup_fn)
         if self.inst.log is None and found.log is not None and found.log != self.tracker.log:
             log.info("%s: following %s (the launchd job's log)", self.name, found.log)
             self.tracker = ProgressTracker(found.log, writer_pid=self._server_pid)
@@ -408,8 +404,8 @@ class InstanceWatcher:
             pid=server.pid if server else None, out_dir=self.shared.bundles_dir, label=self.name, url=self.inst.url,
             log=self.inst.log or self.tracker.log, snapshots=cap.snapshots, spacing=cap.spacing,
             ceiling=cap.ceiling, sudo=cap.sudo, stacks=cap.stacks, redact=cap.redact,
-            log_tail_lines=cap.log_tail_lines, probe_first_token_timeout=min(p.first_token_timeout, 10.0),
-            probe_timeout=min(p.timeout, 20.0), prior_probes=[r.to_dict() for r in self.failed_reports],
+            log_tail_lines=cap.log_tail_lines, **capture_probe_timeouts(p),
+            prior_probes=[r.to_dict() for r in self.failed_reports],
             keep=cap.keep, max_bytes=cap.max_bytes, keep_days=cap.keep_days, min_free_bytes=cap.min_free_bytes,
             verdict=_verdict_text(self.failed_reports, inc.stranger),
         )

@@ -27,7 +27,7 @@ from typing import Callable, Iterable
 import psutil
 import yaml
 
-from mlxwatch.config import parse_config
+from mlxwatch.config import parse_config, url_port
 from mlxwatch.host import launchctl
 from mlxwatch.host.process import is_mlx_server, own_listeners, server_port
 
@@ -66,7 +66,7 @@ def find_servers(processes: Iterable[psutil.Process] | None = None,
         kept = by_address.get(server.url)
         if kept is None or (server.listening and not kept.listening):
             by_address[server.url] = server  # the listening one of a wrapper and its child
-    servers = sorted(by_address.values(), key=lambda s: (_port(s.url), s.url))
+    servers = sorted(by_address.values(), key=lambda s: (url_port(s.url), s.url))
     labels = (launchd_jobs or launchd_pids)()
     for server in servers:
         _restart_hints(server, labels)
@@ -100,10 +100,6 @@ def _url(addresses: list[tuple[str, int]]) -> str:
     if host is None:
         host = f"[{ip}]" if ":" in ip else ip
     return f"http://{host}:{port}"
-
-
-def _port(url: str) -> int:
-    return int(url.rsplit(":", 1)[1])
 
 
 def _arg(cmdline: tuple[str, ...], option: str) -> str | None:
@@ -198,7 +194,7 @@ def _name_all(servers: list[FoundServer]) -> None:
         if server.model:
             base = _NAME_CHARS.sub("-", server.model.rstrip("/").rsplit("/", 1)[-1]).strip("-._")[:56]
         if not base or not base[0].isalnum():
-            base = f"mlx-{_port(server.url)}"
+            base = f"mlx-{url_port(server.url)}"
         name, n = base, 2
         while name in used:
             name, n = f"{base}-{n}", n + 1

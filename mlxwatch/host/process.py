@@ -34,10 +34,12 @@ import time
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
+from typing import Callable
 from urllib.parse import urlsplit
 
 import psutil
 
+from mlxwatch.config import InstanceConfig, url_port
 from mlxwatch.errors import ProcessGoneError
 
 MLX_SERVER_DEFAULT_PORT = 8080  # mlx_lm.server's --port default
@@ -143,11 +145,6 @@ def server_port(cmdline: tuple[str, ...] | list[str]) -> int:
             except ValueError:
                 return -1
     return MLX_SERVER_DEFAULT_PORT
-
-
-def url_port(url: str) -> int:
-    parts = urlsplit(url)
-    return parts.port or (443 if parts.scheme == "https" else 80)
 
 
 @lru_cache(maxsize=256)
@@ -286,6 +283,17 @@ def lookup_server(url: str, pid_file: Path | None = None, launchd_label: str | N
     loading = None if stranger else _loading_server(port)
     detail = stranger or (f"{loading.describe()} is starting" if loading else f"nothing listens on {url}")
     return ServerLookup(loading=loading, stranger=stranger, detail=detail)
+
+
+def lookup_instance(inst: InstanceConfig, lookup: Callable[..., ServerLookup] | None = None) -> ServerLookup:
+    """Which process serves this configured instance: ``lookup_server`` with the instance's URL,
+    ``pid_file`` and, for an instance restarted by launchd, its label, domain and uid. The one
+    answer doctor, the CLI and the watcher share; ``lookup`` replaces ``lookup_server`` in tests."""
+    lookup = lookup or lookup_server
+    r = inst.restart
+    if r.method != "launchd":
+        return lookup(inst.url, inst.pid_file)
+    return lookup(inst.url, inst.pid_file, launchd_label=r.target, launchd_domain=r.domain, launchd_uid=r.uid)
 
 
 def _lookup_by_label(url: str, label: str, domain: str,

@@ -15,6 +15,7 @@ from typing import Any
 
 import httpx
 
+from mlxwatch.config import ProbeConfig
 from mlxwatch.probes.endpoints import EndpointResult, probe_endpoint
 from mlxwatch.probes.generation import Failure, GenerationProbeResult, probe_generation
 
@@ -69,10 +70,10 @@ async def run_check(
     client: httpx.AsyncClient,
     url: str,
     *,
-    first_token_timeout: float = 60.0,
-    timeout: float = 120.0,
-    max_tokens: int = 4,
-    endpoint_timeout: float = 5.0,
+    first_token_timeout: float = ProbeConfig.first_token_timeout,
+    timeout: float = ProbeConfig.timeout,
+    max_tokens: int = ProbeConfig.max_tokens,
+    endpoint_timeout: float = ProbeConfig.endpoint_timeout,
     linger: float = 0.0,
 ) -> CheckReport:
     """Probe generation and the endpoints concurrently; never raises for the server's behaviour.

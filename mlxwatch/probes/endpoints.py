@@ -12,6 +12,8 @@ from dataclasses import asdict, dataclass
 
 import httpx
 
+from mlxwatch.config import ProbeConfig
+
 MAX_BODY = 4096
 
 
@@ -39,7 +41,8 @@ class EndpointResult:
         return {**asdict(self), "summary": self.summary}
 
 
-async def probe_endpoint(client: httpx.AsyncClient, url: str, path: str, timeout: float = 5.0) -> EndpointResult:
+async def probe_endpoint(client: httpx.AsyncClient, url: str, path: str,
+                         timeout: float = ProbeConfig.endpoint_timeout) -> EndpointResult:
     """GET ``url + path`` within ``timeout`` seconds, keeping at most 4 KB of the body."""
     result = EndpointResult(path)
     loop = asyncio.get_running_loop()

@@ -29,6 +29,7 @@ from typing import Any
 
 import httpx
 
+from mlxwatch.config import ProbeConfig
 from mlxwatch.probes.sse import LineTooLong, SSEParser
 
 # One fixed prompt, always: the server's prompt cache then holds a single small entry for the
@@ -163,9 +164,9 @@ async def probe_generation(
     client: httpx.AsyncClient,
     url: str,
     *,
-    first_token_timeout: float = 60.0,
-    timeout: float = 120.0,
-    max_tokens: int = 4,
+    first_token_timeout: float = ProbeConfig.first_token_timeout,
+    timeout: float = ProbeConfig.timeout,
+    max_tokens: int = ProbeConfig.max_tokens,
     prompt: str = PROBE_PROMPT,
     linger: float = 0.0,
 ) -> GenerationProbeResult:

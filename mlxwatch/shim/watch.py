@@ -26,6 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from mlxwatch.config import InstanceConfig, ProbeConfig
 from mlxwatch.shim.heartbeat import Change, Heartbeat
 
 POLL = 2.0  # seconds between heartbeat reads while the watcher waits for its next probe
@@ -44,8 +45,8 @@ class Judgement:
 
 @dataclass
 class ShimWatch:
-    mode: str = "auto"  # auto | required | off
-    stall_timeout: float = 60.0
+    mode: str = InstanceConfig.shim  # auto | required | off
+    stall_timeout: float = ProbeConfig.stall_timeout
     pid: int | None = None  # the process the readings belong to
     last: Heartbeat | None = None
     present: bool = False  # the last reading found a heartbeat for this process
