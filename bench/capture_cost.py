@@ -29,7 +29,7 @@ from bench.common import log, summary
 from mlxwatch.capture import CaptureRequest, capture_bundle, pyspy
 from mlxwatch.config import CaptureConfig, ProbeConfig
 from mlxwatch.host.commands import run_command
-from mlxwatch.lab.server import LabServer, server_version
+from lab.server import LabServer, server_version
 
 FAULTS = ("spin", "block", "die")
 

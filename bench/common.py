@@ -24,6 +24,9 @@ ROOT = Path(os.environ.get("MLXWATCH_BENCH_REPO") or Path(__file__).resolve().pa
 # bench/run.py (so that edits to the working tree during a run do not change what is measured),
 # or the repository itself.
 SRC = Path(os.environ.get("MLXWATCH_BENCH_SRC") or ROOT)
+# The test lab (lab servers with faults, the stand-in) lives in tests/lab, outside the package:
+# benchmarks import it as `lab`, as the tests do.
+sys.path.insert(0, str(SRC / "tests"))
 VENVS = Path(os.environ.get("MLXWATCH_VENVS") or ROOT / ".venvs")
 TEST_PYTHON = VENVS / "test" / "bin" / "python"  # mlxwatch + the newest mlx-lm 0.32.x
 OLD_PYTHON = VENVS / "mlx-lm-0.31.3" / "bin" / "python"  # the server of the public report

@@ -1,6 +1,6 @@
 """Detection and recovery, per fault shape, on both mlx-lm versions, in real time.
 
-For each version one real ``mlx_lm.server`` (tiny model, CPU; ``mlxwatch.lab``) and one
+For each version one real ``mlx_lm.server`` (tiny model, CPU; ``tests/lab``) and one
 ``mlxwatch run`` daemon process watching it at the FAST config below, with the lab's relaunch
 hook as its ``command:`` restart and the default capture settings. Each trial: wait until the
 instance is healthy again, wait a random part of one probe interval (a random phase of the
@@ -27,7 +27,8 @@ from typing import Any
 import httpx
 
 from bench.common import TEST_PYTHON, DaemonProcess, log, write_config
-from mlxwatch.lab.server import LabServer, server_version
+from lab.server import CLI as LAB_CLI
+from lab.server import LabServer, server_version
 
 FAST = {"interval": 2.0, "suspect_interval": 1.0, "first_token_timeout": 2.0, "timeout": 4.0, "failures": 2,
         "endpoint_timeout": 1.0, "grace_ceiling": 600.0, "startup_timeout": 120.0}
@@ -39,7 +40,7 @@ def daemon_config(server: LabServer, workdir: Path) -> Path:
     inst = {
         "name": "lab", "url": server.url, "log": str(server.log_path), "pid_file": str(server.pid_file),
         "probe": {k: (f"{v:g}s" if k not in ("failures",) else v) for k, v in FAST.items()},
-        "restart": {"command": [str(TEST_PYTHON), "-m", "mlxwatch.lab.relaunch", str(server.workdir)],
+        "restart": {"command": [str(TEST_PYTHON), str(LAB_CLI), "relaunch", str(server.workdir)],
                     "timeout": "120s", "backoff": "1s", "window": "1s", "budget": 3},
     }
     return write_config(workdir / "config.yaml", [inst], workdir / "state")

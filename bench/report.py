@@ -49,8 +49,8 @@ def render(r: dict[str, Any]) -> str:
         f"mlx-lm {tv.get('mlx-lm', '?')} with mlx {tv.get('mlx', '?')}, and mlx-lm {ov.get('mlx-lm', '?')} with mlx "
         f"{ov.get('mlx', '?')}; py-spy {tv.get('py-spy', '?')}, httpx {tv.get('httpx', '?')}, psutil {tv.get('psutil', '?')}.")
     add("- **Servers**: the real `mlx_lm.server` console script with a tiny random-weight llama "
-        "(2 layers, hidden 64; `mlxwatch/lab`), faults switched on at run time. The scale runs use the "
-        "token-streaming stand-in (`mlxwatch/lab/standin.py`, recorded by `bench/standin.py`).")
+        "(2 layers, hidden 64; `tests/lab` on `mlxwatch/_lab`), faults switched on at run time. The scale runs use the "
+        "token-streaming stand-in (`tests/lab/standin.py`, recorded by `bench/standin.py`).")
     la = r.get("load_average") or {}
     phases = r.get("phases") or {}
     add(f"- **Schedule**: phase A ran side by side for {phases.get('A', {}).get('seconds', 0) / 60:.1f} min (the soak; "
@@ -102,7 +102,7 @@ def _detection(r: dict[str, Any], add) -> None:
         f"suspect_interval {fast['suspect_interval']:g} s, first_token_timeout {fast['first_token_timeout']:g} s, "
         f"timeout {fast['timeout']:g} s, failures {fast['failures']}; capture at its defaults (3 stack snapshots "
         "2 s apart; the capture's own probe waits at most min(first_token_timeout, 10 s), so 2 s here); restart by "
-        "the lab's relaunch hook (`command:` `python -m mlxwatch.lab.relaunch DIR`: SIGTERM the server, start it "
+        "the lab's relaunch hook (`command:` `python tests/lab/cli.py relaunch DIR`: SIGTERM the server, start it "
         f"again, return once it generates). {det.get('trials_per_fault', '?')} trials per fault and version; each "
         "onset at a random moment of the probe schedule; `mlxwatch run` as its own process, times from its journal.")
     add("")

@@ -52,12 +52,12 @@ HERE = ROOT / "bench"  # results are written to the repository, whatever the cod
 
 
 def snapshot_and_reexec(argv: list[str]) -> None:
-    """Run from a snapshot: mlxwatch/ as committed at HEAD, bench/ as it is now. Other people
+    """Run from a snapshot: mlxwatch/ and the test lab (tests/lab) as committed at HEAD, bench/ as it is now. Other people
     edit the working tree while a 20-minute run goes on; what is measured must not change."""
     head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                           check=True).stdout.strip()
     snap = Path(tempfile.mkdtemp(prefix="mlxwatch-bench-src-"))
-    archive = subprocess.run(["git", "-C", str(ROOT), "archive", "HEAD", "mlxwatch"], capture_output=True, check=True)
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", "HEAD", "mlxwatch", "tests/lab"], capture_output=True, check=True)
     subprocess.run(["tar", "-x", "-C", str(snap)], input=archive.stdout, check=True)
     shutil.copytree(ROOT / "bench", snap / "bench", ignore=shutil.ignore_patterns("results", "__pycache__", "*.md", "*.json"))
     env = {**os.environ, "MLXWATCH_BENCH_SRC": str(snap), "MLXWATCH_BENCH_REPO": str(ROOT),

@@ -1,6 +1,6 @@
 """Scale: the daemon (`mlxwatch run`, its own process) watching 1 to 300 stand-in servers.
 
-The stand-in (``bench/standin.py`` around ``mlxwatch.lab.standin``: one process, one port per
+The stand-in (``bench/standin.py`` around ``tests/lab/standin.py``: one process, one port per
 instance, 4 streamed tokens) records when each generation probe arrives on each port; gaps are
 measured there, outside the daemon. Instances use ``restart: none`` and no log, the probe
 defaults except ``interval``. The daemon is started, every instance is let reach ``healthy``

@@ -25,7 +25,8 @@ from pathlib import Path
 
 import httpx
 
-from mlxwatch.lab.server import LabServer, server_version
+import bench.common  # noqa: F401  (puts tests/ on sys.path: the lab servers are the test lab's)
+from lab.server import LabServer, server_version
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -29,7 +29,8 @@ import httpx
 
 from bench.common import TEST_PYTHON, DaemonProcess, log, summary, write_config
 from bench.detection import FAST
-from mlxwatch.lab.server import LabServer, server_version
+from lab.server import CLI as LAB_CLI
+from lab.server import LabServer, server_version
 
 PREFILL_STEP = 32
 SLOW_STEP = 1.0  # seconds added to every batch step
@@ -77,7 +78,7 @@ def run(python: str, workdir: Path, duration: float) -> dict[str, Any]:
     server = LabServer.start(python, workdir / "server", extra_args=("--prefill-step-size", str(PREFILL_STEP)))
     probe = {k: (f"{v:g}s" if k != "failures" else v) for k, v in FAST.items()}
     inst = {"name": "slow", "url": server.url, "log": str(server.log_path), "pid_file": str(server.pid_file),
-            "probe": probe, "restart": {"command": [str(TEST_PYTHON), "-m", "mlxwatch.lab.relaunch",
+            "probe": probe, "restart": {"command": [str(TEST_PYTHON), str(LAB_CLI), "relaunch",
                                                     str(server.workdir)], "timeout": "120s", "backoff": "1s"}}
     cfg = write_config(workdir / "daemon" / "config.yaml", [inst], workdir / "daemon" / "state")
     daemon = DaemonProcess(cfg, workdir / "daemon" / "state", workdir / "daemon" / "daemon.log")

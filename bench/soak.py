@@ -32,7 +32,7 @@ import httpx
 
 from bench.common import DaemonProcess, log, summary, write_config
 from bench.detection import FAST
-from mlxwatch.lab.server import LabServer, server_version
+from lab.server import LabServer, server_version
 from mlxwatch.serverlog.markers import PROGRESS
 
 PREFILL_STEP = 32

@@ -1,4 +1,4 @@
-"""The scale benchmark's server: ``mlxwatch.lab.standin`` (one process, many ports, 4 streamed
+"""The scale benchmark's server: ``tests/lab/standin.py`` (one process, many ports, 4 streamed
 tokens, ``/health``, ``/v1/models``), unchanged, plus a recorder of when each generation request
 arrived on which port, so that probe gaps are measured where the probes land, outside the daemon::
 
@@ -21,7 +21,8 @@ import signal
 import sys
 import time
 
-from mlxwatch.lab import standin
+import bench.common  # noqa: F401  (puts tests/ on sys.path: the stand-in is the test lab's)
+from lab import standin
 
 POSTS: list[tuple[int, float]] = []
 REQUESTS: list[tuple[int, str, float, float]] = []

@@ -20,7 +20,7 @@ from typing import Any
 import httpx
 
 from bench.common import DaemonProcess, log, quantile, summary, write_config
-from mlxwatch.lab.server import LabServer, server_version
+from lab.server import LabServer, server_version
 
 TOKENS = 3500
 CONDITIONS = ("none", "1s", "30s")

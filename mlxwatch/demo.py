@@ -39,7 +39,7 @@ HEALTHY_WAIT, INCIDENT_WAIT = 60.0, 240.0
 
 def demo_config(server_dir: Path, url: str, log: Path, pid_file: Path, state_dir: Path) -> Config:
     """The fast config the demo watches with; restart = relaunch the lab server it owns."""
-    restart = RestartConfig(method="command", argv=(sys.executable, "-m", "mlxwatch.lab.relaunch", str(server_dir)),
+    restart = RestartConfig(method="command", argv=(sys.executable, "-m", "mlxwatch._lab.relaunch", str(server_dir)),
                             timeout=120.0, backoff=5.0)
     inst = InstanceConfig("demo", url, log, pid_file, DEMO_PROBE, restart)
     return Config(None, (inst,), state_dir, (), CaptureConfig(snapshots=3, spacing=1.0, ceiling=30.0))
@@ -48,7 +48,7 @@ def demo_config(server_dir: Path, url: str, log: Path, pid_file: Path, state_dir
 def run_demo(console: Console, keep: bool = False) -> int:
     if importlib.util.find_spec("mlx_lm") is None:
         raise UsageError("demo: needs mlx-lm in this environment: pip install 'mlxwatch[demo]'")
-    from mlxwatch.lab.server import LabServer, server_version
+    from mlxwatch._lab.server import LabServer, server_version
 
     workdir = Path(tempfile.mkdtemp(prefix="mlxwatch-demo-"))
     server_dir, state_dir = workdir / "server", workdir / "state"

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from mlxwatch.lab.server import LabServer, server_version
+from lab.server import LabServer, server_version
 
 
 def _server_pythons() -> list[str]:

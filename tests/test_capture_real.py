@@ -23,8 +23,8 @@ import pytest
 
 from mlxwatch.capture import CaptureRequest, capture_bundle, export_bundle
 from mlxwatch.capture.classify import IDLE_CPU
-from mlxwatch.lab.clients import retry_every
-from mlxwatch.lab.server import LabServer
+from lab.clients import retry_every
+from lab.server import LabServer
 
 CEILING = 30.0
 

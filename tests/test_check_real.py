@@ -102,6 +102,6 @@ def cache_counts(lab) -> list[int]:
 
 
 def lab_version(lab) -> tuple[int, ...]:
-    from mlxwatch.lab.server import server_version
+    from lab.server import server_version
 
     return tuple(int(p) for p in server_version(lab.python).split(".")[:2])

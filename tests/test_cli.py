@@ -23,7 +23,8 @@ from mlxwatch.capture.bundle import BundleWriter, bundle_entries
 from mlxwatch.capture.export import export_bundle, read_archive
 from mlxwatch.cli import main as cli
 from mlxwatch.config import CaptureConfig, ProbeConfig
-from mlxwatch.lab.server import free_port  # a loopback port free a moment ago
+from lab.ports import free_port  # a loopback port free a moment ago
+from lab.standin import STANDIN  # the token-streaming stand-in's script
 
 ROOT = Path(__file__).parent.parent
 
@@ -673,7 +674,7 @@ def test_check_wait_polls_until_the_server_answers(tmp_path):
         line = checker.stderr.readline()  # the first "waiting for ..." line: it was refused at least once
         assert f"waiting for {url}" in line and "connection refused" in line, line
         (tmp_path / "mode").write_text("ok")
-        standin = subprocess.Popen([sys.executable, "-m", "mlxwatch.lab.standin", "--ports", str(port),
+        standin = subprocess.Popen([sys.executable, STANDIN, "--ports", str(port),
                                     "--mode-file", str(tmp_path / "mode")], stdout=subprocess.PIPE, text=True)
         assert standin.stdout.readline().strip() == "ready"
         out, err = checker.communicate(timeout=90)
@@ -856,7 +857,7 @@ async def test_after_recovery_status_shows_the_recovery_probe(tmp_path):
     port = free_port()
     mode = tmp_path / "mode"
     mode.write_text("hang")
-    standin = subprocess.Popen([sys.executable, "-m", "mlxwatch.lab.standin", "--ports", str(port),
+    standin = subprocess.Popen([sys.executable, STANDIN, "--ports", str(port),
                                 "--mode-file", str(mode)], stdout=subprocess.PIPE, text=True)
     try:
         assert standin.stdout.readline().strip() == "ready"

@@ -21,7 +21,7 @@ from rich.console import Console
 from test_cli import make_bundle, no_user_config, one_line_error, sleeper  # noqa: F401 - fixtures
 
 from mlxwatch.cli import main as cli
-from mlxwatch.lab.server import free_port
+from lab.ports import free_port
 
 FAKE_SERVER = """\
 import http.server, sys

@@ -19,7 +19,7 @@ from rich.console import Console
 
 from mlxwatch.cli import main as cli
 from mlxwatch.config import load_config
-from mlxwatch.lab.server import free_port  # a loopback port free a moment ago
+from lab.ports import free_port  # a loopback port free a moment ago
 
 
 @pytest.fixture(autouse=True)

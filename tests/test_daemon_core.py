@@ -2,7 +2,7 @@
 daemon per state dir, reload, identity, state that is tracked rather than re-guessed.
 
 The watched servers are a closed loopback port (every probe refused) or the lab's stand-in
-(``mlxwatch.lab.standin``: a token-streaming server whose command line is not mlx-lm's).
+(``tests/lab/standin.py``: a token-streaming server whose command line is not mlx-lm's).
 """
 
 from __future__ import annotations
@@ -35,7 +35,8 @@ from mlxwatch.host.process import ProcessIdentity, lookup_server
 from mlxwatch.journal import incidents as journal_module
 from mlxwatch.journal.incidents import Journal
 from mlxwatch.journal.state import StateFile
-from mlxwatch.lab.server import free_port  # a loopback port free a moment ago
+from lab.ports import free_port  # a loopback port free a moment ago
+from lab.standin import STANDIN  # the token-streaming stand-in's script
 from mlxwatch.restart.methods import RestartContext, restart
 
 FAST = ProbeConfig(interval=0.2, suspect_interval=0.1, first_token_timeout=0.5, timeout=1.0, failures=1,
@@ -93,7 +94,7 @@ def standin(tmp_path):
         port_range = f"{first}-{first + ports - 1}"
         mode_file = tmp_path / f"mode-{first}"
         mode_file.write_text(mode)
-        proc = subprocess.Popen([sys.executable, "-m", "mlxwatch.lab.standin", "--ports", port_range,
+        proc = subprocess.Popen([sys.executable, STANDIN, "--ports", port_range,
                                  "--mode-file", str(mode_file)], stdout=subprocess.PIPE, text=True)
         started.append(proc)
         assert proc.stdout.readline().strip() == "ready"

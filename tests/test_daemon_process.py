@@ -19,9 +19,10 @@ import psutil
 import pytest
 
 from mlxwatch.journal.incidents import Journal
-from mlxwatch.lab.server import (
+from lab.ports import (
     free_port as closed_port,  # a loopback port free a moment ago
 )
+from lab.standin import STANDIN  # the token-streaming stand-in's script
 
 
 def write_config(tmp_path: Path, restart: str, extra: str = "", budget: int = 2) -> Path:
@@ -288,7 +289,7 @@ def test_a_sighup_while_the_daemon_starts_is_applied_not_fatal(tmp_path, where):
 def start_standin(tmp_path: Path) -> tuple[str, subprocess.Popen]:
     """The lab's token-streaming stand-in on a free loopback port: a healthy server."""
     port = closed_port()
-    proc = subprocess.Popen([sys.executable, "-m", "mlxwatch.lab.standin", "--ports", str(port)],
+    proc = subprocess.Popen([sys.executable, STANDIN, "--ports", str(port)],
                             stdout=subprocess.PIPE, text=True)
     assert proc.stdout.readline().strip() == "ready"
     return f"http://127.0.0.1:{port}", proc

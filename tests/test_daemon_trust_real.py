@@ -27,13 +27,14 @@ from mlxwatch.config import (
 )
 from mlxwatch.daemon.supervisor import Daemon
 from mlxwatch.journal.incidents import Journal
-from mlxwatch.lab.server import LabServer, free_port, make_tiny_model
+from lab.ports import free_port
+from lab.server import LabServer, make_tiny_model, relaunch_argv
 
 pytestmark = pytest.mark.real_server
 
 
 def relaunch_hook(server: LabServer) -> RestartConfig:
-    return RestartConfig("command", argv=(sys.executable, "-m", "mlxwatch.lab.relaunch", str(server.workdir)),
+    return RestartConfig("command", argv=relaunch_argv(server.workdir),
                          timeout=120.0, backoff=1.0, budget=10)
 
 
@@ -260,7 +261,7 @@ instances:
     pid_file: {server.pid_file}
     probe: {{interval: 1, suspect_interval: 1, first_token_timeout: 5, timeout: 10, failures: 2,
              endpoint_timeout: 2, startup_timeout: 120}}
-    restart: {{command: ["{sys.executable}", "-m", "mlxwatch.lab.relaunch", "{server.workdir}"],
+    restart: {{command: {json.dumps(relaunch_argv(server.workdir))},
                timeout: 2m, backoff: 1, budget: 20}}
 """)
     # Slack: the fault bites at the first probe after it is switched on (one jittered

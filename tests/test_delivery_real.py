@@ -9,7 +9,6 @@ whatever server the lab recorded last and starts another)."""
 from __future__ import annotations
 
 import asyncio
-import sys
 import time
 from pathlib import Path
 
@@ -27,11 +26,11 @@ from mlxwatch.config import (
 from mlxwatch.daemon.supervisor import Daemon
 from mlxwatch.host.process import ProcessIdentity
 from mlxwatch.journal.incidents import Journal
-from mlxwatch.lab.server import LabServer
+from lab.server import LabServer, relaunch_argv
 
 
 def lab_config(lab: LabServer, state_dir: Path, probe: ProbeConfig) -> Config:
-    restart = RestartConfig("command", argv=(sys.executable, "-m", "mlxwatch.lab.relaunch", str(lab.workdir)),
+    restart = RestartConfig("command", argv=relaunch_argv(lab.workdir),
                             timeout=120.0, backoff=1.0)
     inst = InstanceConfig("lab", lab.url, lab.log_path, lab.pid_file, probe, restart)
     return Config(None, (inst,), state_dir, (), CaptureConfig(snapshots=3, spacing=0.5, ceiling=25.0))

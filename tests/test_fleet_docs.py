@@ -25,7 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from mlxwatch.config import CaptureConfig, Config, InstanceConfig, MetricsConfig
 from mlxwatch.daemon.metrics import Metrics, MetricsExporter
 from mlxwatch.journal.incidents import Incident
-from mlxwatch.lab.server import free_port  # a loopback port free a moment ago
+from lab.ports import free_port  # a loopback port free a moment ago
 
 ROOT = Path(__file__).parent.parent
 DOCS = ROOT / "docs"

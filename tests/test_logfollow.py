@@ -214,12 +214,13 @@ async def test_daemon_gives_no_verdict_while_progress_goes_on_in_the_rotated_log
     from mlxwatch.config import CaptureConfig, Config, InstanceConfig, ProbeConfig
     from mlxwatch.daemon.supervisor import Daemon
     from mlxwatch.journal.incidents import Journal
-    from mlxwatch.lab.server import free_port
+    from lab.ports import free_port
+    from lab.standin import STANDIN
 
     port = free_port()
     mode = tmp_path / "mode"
     mode.write_text("ok")
-    server = subprocess.Popen([sys.executable, "-m", "mlxwatch.lab.standin", "--ports", str(port),
+    server = subprocess.Popen([sys.executable, STANDIN, "--ports", str(port),
                                "--mode-file", str(mode)], stdout=subprocess.PIPE, text=True)
     log = tmp_path / "server.log"
     log.write_text("")

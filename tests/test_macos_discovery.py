@@ -31,7 +31,8 @@ from mlxwatch.host import launchctl
 from mlxwatch.host.commands import CommandResult
 from mlxwatch.host.process import lookup_server
 from mlxwatch.journal.incidents import Journal
-from mlxwatch.lab.server import free_port  # a loopback port free a moment ago
+from lab.ports import free_port  # a loopback port free a moment ago
+from lab.standin import STANDIN  # the token-streaming stand-in's script
 from mlxwatch.restart.methods import restart
 
 DATA = Path(__file__).parent / "data"
@@ -61,7 +62,7 @@ def standin(procs, tmp_path: Path, mode: str = "ok") -> tuple[str, Path, subproc
     port = free_port()
     mode_file = tmp_path / f"mode-{port}"
     mode_file.write_text(mode)
-    proc = procs([sys.executable, "-m", "mlxwatch.lab.standin", "--ports", f"{port}-{port}",
+    proc = procs([sys.executable, STANDIN, "--ports", f"{port}-{port}",
                   "--mode-file", str(mode_file)], ready=True)
     return f"http://127.0.0.1:{port}", mode_file, proc
 
@@ -127,15 +128,15 @@ def test_a_process_the_job_started_may_be_the_listener(procs, tmp_path, monkeypa
     """`uv run mlx_lm server ...` under launchd: the job's PID is uv, its child listens."""
     port = free_port()
     wrapper = procs([sys.executable, "-c",
-                     "import subprocess, sys; subprocess.run([sys.executable, '-m', 'mlxwatch.lab.standin', "
-                     f"'--ports', '{port}-{port}'])"])
+                     "import subprocess, sys; subprocess.run([sys.executable, "
+                     f"{STANDIN!r}, '--ports', '{port}-{port}'])"])
     url = f"http://127.0.0.1:{port}"
     try:
         wait_listening(url)
         monkeypatch.setattr(launchctl, "runner", Launchd("dev.mysql", None, wrapper.pid))
         found = lookup_server(url, launchd_label="dev.mysql")
         assert found.identity is not None and found.identity.pid != wrapper.pid
-        assert "mlxwatch.lab.standin" in found.identity.cmdline
+        assert STANDIN in found.identity.cmdline
         assert found.log == Path("/opt/boxen/log/mysql/console.log")  # no readable plist: print's stderr path
     finally:  # the wrapper's child is ours too (the fixture ends only the wrapper): end it by its PID
         for child in psutil.Process(wrapper.pid).children(recursive=True):

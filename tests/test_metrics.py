@@ -33,7 +33,7 @@ from mlxwatch.daemon.metrics import (
 from mlxwatch.daemon.supervisor import Daemon
 from mlxwatch.journal.incidents import Incident, Journal
 from mlxwatch.journal.state import StateFile
-from mlxwatch.lab.server import free_port  # a loopback port free a moment ago
+from lab.ports import free_port  # a loopback port free a moment ago
 from mlxwatch.verdict.policy import STATES
 
 

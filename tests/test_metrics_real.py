@@ -11,7 +11,6 @@ recovery) until the server comes back by itself, so a scrape sees ``hung`` 1 and
 from __future__ import annotations
 
 import asyncio
-import sys
 import time
 from pathlib import Path
 
@@ -29,7 +28,8 @@ from mlxwatch.config import (
 )
 from mlxwatch.daemon.supervisor import Daemon
 from mlxwatch.journal.incidents import Journal
-from mlxwatch.lab.server import LabServer, free_port
+from lab.ports import free_port
+from lab.server import LabServer, relaunch_argv
 from mlxwatch.verdict.policy import STATES
 
 INCIDENT_STATES = ("hung", "capturing", "restarting", "recovering")
@@ -137,7 +137,7 @@ async def test_a_livelock_moves_state_incident_and_restart_series_and_the_textfi
     the budget down by one; capture and recovery times are set; the textfile equals a scrape."""
     textfile = tmp_path / "mlxwatch.prom"
     metrics = MetricsConfig(listen=("127.0.0.1", free_port()), textfile=textfile)
-    restart = RestartConfig("command", argv=(sys.executable, "-m", "mlxwatch.lab.relaunch", str(lab.workdir)),
+    restart = RestartConfig("command", argv=relaunch_argv(lab.workdir),
                             timeout=120.0, backoff=1.0, budget=3)
     config = config_for(lab, tmp_path / "state", metrics, restart)
 

@@ -193,7 +193,7 @@ def test_below_the_free_space_floor_no_bundle_is_started(tmp_path):
 async def test_a_full_disk_gets_a_note_instead_of_a_bundle_and_the_restart_still_happens(tmp_path):
     """The watchdog journals the refusal (capture_failed, one line) and restarts all the same."""
     from mlxwatch.daemon.supervisor import Daemon
-    from mlxwatch.lab.server import free_port
+    from lab.ports import free_port
 
     state = tmp_path / "state"
     probe = ProbeConfig(interval=0.2, suspect_interval=0.1, first_token_timeout=0.5, timeout=1.0, failures=1,

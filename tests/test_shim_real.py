@@ -25,8 +25,8 @@ from mlxwatch.config import (
 )
 from mlxwatch.daemon.supervisor import Daemon
 from mlxwatch.journal.incidents import Journal
-from mlxwatch.lab.clients import retry_every
-from mlxwatch.lab.server import LabServer
+from lab.clients import retry_every
+from lab.server import LabServer
 from mlxwatch.shim import heartbeat, layout
 from mlxwatch.shim.stacks import parse_dump
 from mlxwatch.shim.watch import POLL

@@ -26,7 +26,7 @@ from mlxwatch.config import (
 )
 from mlxwatch.daemon.supervisor import Daemon
 from mlxwatch.journal.incidents import Journal
-from mlxwatch.lab.server import LabServer
+from lab.server import LabServer, relaunch_argv
 
 INTERVAL, FIRST, TOTAL, FAILURES = 1.0, 2.0, 4.0, 2
 # Stated slack: the fault bites at the first probe after it is switched on (up to one jittered
@@ -36,7 +36,7 @@ INCIDENT_EVENTS = ["verdict", "capturing", "captured", "restarting", "restart", 
 
 
 def config_for(lab: LabServer, state_dir: Path, **probe) -> Config:
-    restart = RestartConfig("command", argv=(sys.executable, "-m", "mlxwatch.lab.relaunch", str(lab.workdir)),
+    restart = RestartConfig("command", argv=relaunch_argv(lab.workdir),
                             timeout=120.0, backoff=1.0)
     p = ProbeConfig(interval=INTERVAL, first_token_timeout=FIRST, timeout=TOTAL, failures=FAILURES,
                     grace_ceiling=60.0, endpoint_timeout=2.0, startup_timeout=90.0, **probe)
@@ -213,7 +213,7 @@ async def test_a_wedged_instance_does_not_delay_another(lab, tmp_path):
 async def test_after_giving_up_a_server_that_returns_is_recorded_as_recovered(server_python, lab_root, tmp_path):
     """Nothing listens and the restart hook fails: gave_up. When a server appears on the port,
     the same incident is closed as recovered without a restart."""
-    from mlxwatch.lab.server import free_port
+    from lab.ports import free_port
 
     port = free_port()
     failing = RestartConfig("command", argv=(sys.executable, "-c", "import sys; sys.exit(7)"), budget=1, backoff=0.2)

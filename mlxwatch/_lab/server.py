@@ -1,34 +1,32 @@
-"""Start a real ``mlx_lm.server`` with a switchable fault, for tests, benchmarks and the demo.
+"""Start a real ``mlx_lm.server`` with a switchable fault: the server ``mlxwatch demo`` watches.
 
 The server is the stock ``mlx_lm.server`` console script of ``python``'s environment (any
-interpreter with mlx-lm installed, so one test run can cover several mlx-lm versions), with
-``fault_server.py`` patched in at start by ``inject/sitecustomize.py``; its command line is a
-real server's. A tiny random model is made in ``workdir``. Everything stays on 127.0.0.1 and only the PID started here is ever signalled::
+interpreter with mlx-lm installed), with ``fault_server.py`` patched in at start by
+``inject/sitecustomize.py``; its command line is a real server's. A tiny random model is made in
+``workdir``. Everything stays on 127.0.0.1 and only the PID started here is ever signalled::
 
     server = LabServer.start(sys.executable, Path("/tmp/lab"))
     server.set_fault("spin")   # the next batch step livelocks
     server.relaunch()          # stop our PID, clear the fault, start again on the same port
     server.stop()
 
-``shim=()`` (or launch options such as ``("--exit-on-thread-death",)``) starts it through
-``mlxwatch launch`` instead, which execs the same command with the launch shim loaded: the PID
-and the command line are still the server's.
-
-The launch recipe is saved as ``lab.json`` beside the log so that ``python -m
-mlxwatch.lab.relaunch DIR`` (a watchdog restart hook) can do the same from another process.
+The launch recipe is saved as ``lab.json`` beside the log so that the demo's restart hook
+(``python -m mlxwatch._lab.relaunch DIR``) can do the same from the daemon's side. The
+test suite's lab (``tests/lab``) extends this class; nothing here is for tests only.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 import psutil
@@ -41,8 +39,7 @@ INJECT_DIR = LAB_DIR / "inject"  # holds the sitecustomize that installs the fau
 SPEC_NAME = "lab.json"
 
 
-def free_port() -> int:
-    """A loopback port that was free a moment ago."""
+def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
@@ -66,15 +63,15 @@ def server_version(python: str) -> str:
 
 @dataclass
 class LabServer:
-    """One real server we started; owns its PID, log, fault file and launch recipe."""
+    """One real server we started; owns its PID, log, fault file and launch recipe.
+
+    Fields whose names start with ``_`` are this process's own; the others are the recipe."""
 
     workdir: Path
     python: str
     port: int
-    extra_args: tuple[str, ...] = ()
     pid: int = 0
     create_time: float = 0.0
-    shim: tuple[str, ...] | None = None  # None: no shim; else `mlxwatch launch` options
     _popen: subprocess.Popen | None = field(default=None, repr=False, compare=False)
 
     @property
@@ -98,20 +95,12 @@ class LabServer:
         return self.workdir / "model"
 
     @classmethod
-    def start(
-        cls,
-        python: str,
-        workdir: Path,
-        *,
-        port: int | None = None,
-        extra_args: tuple[str, ...] = (),
-        ready_timeout: float = 120.0,
-        shim: tuple[str, ...] | None = None,
-    ) -> "LabServer":
-        """Make the model if needed, launch, and wait until a real completion succeeds."""
+    def start(cls, python: str, workdir: Path, *, port: int | None = None, ready_timeout: float = 120.0,
+              **recipe: Any) -> "LabServer":
+        """Make the model if needed, launch, and wait until a real completion succeeds.
+        ``recipe``: a subclass's own fields."""
         workdir.mkdir(parents=True, exist_ok=True)
-        server = cls(workdir, os.path.abspath(python), port or free_port(), tuple(extra_args),  # not resolved: a venv python is a symlink
-                     shim=tuple(shim) if shim is not None else None)
+        server = cls(workdir, os.path.abspath(python), port or _free_port(), **recipe)  # not resolved: a venv python is a symlink
         make_tiny_model(python, server.model_dir)
         server._save_spec()
         server.launch(ready_timeout)
@@ -119,48 +108,39 @@ class LabServer:
 
     @classmethod
     def load(cls, workdir: Path) -> "LabServer":
-        spec = json.loads((workdir / SPEC_NAME).read_text())
-        shim = spec.get("shim")
-        return cls(workdir, spec["python"], spec["port"], tuple(spec["extra_args"]), spec["pid"], spec["create_time"],
-                   shim=tuple(shim) if shim is not None else None)
+        return cls(workdir, **json.loads((workdir / SPEC_NAME).read_text()))
 
     def _save_spec(self) -> None:
-        spec = {
-            "python": self.python, "port": self.port, "extra_args": list(self.extra_args),
-            "pid": self.pid, "create_time": self.create_time, "shim": list(self.shim) if self.shim is not None else None,
-        }
+        spec = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if f.name != "workdir" and not f.name.startswith("_")}
         tmp = self.workdir / (SPEC_NAME + ".tmp")
         tmp.write_text(json.dumps(spec))
         os.replace(tmp, self.workdir / SPEC_NAME)
 
     def command(self) -> list[str]:
         script = Path(self.python).parent / "mlx_lm.server"  # the console script a user runs
-        launch = [] if self.shim is None else [sys.executable, "-m", "mlxwatch", "launch", *self.shim, "--"]
-        return [
-            *launch, self.python, str(script),
-            "--model", str(self.model_dir), "--host", "127.0.0.1", "--port", str(self.port),
-            *self.extra_args,
-        ]
+        return [self.python, str(script), "--model", str(self.model_dir), "--host", "127.0.0.1", "--port", str(self.port)]
 
-    def launch(self, ready_timeout: float = 120.0, load_delay: float = 0.0) -> None:
-        """Start the server process (fault cleared) and wait until it generates (``ready_timeout``
-        0: do not wait). ``load_delay`` keeps it from listening that long, like a big model's load."""
-        self.set_fault("")
-        hf_cache = self.workdir / "hf-cache"
-        hf_cache.mkdir(exist_ok=True)
-        env = {
+    def environment(self) -> dict[str, str]:
+        """The server's environment: offline, and the fault injector loaded at start."""
+        return {
             **os.environ,
             "HF_HUB_OFFLINE": "1",
-            "HF_HUB_CACHE": str(hf_cache),  # /v1/models scans it and errors if it is missing
+            "HF_HUB_CACHE": str(self.workdir / "hf-cache"),  # /v1/models scans it and errors if it is missing
             "PYTHONUNBUFFERED": "1",
             "PYTHONPATH": str(INJECT_DIR),
             "MLXWATCH_FAULT_FILE": str(self.fault_file),
-            "MLXWATCH_LAB_LOAD_DELAY": str(load_delay),
         }
+
+    def launch(self, ready_timeout: float = 120.0) -> None:
+        """Start the server process (fault cleared) and wait until it generates (``ready_timeout``
+        0: do not wait)."""
+        self.set_fault("")
+        (self.workdir / "hf-cache").mkdir(exist_ok=True)
         with open(self.log_path, "ab") as log:
             proc = subprocess.Popen(
                 self.command(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                env=env, cwd=self.workdir, start_new_session=True,
+                env=self.environment(), cwd=self.workdir, start_new_session=True,
             )
         self._popen = proc
         self.pid = proc.pid
@@ -169,7 +149,6 @@ class LabServer:
         self._save_spec()
         if ready_timeout > 0:
             self.wait_ready(ready_timeout)
-
     def wait_ready(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         body = {"messages": [{"role": "user", "content": "ready?"}], "max_tokens": 1}
@@ -245,14 +224,3 @@ class LabServer:
     def relaunch(self, ready_timeout: float = 120.0) -> None:
         self.stop()
         self.launch(ready_timeout)
-
-
-def main(argv: list[str]) -> int:
-    """``python -m mlxwatch.lab.server PYTHON WORKDIR``: start a lab server and print its URL."""
-    server = LabServer.start(argv[0], Path(argv[1]))
-    print(server.url, server.pid, flush=True)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))

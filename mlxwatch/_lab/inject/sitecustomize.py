@@ -8,12 +8,6 @@ switchable fault before the script imports the server. Stdlib only, like ``fault
 import os
 import sys
 
-_load_delay = float(os.environ.get("MLXWATCH_LAB_LOAD_DELAY") or 0)
-if _load_delay > 0:  # a big model's load: the process exists, nothing listens yet
-    import time
-
-    time.sleep(_load_delay)
-
 _fault_file = os.environ.get("MLXWATCH_FAULT_FILE")
 if _fault_file:
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

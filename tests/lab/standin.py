@@ -5,7 +5,7 @@ It answers ``/health``, ``/v1/models`` and streaming ``/v1/chat/completions`` (4
 benchmark measures the watchdog, not the model. Its command line is *not* an mlx-lm server's,
 which is what the identity tests need from a "stranger on the port"::
 
-    python -m mlxwatch.lab.standin --ports 8100-8109 [--mode hang] [--mode-file PATH]
+    python tests/lab/standin.py --ports 8100-8109 [--mode hang] [--mode-file PATH]
 
 ``--mode-file`` names a file whose first word switches the mode at run time: ``ok`` (default),
 ``hang`` (accept, read the request, never answer), ``garbage`` (a malformed stream).
@@ -17,7 +17,9 @@ import argparse
 import asyncio
 import json
 import sys
+from pathlib import Path
 
+STANDIN = str(Path(__file__).resolve())  # run it as a script: stdlib only, no mlxwatch
 TOKENS = ("Hello", " from", " the", " stand-in")
 
 
@@ -89,7 +91,7 @@ async def serve(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m mlxwatch.lab.standin")
+    parser = argparse.ArgumentParser(prog="python tests/lab/standin.py")
     parser.add_argument("--ports", required=True, help="a port or a range, e.g. 8100-8399")
     parser.add_argument("--mode", default="ok", choices=["ok", "hang", "garbage"])
     parser.add_argument("--mode-file")

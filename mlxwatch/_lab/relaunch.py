@@ -1,4 +1,4 @@
-"""Restart hook for lab servers: ``python -m mlxwatch.lab.relaunch WORKDIR``.
+"""Restart hook for lab servers: ``python -m mlxwatch._lab.relaunch WORKDIR``.
 
 A watchdog ``command:`` restart runs this; it stops the server recorded in ``WORKDIR/lab.json``
 (by that PID and create time only), clears the fault and starts it again on the same port.
@@ -10,12 +10,12 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from mlxwatch.lab.server import LabServer
+from mlxwatch._lab.server import LabServer
 
 
 def main(argv: list[str]) -> int:
     if len(argv) != 1:
-        print("usage: python -m mlxwatch.lab.relaunch WORKDIR", file=sys.stderr)
+        print("usage: python -m mlxwatch._lab.relaunch WORKDIR", file=sys.stderr)
         return 2
     server = LabServer.load(Path(argv[0]))
     try:
