@@ -1,0 +1,120 @@
+"""What a response delivers, read from the bytes the door forwards: tokens, and whether it ended.
+
+The door forwards every byte as it arrives and hands the same bytes to a reader here, which
+never changes them and never holds more than one unfinished SSE line (``max_line``)::
+
+    reader = StreamReader()
+    for chunk in upstream:
+        tokens = reader.feed(chunk)        # tokens this chunk completed
+    reader.ended                            # saw [DONE] or a finish_reason
+    reader.at_boundary                      # the client's stream is between two events
+
+"A token" is one ``data:`` event with a non-empty ``choices[].delta`` field (content, reasoning,
+tool calls), ``choices[].text`` or a ``finish_reason``; a complete non-streaming body counts its
+``usage.completion_tokens`` (else 1). An event holding an ``error`` key is the server's own loud
+failure: the stream ended, and loudly.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+MAX_LINE = 1024 * 1024  # one SSE line; beyond it the reader stops counting (bytes still flow)
+MAX_BODY_READ = 1024 * 1024  # a non-streaming body parsed for its usage; larger ones count 1
+
+
+class StreamReader:
+    """Counts tokens in an SSE stream, incrementally, with bounded memory."""
+
+    def __init__(self, max_line: int = MAX_LINE) -> None:
+        self._line = bytearray()
+        self._max_line = max_line
+        self._overflow = False
+        self.ended = False  # [DONE] or a finish_reason seen
+        self.errored = False  # the server sent an error event itself
+        self.at_boundary = True  # the bytes so far end between events (after a blank line)
+
+    def feed(self, chunk: bytes) -> int:
+        tokens = 0
+        start = 0
+        while True:
+            end = chunk.find(b"\n", start)
+            if end < 0:
+                break
+            self._take(chunk[start:end])
+            tokens += self._line_done()
+            start = end + 1
+        if start < len(chunk):
+            self._take(chunk[start:])
+            self.at_boundary = False
+        return tokens
+
+    def _take(self, part: bytes) -> None:
+        if self._overflow:
+            return
+        if len(self._line) + len(part) > self._max_line:
+            self._overflow = True  # a line this long is not a token event we can judge; skip it
+            self._line.clear()
+            return
+        self._line += part
+
+    def _line_done(self) -> int:
+        line = bytes(self._line).rstrip(b"\r")
+        overflow = self._overflow
+        self._line.clear()
+        self._overflow = False
+        if not line:
+            self.at_boundary = True
+            return 0
+        self.at_boundary = False
+        if overflow or not line.startswith(b"data:"):
+            return 0
+        return self._event(line[5:].strip())
+
+    def _event(self, payload: bytes) -> int:
+        if payload == b"[DONE]":
+            self.ended = True
+            return 0
+        try:
+            data = json.loads(payload)
+        except ValueError:
+            return 0
+        if not isinstance(data, dict):
+            return 0
+        if data.get("error"):
+            self.errored = True
+            return 0
+        choices = data.get("choices")
+        if not isinstance(choices, list):
+            return 0
+        token = False
+        for choice in choices:
+            if not isinstance(choice, dict):
+                continue
+            if choice.get("finish_reason"):
+                self.ended = True
+                token = True
+            if choice.get("text") or _delta_has_token(choice.get("delta")):
+                token = True
+        return 1 if token else 0
+
+
+def _delta_has_token(delta: Any) -> bool:
+    if not isinstance(delta, dict):
+        return False
+    return any(value for key, value in delta.items() if key != "role")
+
+
+def body_tokens(body: bytes) -> int:
+    """Tokens in a complete non-streaming answer: its ``usage.completion_tokens``, else 1."""
+    if len(body) <= MAX_BODY_READ:
+        try:
+            data = json.loads(body)
+        except ValueError:
+            return 1
+        usage = data.get("usage") if isinstance(data, dict) else None
+        count = usage.get("completion_tokens") if isinstance(usage, dict) else None
+        if isinstance(count, int) and not isinstance(count, bool) and count >= 0:
+            return count
+    return 1

@@ -1,0 +1,646 @@
+"""The front door against a token-streaming stand-in on loopback (fast tier, no mlx).
+
+The stand-in (``Upstream``) is a raw asyncio HTTP server so each test controls every byte:
+the request header ``X-Mode`` picks what it does (stream, stall, truncate, die...), and
+``Upstream.release`` lets a test hold the next chunk until the client has seen the last one
+(the unbuffered test waits on that handshake, never on time).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import socket
+import subprocess
+import shutil
+
+import openai
+import pytest
+
+from mlxwatch.config import FrontConfig
+from mlxwatch.errors import FrontError
+from mlxwatch.front import FrontDoor, Gate
+from mlxwatch.front import tokens as tokens_module
+from mlxwatch.front.wire import HOP_BY_HOP
+
+BOUND = 15.0  # generous bound on any wait for a condition (the machine is shared and loaded)
+TOKENS = ["Hello", " from", " the", " stand", "-in"]
+DATE = "Mon, 01 Jan 2024 00:00:00 GMT"
+
+
+def _chunk(content: str | None, finish: str | None = None) -> bytes:
+    delta = {"content": content} if content is not None else {}
+    return b"data: " + json.dumps({"id": "x", "object": "chat.completion.chunk",
+                                   "created": 1, "model": "m",
+                                   "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}).encode() + b"\n\n"
+
+
+NON_STREAM = json.dumps({"id": "x", "object": "chat.completion", "created": 1, "model": "m",
+                         "choices": [{"index": 0, "message": {"role": "assistant", "content": "".join(TOKENS)},
+                                      "finish_reason": "stop"}],
+                         "usage": {"prompt_tokens": 3, "completion_tokens": 5, "total_tokens": 8}}).encode()
+
+
+@dataclasses.dataclass
+class Seen:
+    method: str
+    target: str
+    headers: list[tuple[str, str]]
+    body: bytes
+
+
+class Upstream:
+    """A scripted HTTP/1.1 server (one request per connection, as mlx_lm.server does)."""
+
+    def __init__(self) -> None:
+        self.seen: list[Seen] = []
+        self.closed = asyncio.Event()  # a connection the stand-in was streaming on was closed by its peer
+        self.release = asyncio.Queue()  # 'step' mode: one item per chunk to send
+        self.sent_bytes = 0
+        self.mode_override: str | None = None
+        self.arrived = asyncio.Event()
+        self._server: asyncio.base_events.Server | None = None
+
+    async def __aenter__(self) -> "Upstream":
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        assert self._server is not None
+        self._server.close()
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self._server.wait_closed(), 2)
+
+    @property
+    def url(self) -> str:
+        assert self._server is not None
+        return f"http://127.0.0.1:{self._server.sockets[0].getsockname()[1]}"
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            await self._answer(reader, writer)
+        except (ConnectionError, asyncio.IncompleteReadError):
+            self.closed.set()
+        finally:
+            writer.close()
+
+    async def _answer(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        lines = head.decode("latin-1").split("\r\n")
+        method, target, _ = lines[0].split(" ", 2)
+        headers = [(k.strip(), v.strip()) for k, _, v in (line.partition(":") for line in lines[1:] if line)]
+        length = int(dict((k.lower(), v) for k, v in headers).get("content-length", "0"))
+        body = await reader.readexactly(length) if length else b""
+        self.seen.append(Seen(method, target, headers, body))
+        self.arrived.set()
+        mode = self.mode_override or dict((k.lower(), v) for k, v in headers).get("x-mode", "stream")
+        if target.startswith("/plain"):
+            payload = b'{"plain": true, "echo": ' + json.dumps(body.decode("latin-1")).encode() + b"}"
+            writer.write(b"HTTP/1.1 201 Created\r\nContent-Type: application/json\r\nServer: standin\r\n"
+                         b"Date: " + DATE.encode() + b"\r\nX-Custom: a, b\r\nSet-Cookie: a=1\r\nSet-Cookie: b=2\r\n"
+                         b"Connection: close, X-Hop\r\nX-Hop: secret\r\nKeep-Alive: timeout=5\r\n"
+                         b"Content-Length: " + str(len(payload)).encode() + b"\r\n\r\n" + payload)
+            await writer.drain()
+            return
+        if target.startswith("/big"):
+            size = int(target.split("/")[2])
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/octet-stream\r\nConnection: close\r\n\r\n")
+            block = b"x" * 65536
+            while self.sent_bytes < size:
+                writer.write(block)
+                await writer.drain()
+                self.sent_bytes += len(block)
+            return
+        try:
+            streaming = json.loads(body).get("stream") is True
+        except ValueError:
+            streaming = False
+        if mode == "hang":  # never answer; notice when the peer closes
+            await reader.read()
+            self.closed.set()
+            return
+        if not streaming:
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nServer: standin\r\nDate: "
+                         + DATE.encode() + b"\r\nContent-Length: " + str(len(NON_STREAM)).encode()
+                         + b"\r\nConnection: close\r\n\r\n" + NON_STREAM)
+            await writer.drain()
+            return
+        chunked = mode == "die"
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nCache-Control: no-cache\r\nServer: "
+                     b"standin\r\nDate: " + DATE.encode() + b"\r\n"
+                     + (b"Transfer-Encoding: chunked\r\n" if chunked else b"Connection: close\r\n") + b"\r\n")
+        await writer.drain()
+
+        async def send(data: bytes) -> None:
+            writer.write(b"%x\r\n%s\r\n" % (len(data), data) if chunked else data)
+            await writer.drain()
+
+        if mode == "stall":  # one token, then silence until the peer closes
+            await send(_chunk(TOKENS[0]))
+            await reader.read()
+            self.closed.set()
+            return
+        if mode == "trickle":  # a token every 20 ms until the peer closes
+            while True:
+                await send(_chunk("t"))
+                try:
+                    await asyncio.wait_for(reader.read(), 0.02)
+                    self.closed.set()
+                    return
+                except asyncio.TimeoutError:
+                    pass
+        for i, token in enumerate(TOKENS):
+            if mode == "step":
+                await self.release.get()
+            last = i == len(TOKENS) - 1
+            await send(_chunk(token, "stop" if last else None))
+            if mode in ("truncate", "die") and i == 1:
+                if mode == "die":
+                    writer.write(b"ff\r\npartial")  # a chunk that never completes, then the connection drops
+                    await writer.drain()
+                return
+        await send(b"data: [DONE]\n\n")
+        if chunked:
+            writer.write(b"0\r\n\r\n")
+            await writer.drain()
+
+
+def _cfg(**over) -> FrontConfig:
+    return dataclasses.replace(FrontConfig(listen=("127.0.0.1", 0)), **over)
+
+
+@contextlib.asynccontextmanager
+async def _door(upstream: Upstream, **over):
+    door = FrontDoor("t", upstream.url, _cfg(**over))
+    await door.start()
+    try:
+        yield door
+    finally:
+        await door.stop(drain=0.5)
+
+
+def _url(door: FrontDoor) -> str:
+    host, port = door.address
+    return f"http://{host}:{port}"
+
+
+async def _raw(base: str, request: bytes) -> bytes:
+    host, port = base.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(request)
+    await writer.drain()
+    try:
+        return await asyncio.wait_for(_read_response(reader), BOUND)
+    finally:
+        writer.close()
+
+
+async def _read_response(reader: asyncio.StreamReader) -> bytes:
+    """One whole response, however it is framed (the door keeps the connection open)."""
+    head = await reader.readuntil(b"\r\n\r\n")
+    fields = {k.strip().lower(): v.strip() for k, _, v in
+              (line.partition(":") for line in head.decode("latin-1").split("\r\n")[1:] if line)}
+    if "content-length" in fields:
+        return head + await reader.readexactly(int(fields["content-length"]))
+    if fields.get("transfer-encoding") == "chunked":
+        return head + await reader.readuntil(b"0\r\n\r\n")
+    return head + await reader.read()
+
+
+def _split(raw: bytes) -> tuple[str, list[tuple[str, str]], bytes]:
+    head, _, body = raw.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    headers = [(k.strip(), v.strip()) for k, _, v in (line.partition(":") for line in lines[1:])]
+    return lines[0], headers, body
+
+
+def _dechunk(body: bytes) -> bytes:
+    out = bytearray()
+    while body:
+        size_line, _, rest = body.partition(b"\r\n")
+        size = int(size_line, 16)
+        if size == 0:
+            break
+        out += rest[:size]
+        body = rest[size + 2:]
+    return bytes(out)
+
+
+def _client(door: FrontDoor, **kw) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=_url(door) + "/v1", api_key="k", **kw)
+
+
+async def _until(predicate, what: str) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + BOUND
+    while not predicate():
+        if loop.time() > deadline:
+            raise AssertionError(f"not within {BOUND} s: {what}")
+        await asyncio.sleep(0.01)
+
+
+MESSAGES = [{"role": "user", "content": "hi"}]
+
+
+# -- a faithful pass-through ------------------------------------------------------------------------
+
+async def test_plain_answer_is_identical_with_and_without_the_door():
+    """Status, headers (minus hop-by-hop) and body bytes are the server's; the request the server
+    sees (method, odd path and query, headers, body) is the client's, minus hop-by-hop headers."""
+    request = (b"POST /plain/a%2Fb/..;x?q=1&q=%20 HTTP/1.1\r\nHost: h\r\nX-Keep: yes\r\nConnection: X-Secret\r\n"
+               b"X-Secret: 1\r\nTE: trailers\r\nProxy-Authorization: Basic eA==\r\nContent-Length: 5\r\n\r\nhello")
+    async with Upstream() as up, _door(up) as door:
+        direct = await _raw(up.url, request)
+        through = await _raw(_url(door), request)
+    d_status, d_headers, d_body = _split(direct)
+    t_status, t_headers, t_body = _split(through)
+    assert t_status == d_status == "HTTP/1.1 201 Created"
+    assert t_body == d_body
+    end_to_end = [(k, v) for k, v in d_headers if k.lower() not in HOP_BY_HOP | {"x-hop"}]
+    assert [(k, v) for k, v in t_headers if k.lower() not in HOP_BY_HOP] == end_to_end
+    assert not any(k.lower() in ("x-hop", "keep-alive") for k, _ in t_headers)
+    assert [v for k, v in t_headers if k == "Set-Cookie"] == ["a=1", "b=2"]
+    first, second = up.seen
+    assert second.method == first.method == "POST" and second.target == first.target == "/plain/a%2Fb/..;x?q=1&q=%20"
+    assert second.body == first.body == b"hello"
+    sent = {k.lower() for k, _ in second.headers}
+    assert "x-keep" in sent and not sent & {"x-secret", "te", "proxy-authorization", "connection"}
+
+
+async def test_a_stream_is_identical_with_and_without_the_door_and_keeps_the_connection_alive():
+    """SSE bytes pass unchanged (the door re-frames them chunked for HTTP/1.1 and keeps the
+    client's connection for the next request); the door counts the tokens."""
+    body = json.dumps({"messages": MESSAGES, "stream": True}).encode()
+    request = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: h\r\nContent-Type: application/json\r\n"
+               b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    async with Upstream() as up, _door(up) as door:
+        direct = _split(await _raw(up.url, request))[2]
+        host, port = door.address
+        reader, writer = await asyncio.open_connection(host, port)
+        bodies = []
+        for _ in range(2):  # two requests on one connection
+            writer.write(request)
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), BOUND)
+            assert b"Transfer-Encoding: chunked" in head
+            raw = await asyncio.wait_for(reader.readuntil(b"0\r\n\r\n"), BOUND)
+            bodies.append(_dechunk(raw))
+        writer.close()
+        view = door.view()
+    assert bodies == [direct, direct]
+    assert direct.endswith(b"data: [DONE]\n\n")
+    assert view.tokens_total == 2 * len(TOKENS) and view.outcomes["ok"] == 2 and view.in_flight == ()
+
+
+async def test_chunks_reach_the_client_before_the_server_sends_the_next():
+    """No buffering: each token is read by the client while the server still holds the next
+    (the server sends chunk n+1 only after the client has seen chunk n)."""
+    async with Upstream() as up, _door(up) as door:
+        client = _client(door)
+        up.release.put_nowait(1)
+        stream = await client.chat.completions.create(model="m", messages=MESSAGES, stream=True,
+                                                      extra_headers={"X-Mode": "step"})
+        seen = []
+        async for event in stream:
+            if event.choices and event.choices[0].delta.content:
+                seen.append(event.choices[0].delta.content)
+                view = door.view().in_flight[0]
+                assert view.tokens == len(seen) and view.first_token_mono is not None
+                up.release.put_nowait(1)  # only now may the server send the next token
+        await client.close()
+    assert seen == TOKENS
+
+
+async def test_a_client_that_goes_away_closes_the_request_to_the_server():
+    """The client disconnects mid-stream: the door closes its request to the server at once."""
+    async with Upstream() as up, _door(up) as door:
+        client = _client(door)
+        stream = await client.chat.completions.create(model="m", messages=MESSAGES, stream=True,
+                                                      extra_headers={"X-Mode": "stall"})
+        async for _ in stream:
+            break
+        await stream.close()
+        await asyncio.wait_for(up.closed.wait(), BOUND)
+        await _until(lambda: door.view().outcomes["cancelled"] == 1, "counted as cancelled")
+        await client.close()
+
+
+async def test_openai_sdk_streaming_and_not_through_the_door():
+    """The official SDK reads the same answer through the door as directly."""
+    async with Upstream() as up, _door(up) as door:
+        results = []
+        for base in (up.url, _url(door)):
+            client = openai.AsyncOpenAI(base_url=base + "/v1", api_key="k")
+            stream = await client.chat.completions.create(model="m", messages=MESSAGES, stream=True)
+            text = "".join([c.choices[0].delta.content or "" async for c in stream])
+            whole = await client.chat.completions.create(model="m", messages=MESSAGES)
+            results.append((text, whole.choices[0].message.content, whole.usage.completion_tokens))
+            await client.close()
+        view = door.view()
+    assert results[0] == results[1] == ("".join(TOKENS), "".join(TOKENS), 5)
+    assert view.tokens_total == len(TOKENS) + 5  # a stream's events, a body's usage.completion_tokens
+
+
+@pytest.mark.skipif(shutil.which("curl") is None, reason="no curl")
+async def test_curl_reads_the_same_stream_through_the_door():
+    """curl -N prints the same SSE bytes through the door as directly."""
+    body = json.dumps({"messages": MESSAGES, "stream": True})
+    async with Upstream() as up, _door(up) as door:
+        outs = []
+        for base in (up.url, _url(door)):
+            proc = await asyncio.create_subprocess_exec(
+                "curl", "-sS", "-N", "--max-time", str(BOUND), base + "/v1/chat/completions",
+                "-H", "Content-Type: application/json", "-d", body, stdout=subprocess.PIPE)
+            out, _ = await proc.communicate()
+            outs.append((proc.returncode, out))
+    assert outs[0] == outs[1] and outs[0][0] == 0
+
+
+# -- fail loudly ------------------------------------------------------------------------------------
+
+async def test_fail_in_flight_makes_the_sdk_raise_for_a_stream():
+    """A stream already answered 200 ends with an SSE error event: the SDK raises APIError with
+    the door's message, never a normal end with partial content."""
+    async with Upstream() as up, _door(up) as door:
+        client = _client(door)
+        stream = await client.chat.completions.create(model="m", messages=MESSAGES, stream=True,
+                                                      extra_headers={"X-Mode": "stall"})
+        got = []
+        with pytest.raises(openai.APIError) as caught:
+            async for event in stream:
+                got.append(event.choices[0].delta.content)
+                assert door.fail_in_flight("the server was judged hung") == 1
+        await client.close()
+        await asyncio.wait_for(up.closed.wait(), BOUND)
+        assert door.view().outcomes["failed_loudly"] == 1
+    assert got == [TOKENS[0]]
+    assert "judged hung" in caught.value.message
+    assert caught.value.body["code"] == "mlxwatch_hung"
+
+
+async def test_fail_in_flight_answers_a_request_not_yet_answered_with_503():
+    """A request the server has not answered gets a 503 JSON error with Retry-After (the SDK
+    raises APIStatusError), streaming or not."""
+    async with Upstream() as up, _door(up) as door:
+        client = _client(door, max_retries=0)
+        calls = [asyncio.create_task(client.chat.completions.create(
+            model="m", messages=MESSAGES, stream=s, extra_headers={"X-Mode": "hang"})) for s in (False, True)]
+        await _until(lambda: len(door.view().in_flight) == 2, "two requests in flight")
+        assert door.fail_in_flight("the server was judged hung") == 2
+        for call in calls:
+            with pytest.raises(openai.APIStatusError) as caught:
+                await call
+            assert caught.value.status_code == 503
+            assert caught.value.response.headers["Retry-After"]
+            assert caught.value.body["code"] == "mlxwatch_hung"
+        await client.close()
+
+
+@pytest.mark.parametrize("mode", ["truncate", "die"])
+async def test_a_stream_the_server_cuts_short_ends_with_an_error(mode):
+    """The server closes a 200 stream without [DONE]/finish_reason (truncate), or dies in the
+    middle of a chunk (die): the client gets an explicit error, not a quiet end."""
+    async with Upstream() as up, _door(up) as door:
+        client = _client(door)
+        stream = await client.chat.completions.create(model="m", messages=MESSAGES, stream=True,
+                                                      extra_headers={"X-Mode": mode})
+        got = []
+        with pytest.raises(openai.APIError) as caught:
+            async for event in stream:
+                got.append(event.choices[0].delta.content)
+        await client.close()
+        assert door.view().outcomes["failed_loudly"] == 1
+    assert got == TOKENS[:2]
+    assert caught.value.body["code"] == "mlxwatch_upstream_truncated"
+
+
+async def test_upstream_refusing_connections_is_a_503_not_an_empty_answer():
+    """No server behind the door (it is being restarted): 503 JSON with Retry-After."""
+    async with Upstream() as up:
+        url = up.url
+    door = FrontDoor("t", url, _cfg())
+    await door.start()
+    try:
+        status, headers, body = _split(await _raw(_url(door), b"GET /v1/models HTTP/1.1\r\nHost: h\r\n\r\n"))
+    finally:
+        await door.stop(drain=0.5)
+    assert status.startswith("HTTP/1.1 503") and ("Retry-After", "5") in headers
+    assert json.loads(body)["error"]["code"] == "mlxwatch_upstream_unreachable"
+
+
+# -- gate, hold, replay --------------------------------------------------------------------------------
+
+async def test_while_restarting_new_requests_get_503_with_retry_after():
+    async with Upstream() as up, _door(up) as door:
+        door.set_gate(Gate.RESTARTING)
+        status, headers, body = _split(await _raw(_url(door), b"GET /v1/models HTTP/1.1\r\nHost: h\r\n\r\n"))
+        assert up.seen == []
+        assert door.view().outcomes["refused_restarting"] == 1
+    assert status.startswith("HTTP/1.1 503") and dict(headers)["Retry-After"] == "5"
+    assert json.loads(body)["error"]["code"] == "mlxwatch_restarting"
+
+
+async def test_with_hold_a_request_waits_for_the_gate_and_goes_through():
+    async with Upstream() as up, _door(up, hold=BOUND) as door:
+        door.set_gate(Gate.RESTARTING)
+        client = _client(door, max_retries=0)
+        call = asyncio.create_task(client.chat.completions.create(model="m", messages=MESSAGES))
+        await asyncio.sleep(0)  # the request is made; it must not reach the server while held
+        assert not up.arrived.is_set()
+        door.set_gate(Gate.OPEN)
+        answer = await asyncio.wait_for(call, BOUND)
+        await client.close()
+    assert answer.choices[0].message.content == "".join(TOKENS)
+
+
+async def test_replay_resends_only_a_request_that_had_received_no_byte():
+    """With replay, a request the server never answered is sent again once the gate reopens and
+    succeeds; a stream that had delivered a token is failed loudly, never replayed."""
+    async with Upstream() as up, _door(up, replay=True, hold=BOUND) as door:
+        client = _client(door, max_retries=0)
+        unanswered = asyncio.create_task(client.chat.completions.create(
+            model="m", messages=MESSAGES, extra_headers={"X-Mode": "hang"}))
+        stream = await client.chat.completions.create(model="m", messages=MESSAGES, stream=True,
+                                                      extra_headers={"X-Mode": "stall"})
+        events = aiter(stream)
+        await anext(events)
+        await _until(lambda: len(up.seen) == 2, "both requests at the server")
+        door.set_gate(Gate.RESTARTING)
+        assert door.fail_in_flight("restarting the server") == 2
+        with pytest.raises(openai.APIError):
+            await anext(events)
+        up.mode_override = "stream"  # the recovered server answers
+        door.set_gate(Gate.OPEN)
+        answer = await asyncio.wait_for(unanswered, BOUND)
+        await client.close()
+        outcomes = door.view().outcomes
+    assert answer.choices[0].message.content == "".join(TOKENS)
+    assert [s.body for s in up.seen].count(up.seen[0].body) == 2 or len(up.seen) == 3
+    assert len(up.seen) == 3  # the unanswered one twice, the stream once
+    assert outcomes["replayed"] == 1 and outcomes["ok"] == 1 and outcomes["failed_loudly"] == 1
+
+
+async def test_without_replay_an_unanswered_request_is_not_sent_again():
+    async with Upstream() as up, _door(up, hold=BOUND) as door:
+        client = _client(door, max_retries=0)
+        call = asyncio.create_task(client.chat.completions.create(
+            model="m", messages=MESSAGES, extra_headers={"X-Mode": "hang"}))
+        await _until(lambda: len(up.seen) == 1, "request at the server")
+        door.set_gate(Gate.RESTARTING)
+        door.fail_in_flight("restarting")
+        door.set_gate(Gate.OPEN)
+        with pytest.raises(openai.APIStatusError):
+            await call
+        await client.close()
+    assert len(up.seen) == 1
+
+
+# -- per-request stall ------------------------------------------------------------------------------
+
+async def test_a_request_stalled_while_others_flow_is_failed_alone():
+    """One stream gets no token for request_stall_timeout while another keeps getting tokens:
+    only the silent one ends (with an error), and the daemon can take it from the door."""
+    async with Upstream() as up, _door(up, request_stall_timeout=0.5) as door:
+        client = _client(door)
+        silent = await client.chat.completions.create(model="m", messages=MESSAGES, stream=True,
+                                                      extra_headers={"X-Mode": "stall"})
+        flowing = await client.chat.completions.create(model="m", messages=MESSAGES, stream=True,
+                                                       extra_headers={"X-Mode": "trickle"})
+        flow = aiter(flowing)
+        got = 0
+
+        async def read_flowing():
+            nonlocal got
+            async for _ in flow:
+                got += 1
+
+        reader = asyncio.create_task(read_flowing())
+        with pytest.raises(openai.APIError) as caught:
+            async for _ in silent:
+                pass
+        assert caught.value.body["code"] == "mlxwatch_request_stalled"
+        stalled = door.take_stalled_requests()
+        assert len(stalled) == 1 and stalled[0].tokens == 1
+        assert not reader.done()  # the flowing one goes on
+        before = got
+        await _until(lambda: got > before + 3, "the other stream still flowing")
+        assert door.take_stalled_requests() == []
+        reader.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await reader
+        await flowing.close()
+        await client.close()
+
+
+async def test_no_request_is_failed_alone_when_nobody_gets_tokens():
+    """All quiet is the server's problem (the daemon's stall_timeout), not one request's."""
+    async with Upstream() as up, _door(up, request_stall_timeout=0.05) as door:
+        client = _client(door)
+        stream = await client.chat.completions.create(model="m", messages=MESSAGES, stream=True,
+                                                      extra_headers={"X-Mode": "stall"})
+        await anext(aiter(stream))
+        view = door.view().in_flight[0]
+        await _until(lambda: door._clock.monotonic() - view.last_token_mono > 0.5, "quiet for 10 timeouts")
+        assert door.sweep() == [] and len(door.view().in_flight) == 1
+        await stream.close()
+        await client.close()
+
+
+# -- never the outage ------------------------------------------------------------------------------
+
+async def test_header_and_body_limits_answer_431_and_413_in_json():
+    async with Upstream() as up, _door(up, max_header=2048, max_body=1000) as door:
+        base = _url(door)
+        big_header = await _raw(base, b"GET / HTTP/1.1\r\nHost: h\r\nX-Big: " + b"a" * 4000 + b"\r\n\r\n")
+        many = b"".join(b"X-%d: %s\r\n" % (i, b"b" * 100) for i in range(30))
+        many_headers = await _raw(base, b"GET / HTTP/1.1\r\nHost: h\r\n" + many + b"\r\n")
+        big_body = await _raw(base, b"POST /v1/x HTTP/1.1\r\nHost: h\r\nContent-Length: 5000\r\n\r\n" + b"c" * 5000)
+        chunked = await _raw(base, b"POST /v1/x HTTP/1.1\r\nHost: h\r\nTransfer-Encoding: chunked\r\n\r\n"
+                             + b"".join(b"1f4\r\n" + b"d" * 500 + b"\r\n" for _ in range(3)) + b"0\r\n\r\n")
+    for raw, status, code in ((big_header, 431, "mlxwatch_headers_too_large"),
+                              (many_headers, 431, "mlxwatch_headers_too_large"),
+                              (big_body, 413, "mlxwatch_body_too_large"),
+                              (chunked, 413, "mlxwatch_body_too_large")):
+        line, headers, body = _split(raw)
+        assert line.split(" ")[1] == str(status), raw[:200]  # HTTP/1.0 when the request was never parsed
+        assert json.loads(body)["error"]["code"] == code
+    assert up.seen == []
+
+
+async def test_a_slow_client_gets_backpressure_not_buffering():
+    """The server sends 48 MiB to a client reading 64 KiB at a time slowly: what the server has
+    sent never runs ahead of what the client has read by more than the sockets' buffers."""
+    size = 48 * 1024 * 1024
+    async with Upstream() as up, _door(up) as door:
+        host, port = door.address
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 * 1024)
+        sock.connect((host, port))
+        sock.setblocking(False)
+        reader, writer = await asyncio.open_connection(sock=sock)
+        writer.write(b"GET /big/%d HTTP/1.1\r\nHost: h\r\n\r\n" % size)
+        received, ahead = 0, 0
+        while received < size:
+            data = await asyncio.wait_for(reader.read(65536), BOUND)
+            if not data:
+                break
+            received += len(data)
+            ahead = max(ahead, up.sent_bytes - received)
+            await asyncio.sleep(0.001)
+        writer.close()
+    assert received >= size
+    assert ahead < 24 * 1024 * 1024, f"the server ran {ahead} bytes ahead of the client"
+
+
+async def test_a_bug_in_counting_never_stops_the_bytes(monkeypatch):
+    def broken(self, chunk):
+        raise RuntimeError("bug")
+
+    monkeypatch.setattr(tokens_module.StreamReader, "feed", broken)
+    async with Upstream() as up, _door(up) as door:
+        client = _client(door)
+        stream = await client.chat.completions.create(model="m", messages=MESSAGES, stream=True)
+        text = "".join([c.choices[0].delta.content or "" async for c in stream])
+        await client.close()
+    assert text == "".join(TOKENS)
+
+
+async def test_stop_fails_in_flight_loudly_and_a_start_serves_again_at_once():
+    probe = socket.socket()
+    probe.bind(("127.0.0.1", 0))
+    port = probe.getsockname()[1]
+    probe.close()
+    async with Upstream() as up:
+        door = FrontDoor("t", up.url, _cfg(listen=("127.0.0.1", port)))
+        await door.start()
+        client = _client(door)
+        stream = await client.chat.completions.create(model="m", messages=MESSAGES, stream=True,
+                                                      extra_headers={"X-Mode": "stall"})
+        events = aiter(stream)
+        await anext(events)
+        await asyncio.wait_for(door.stop(drain=0.2), BOUND)
+        with pytest.raises(openai.APIError) as caught:
+            await anext(events)
+        assert caught.value.body["code"] == "mlxwatch_stopping"
+        await door.start()
+        try:
+            answer = await client.chat.completions.create(model="m", messages=MESSAGES)
+            assert answer.choices[0].message.content == "".join(TOKENS)
+        finally:
+            await client.close()
+            await door.stop(drain=0.5)
+
+
+async def test_start_on_a_taken_address_is_one_line_front_error():
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen()
+    port = holder.getsockname()[1]
+    try:
+        door = FrontDoor("t", "http://127.0.0.1:1", _cfg(listen=("127.0.0.1", port)))
+        with pytest.raises(FrontError) as caught:
+            await door.start()
+    finally:
+        holder.close()
+    assert f"127.0.0.1:{port}" in str(caught.value) and "\n" not in str(caught.value)
