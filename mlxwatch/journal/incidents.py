@@ -23,10 +23,21 @@ history is the segments in order, then the live one (``cat incidents-*.jsonl inc
 No file here is opened through a symbolic link: a link at the journal's name is refused
 (``StateError``), appends use ``O_NOFOLLOW``.
 
-Observers (``Journal.observers``, callables taking the record as written) are told of every
-``record`` and ``note`` after it is appended: the metrics follow incidents this way. An observer
-that raises is logged and ignored; it never stops the journal or the watcher that wrote. Records
-written by ``close_left_open`` (incidents of an earlier daemon run) are not observed.
+Events are ``Event`` members, a ``str`` enum: a record on disk holds the same plain strings
+as before (``"verdict"``), and a record read back compares equal to its member.
+
+Writing off the event loop. ``Journal.start()`` (the daemon calls it) hands every append to one
+writer thread, in order: ``record`` and ``note`` return at once and never wait on an fsync, the
+records reach the disk in the order they were made, each fsynced as before, and ``stop()``
+writes what is queued and ends the thread. Reads (``records``, ``summary``, ...) first wait
+for the records this journal queued, so a journal reads its own writes. Without ``start`` (the
+CLI, ``status``, tests) an append is written by the caller, at once.
+
+Observers (``Journal.observers``, callables taking the record) are told of every ``record`` and
+``note`` when it is made, on the caller's thread (the daemon's event loop) and in order, before
+the writer thread has it on disk: the metrics follow incidents this way. An observer that raises
+is logged and ignored; it never stops the journal or the watcher that wrote. Records written by
+``close_left_open`` (incidents of an earlier daemon run) are not observed.
 """
 
 from __future__ import annotations
@@ -34,11 +45,14 @@ from __future__ import annotations
 import json
 import logging
 import os
+import queue
 import re
 import stat
+import threading
 import time
 import uuid
 from dataclasses import asdict, dataclass, field
+from enum import StrEnum
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
@@ -61,7 +75,41 @@ MAX_INDEX_BYTES = 16 * 1024 * 1024  # an index is kilobytes; a bigger one is not
 MAX_RESTARTS_KEPT = 1000  # restart times per instance the index keeps (budgets look back one window)
 INDEX_FORMAT = 1
 _SEGMENT = re.compile(r"incidents-(\d{6,})\.jsonl")
-CLOSING_EVENTS = ("recovered", "gave_up", "closed")
+
+
+class Event(StrEnum):
+    """Every event the journal records (docs/journal.md lists them). A ``str``: on disk and in
+    a record read back it is the plain string, so old journals and readers stay as they are."""
+
+    # an incident's steps
+    VERDICT = "verdict"
+    CAPTURING = "capturing"
+    CAPTURED = "captured"
+    CAPTURE_FAILED = "capture_failed"
+    AWAITING_RECOVERY = "awaiting_recovery"
+    BACKOFF = "backoff"
+    RESTARTING = "restarting"
+    RESTART = "restart"
+    RESTART_FAILED = "restart_failed"
+    NOTHING_TO_RESTART = "nothing_to_restart"
+    RECOVERING = "recovering"
+    NOT_RECOVERED = "not_recovered"
+    RECOVERED = "recovered"
+    GAVE_UP = "gave_up"
+    INTERRUPTED = "interrupted"
+    CLOSED = "closed"
+    # outside incidents
+    DAEMON_START = "daemon_start"
+    RESUMED = "resumed"
+    SLOW = "slow"
+    SLOW_ENDED = "slow_ended"
+    SHIM_STALL = "shim_stall"
+    WATCHER_ERROR = "watcher_error"
+    WATCHER_STUCK = "watcher_stuck"
+    CONFIG_RELOAD = "config_reload"
+
+
+CLOSING_EVENTS = (Event.RECOVERED, Event.GAVE_UP, Event.CLOSED)
 RECORD_FIELDS = ("ts", "event")
 MAX_BACKLOG = 1000  # records kept in memory while the journal cannot be written  # set by the journal itself, never copied from an older record
 
@@ -155,11 +203,11 @@ def _fold_history(inst: dict[str, Any], rec: dict[str, Any]) -> None:
         if isinstance(at, (int, float)) and not isinstance(at, bool) and at not in inst["restarts"]:
             inst["restarts"].append(float(at))
     event = rec.get("event")
-    if event == "gave_up":
+    if event == Event.GAVE_UP:
         inst["gave_up_at"] = rec.get("ts")
-    elif event in ("resumed", "recovered"):
+    elif event in (Event.RESUMED, Event.RECOVERED):
         inst["gave_up_at"] = None
-        if event == "resumed":
+        if event == Event.RESUMED:
             inst["restarts"] = []
 
 
@@ -236,24 +284,90 @@ class Journal:
         self._observer_errors: set[str] = set()
         self.backlog: list[dict[str, Any]] = []  # records a full disk kept us from writing, oldest first
         self.write_error: str | None = None
+        self._queue: queue.Queue[dict[str, Any] | None] | None = None  # set by start(): the writer's input
+        self._writer: threading.Thread | None = None
+        self._writing = threading.Lock()  # one writer at a time (the thread, or a caller without one)
+        self._handing = threading.Lock()  # an append and the writer's exit never cross
 
-    def record(self, event: str, incident: Incident, **extra: Any) -> dict[str, Any]:
+    # --- the writer thread (the daemon's): appends in order, off the event loop
+
+    def start(self) -> None:
+        """From now on, appends go to one writer thread, in order; ``record`` and ``note``
+        never wait on the disk. ``stop`` writes what is queued and ends the thread."""
+        if self._writer is not None:
+            return
+        self._queue = queue.Queue()
+        self._writer = threading.Thread(target=self._write_queued, args=(self._queue,),
+                                        name="journal-writer", daemon=True)
+        self._writer.start()
+
+    def flush(self) -> None:
+        """Wait until every record queued so far is written (or, on a full disk, in the backlog)."""
+        if self._queue is not None:
+            self._queue.join()
+
+    def stop(self) -> None:
+        """Write what is queued, try the backlog once more, and end the writer thread (blocking:
+        the daemon calls it from a thread at shutdown). Appends after this are written at once."""
+        writer = self._writer
+        if writer is None:
+            return
+        with self._handing:
+            if self._queue is not None:
+                self._queue.put(None)
+        writer.join()
+        self._writer = None
+        if self.backlog:
+            self._write([])
+
+    def _write_queued(self, q: "queue.Queue[dict[str, Any] | None]") -> None:
+        while True:
+            entry = q.get()
+            try:
+                if entry is None:
+                    with self._handing:  # records queued after the stop request are written first
+                        if q.empty():
+                            self._queue = None  # from now on a caller writes: nothing is left to overtake
+                            return
+                        q.put(None)
+                    continue
+                self._write([entry])
+            except Exception as exc:  # never let the thread die: the next record would wait forever
+                log.error("journal writer failed on '%s'", entry.get("event") if entry else None, exc_info=exc)
+            finally:
+                q.task_done()
+
+    # --- appending
+
+    def record(self, event: Event, incident: Incident, **extra: Any) -> dict[str, Any]:
         entry = {"ts": time.time(), "event": event, **incident.to_dict(), **extra}
         self._append(entry)
         self._tell(entry)
         return entry
 
-    def note(self, event: str, **fields: Any) -> None:
+    def note(self, event: Event, **fields: Any) -> None:
         """A record that belongs to no incident (daemon start, resume requests)."""
         entry = {"ts": time.time(), "event": event, **fields}
         self._append(entry)
         self._tell(entry)
 
     def _append(self, entry: dict[str, Any]) -> None:
-        """Write ``entry`` after any backlog. A write that fails (a full disk) never stops the
+        """Queue ``entry`` for the writer thread, or, without one, write it now."""
+        with self._handing:
+            if self._queue is not None:
+                self._queue.put(entry)
+                return
+        self._write([entry])
+
+    def _write(self, entries: list[dict[str, Any]]) -> None:
+        """Write ``entries`` after any backlog. A write that fails (a full disk) never stops the
         watcher that made it: the record waits in memory (bounded) and the next append writes
         it first, in order. Logged once per failing streak."""
-        self.backlog.append(entry)
+        with self._writing:
+            self._write_locked(entries)
+
+    def _write_locked(self, entries: list[dict[str, Any]]) -> None:
+        self.backlog.extend(entries)
         try:
             self._keep_bounded()
             while self.backlog:
@@ -312,18 +426,20 @@ class Journal:
         if "reason" in entry:
             entry["stopped_reason"] = entry.pop("reason")
         stopped_at = rec.get("state") if rec.get("event") == "interrupted" and rec.get("state") else rec.get("event")
-        entry.update(ts=time.time(), event="closed", reason=reason, stopped_at_event=stopped_at)
+        entry.update(ts=time.time(), event=Event.CLOSED, reason=reason, stopped_at_event=stopped_at)
         self._append(entry)
         self._tell(entry)
         return entry
 
     def summary(self) -> Summary:
+        self.flush()
         return journal_summary(self.path)
 
     def records(self) -> list[dict[str, Any]]:
         """The records that decide the present, in order: the closed segments' kept records
         (each instance's last incident record, each open incident's last record), then every
         record of the live segment. Folding these gives what folding the whole history gives."""
+        self.flush()
         return load_summary(self.dir).kept_records() + read_records(self.path)
 
     def open_incidents(self) -> list[dict[str, Any]]:
