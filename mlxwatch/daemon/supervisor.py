@@ -40,7 +40,7 @@ from mlxwatch.config import (
 from mlxwatch.daemon.notify import Notifier
 from mlxwatch.daemon.watcher import InstanceWatcher, Shared
 from mlxwatch.errors import ConfigError, StateError
-from mlxwatch.journal.incidents import Journal
+from mlxwatch.journal.incidents import Event, Journal
 from mlxwatch.journal.lock import StateDirLock
 from mlxwatch.journal.state import StateFile
 
@@ -94,7 +94,14 @@ class Daemon:
             self.state.flush()  # a state dir we cannot write is a start-up error, not a silent one
         except OSError as exc:
             raise StateError(f"cannot use the state dir {self.state_dir}: {exc.strerror or exc}") from None
-        self.journal.note("daemon_start", pid=os.getpid(), instances=[i.name for i in self.config.instances])
+        self.journal.start()  # appends from here on: in order, fsynced, in the journal's own thread
+        try:
+            await self._watch(stop, reload, load_config)
+        finally:
+            await asyncio.to_thread(self.journal.stop)  # what is queued is written before run returns
+
+    async def _watch(self, stop: asyncio.Event, reload: asyncio.Event, load_config) -> None:
+        self.journal.note(Event.DAEMON_START, pid=os.getpid(), instances=[i.name for i in self.config.instances])
         left_open = self.close_left_open()
         bundles = bundles_dir_for(self.config, self.state_dir)
         for path in await asyncio.to_thread(adopt_partials, bundles):
@@ -135,7 +142,7 @@ class Daemon:
         """Close incidents a stopped daemon left open, saying where each stopped."""
         left = self.journal.open_incidents()
         for rec in left:
-            how = "stopped" if rec["event"] == "interrupted" else "killed"
+            how = "stopped" if rec["event"] == Event.INTERRUPTED else "killed"
             log.warning("%s: incident %s was left open by a %s daemon at '%s' (bundle: %s)",
                         rec["instance"], rec["id"], how, rec.get("state") or rec["event"], rec.get("bundle") or "none")
             self.journal.close_left_open(rec, reason=f"daemon {how} mid-incident at '{rec.get('state') or rec['event']}'")
@@ -161,7 +168,7 @@ class Daemon:
                 log.error("%s: watcher ended with %r during shutdown", name, result)
         for watcher in self.watchers.values():
             if watcher.incident is not None:
-                self.journal.record("interrupted", watcher.incident, state=watcher.detect.state, reason="daemon stopped")
+                self.journal.record(Event.INTERRUPTED, watcher.incident, state=watcher.detect.state, reason="daemon stopped")
         await self.shared.notifier.drain()
         writer.cancel()
         await asyncio.gather(writer, return_exceptions=True)
@@ -208,7 +215,7 @@ class Daemon:
         self.state.update(watcher.name, watcher_error={"at": time.time(), "error": error})
         self.state.set_daemon(watcher_errors=self.watcher_errors)
         try:
-            self.journal.note("watcher_error", instance=watcher.name, error=error,
+            self.journal.note(Event.WATCHER_ERROR, instance=watcher.name, error=error,
                               incident=watcher.incident.id if watcher.incident else None)
         except OSError as journal_exc:  # a full disk: the log line above is what we have
             log.error("%s: cannot journal the watcher error: %s", watcher.name, journal_exc)
@@ -247,7 +254,7 @@ class Daemon:
         one log line, the journal, and ``last_reload`` in the state file (the metrics' gauge)."""
         (log.info if ok else log.warning)("%s", message)
         try:
-            self.journal.note("config_reload", ok=ok, message=message)
+            self.journal.note(Event.CONFIG_RELOAD, ok=ok, message=message)
         except OSError as exc:  # a full disk: the log line and the state file still say it
             log.error("cannot journal the config reload: %s", exc)
         self.state.set_daemon(last_reload={"at": time.time(), "ok": ok, "message": message})
@@ -304,7 +311,7 @@ class Daemon:
         if watcher is not None and watcher.incident is not None:
             log.warning("%s: removed from the config mid-incident: no longer watched; incident %s closed as removed",
                         name, watcher.incident.id)
-            self.journal.record("closed", watcher.incident, reason="removed", stopped_at_event=watcher.detect.state)
+            self.journal.record(Event.CLOSED, watcher.incident, reason="removed", stopped_at_event=watcher.detect.state)
         else:
             log.info("%s: removed from the config: no longer watched", name)
         self.state.data["instances"].pop(name, None)

@@ -30,7 +30,7 @@ from mlxwatch.config import CaptureConfig, InstanceConfig
 from mlxwatch.daemon.notify import Notifier
 from mlxwatch.errors import MlxwatchError
 from mlxwatch.host.process import ProcessIdentity, ServerLookup, lookup_instance, lookup_server
-from mlxwatch.journal.incidents import Incident, Journal
+from mlxwatch.journal.incidents import Event, Incident, Journal
 from mlxwatch.journal.state import StateFile, take_resume
 from mlxwatch.probes import CheckReport, make_client, run_check
 from mlxwatch.restart import lookagain
@@ -99,13 +99,13 @@ class InstanceWatcher:
 
     def __post_init__(self) -> None:
         p, r = self.inst.probe, self.inst.restart
-        self.detect = policy.Detection(p.failures, p.grace_ceiling)
+        self.detect = policy.Detection(p.failures, p.grace_ceiling, on_refused=self._policy_refused)
         saved = self.shared.state.instance(self.inst.name)
         self.guard = FlapGuard(r.budget, r.window, r.backoff, r.max_backoff, r.cooldown)
         for note in self.guard.restore(saved, self.shared.clock):  # budget and cooldown outlive the daemon
             log.warning("%s: %s", self.inst.name, note)
         if self.guard.gave_up_at is not None:
-            self.detect.state = policy.GAVE_UP
+            self.detect.gave_up()
         server = saved.get("server")
         if isinstance(server, dict) and saved.get("url") == self.inst.url:
             try:
@@ -169,11 +169,10 @@ class InstanceWatcher:
     def _after_crash(self) -> None:
         """A previous ``run`` died mid-incident: close that incident, start over as starting."""
         if self.incident is not None and self.detect.state != policy.GAVE_UP:
-            self.shared.journal.record("closed", self.incident, reason="watcher error mid-incident; watching again")
+            self.shared.journal.record(Event.CLOSED, self.incident, reason="watcher error mid-incident; watching again")
             self.incident = None
         if self.detect.state not in (policy.GAVE_UP, policy.STARTING):
-            self.detect.success()
-            self.detect.state = policy.STARTING
+            self.detect.watching_again()
             self.seen_healthy = False
 
     def next_delay(self) -> float:
@@ -273,7 +272,7 @@ class InstanceWatcher:
         if up >= self.inst.probe.startup_timeout:
             return False
         if self.detect.state != policy.STARTING:
-            self.detect.state = policy.STARTING
+            self.detect.starting()
             self._save()
         log.info("%s: starting (%s, up %.0fs): no verdict before %.0fs", self.name, proc.describe(), up,
                  self.inst.probe.startup_timeout)
@@ -289,7 +288,7 @@ class InstanceWatcher:
             log.info("%s: healthy (first token after %.2fs)", self.name, report.generation.ttft or 0)
             if self.slow_said:
                 self.slow_said = False
-                self.shared.journal.note("slow_ended", instance=self.name, ttft=report.generation.ttft)
+                self.shared.journal.note(Event.SLOW_ENDED, instance=self.name, ttft=report.generation.ttft)
             self._back_to_healthy()
 
     def _slow(self, was: str) -> None:
@@ -304,7 +303,7 @@ class InstanceWatcher:
                     "not restarted: %s", self.name, self.inst.probe.first_token_timeout, "; ".join(self.detect.delivered))
         payload = {"instance": self.name, "url": self.inst.url, "state": policy.SLOW,
                    "evidence": list(self.detect.delivered), "reason": self.failed_reports[-1].reason}
-        self.shared.journal.note("slow", **payload)
+        self.shared.journal.note(Event.SLOW, **payload)
         self.shared.notifier.fire("slow", payload)
 
     async def _first_healthy(self) -> None:
@@ -354,15 +353,15 @@ class InstanceWatcher:
                     inc.id, _one_line(self.failed_reports[-1].reason))
         if stranger:
             log.warning("%s: %s: not the server; it is not captured, signalled or passed to a hook", self.name, stranger)
-        self._change(policy.HUNG, "verdict")
+        self._change(Event.VERDICT)  # the policy's failure() made it hung
         self.shared.notifier.fire("verdict", inc.to_dict())
 
-        self._change(policy.CAPTURING, "capturing")
+        self._change(Event.CAPTURING, self.detect.capturing())
         await self._end_linger()  # the capture makes its own probe
         await self._capture(inc, server)
         if self.inst.restart.method == "none":
             log.warning("%s: restart method is none: waiting for it to recover by itself", self.name)
-            self._change(policy.HUNG, "awaiting_recovery")
+            self._change(Event.AWAITING_RECOVERY, self.detect.awaiting_recovery())
             return
         while not self.stop.is_set():
             now = self.shared.clock.monotonic()
@@ -372,7 +371,7 @@ class InstanceWatcher:
             wait = self.guard.wait_before_restart(now)
             if wait > 0:
                 log.info("%s: backing off %.0fs before restarting again", self.name, wait)
-                self._change(policy.RESTARTING, "backoff", wait=wait)
+                self._change(Event.BACKOFF, self.detect.restarting(), wait=wait)
                 await self._sleep(wait)
                 if self.stop.is_set():
                     return
@@ -413,12 +412,12 @@ class InstanceWatcher:
             bundle = await self.shared.capture_fn(request)
         except Exception as exc:  # no evidence is bad; no restart would be worse
             log.error("%s: capture failed: %s", self.name, exc)
-            self._change(policy.CAPTURING, "capture_failed", error=f"{type(exc).__name__}: {exc}")
+            self._change(Event.CAPTURE_FAILED, error=f"{type(exc).__name__}: {exc}")
             return
         self.lingering = bundle.lingering  # the capture probe's stream: ended before our next probe
         inc.bundle, inc.kind, inc.confidence = str(bundle.path), bundle.classification.kind, bundle.classification.confidence
         log.warning("%s: captured %s (%s, %s confidence)", self.name, bundle.path, inc.kind, inc.confidence)
-        self._change(policy.CAPTURING, "captured")
+        self._change(Event.CAPTURED)
         self.shared.notifier.fire("captured", inc.to_dict())  # kind, confidence and bundle are known now
 
     async def _restart(self, inc: Incident, server: ProcessIdentity | None) -> bool:
@@ -428,22 +427,22 @@ class InstanceWatcher:
         self.guard.record_restart(at)
         attempt = {"at": at.wall, "result": "running", "detail": ""}
         inc.restarts.append(attempt)
-        self._change(policy.RESTARTING, "restarting")
+        self._change(Event.RESTARTING, self.detect.restarting())
         try:
             outcome = await self.shared.restart_fn(RestartContext(self.inst, server, inc.bundle))
         except (MlxwatchError, OSError) as exc:
             attempt.update(result="failed", detail=str(exc))
             log.error("%s: restart failed: %s", self.name, _one_line(str(exc)))
-            self._change(policy.RESTARTING, "restart_failed", error=str(exc))
+            self._change(Event.RESTART_FAILED, error=str(exc))
             return False
         attempt.update(result=outcome.result, detail=outcome.detail)
         log.warning("%s: restart: %s", self.name, outcome.detail)
-        self._change(policy.RESTARTING, "restart" if outcome.result == OK else outcome.result)
+        self._change(Event.RESTART if outcome.result == OK else Event.NOTHING_TO_RESTART)  # the two results
         self.seen_healthy, self.restarted_at, self.identity = False, at.mono, None  # a new process will be recorded
         return True
 
     async def _await_recovery(self, inc: Incident) -> bool:
-        self._change(policy.RECOVERING, "recovering")
+        self._change(Event.RECOVERING, self.detect.recovering())
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.inst.probe.startup_timeout
         while not self.stop.is_set() and loop.time() < deadline:
@@ -455,7 +454,7 @@ class InstanceWatcher:
             await self._sleep(min(RECOVERY_PROBE_EVERY, self.inst.probe.interval))
         if not self.stop.is_set():
             log.error("%s: not healthy %.0fs after the restart", self.name, self.inst.probe.startup_timeout)
-            self._change(policy.RECOVERING, "not_recovered")
+            self._change(Event.NOT_RECOVERED)
         return False
 
     async def _recovered(self, now: float, how: str, answered: bool = True) -> None:
@@ -468,19 +467,20 @@ class InstanceWatcher:
         began = self.incident_began if self.incident_began is not None else now
         inc.seconds_to_recovery = round(now - began, 3)
         log.warning("%s: recovered (%s) %.1fs after the first failed probe", self.name, how, inc.seconds_to_recovery)
-        self.shared.journal.record("recovered", inc, how=how)
+        self.shared.journal.record(Event.RECOVERED, inc, how=how)
         self.shared.notifier.fire("recovered", inc.to_dict())
         self.incident = None
         self.seen_healthy = False
+        if self.detect.state == policy.GAVE_UP:  # came back by itself after giving up: restarts allowed again
+            self.guard.resume()
+        self.detect.recovered(answered)
+        self.failed_reports.clear()
         if not answered:
             self.identity = None
-            self.failed_reports.clear()
-            self.detect.success()
-            self.detect.state = policy.STARTING
             self._save(last_incident=_incident_summary(inc))
             return
         await self._first_healthy()
-        self._back_to_healthy(last_incident=_incident_summary(inc))
+        self._save(last_incident=_incident_summary(inc))
 
     def _give_up(self, now: float) -> None:
         inc = self.incident
@@ -489,20 +489,20 @@ class InstanceWatcher:
         log.error("%s: GAVE UP: %d restarts within %.0fs; next try after %.0fs or `mlxwatch resume %s`",
                   self.name, self.inst.restart.budget, self.inst.restart.window, self.inst.restart.cooldown,
                   self.name)
-        self.shared.journal.record("gave_up", inc)
+        self.shared.journal.record(Event.GAVE_UP, inc)
         self.shared.notifier.fire("gave_up", inc.to_dict())
-        self.detect.state = policy.GAVE_UP
+        self.detect.gave_up()
         self._save(last_incident=_incident_summary(inc))  # kept open: a later good probe records recovery
 
     def _resume(self, why: str) -> None:
         log.warning("%s: %s: restarts allowed again", self.name, why)
         self.guard.resume()
-        self.shared.journal.note("resumed", instance=self.name, why=why)
+        self.shared.journal.note(Event.RESUMED, instance=self.name, why=why)
         if self.incident is not None:  # the given-up incident ends here; new failures start a new one
-            self.shared.journal.record("closed", self.incident, reason=why)
+            self.shared.journal.record(Event.CLOSED, self.incident, reason=why)
             self.incident = None
         if self.detect.state == policy.GAVE_UP:
-            self.detect.success()
+            self.detect.resumed()
         self._save()
 
     # --- launch shim (`mlxwatch launch`): the proven server's heartbeat as signals for the policy
@@ -535,7 +535,7 @@ class InstanceWatcher:
         for line in judged.evidence + judged.busy + judged.delivered:
             log.info("%s: %s", self.name, line)
         if judged.stall and not judged.busy and not judged.delivered:
-            self.detect.failures = max(self.detect.failures, self.detect.failures_needed - 1)
+            self.detect.stall_seen()
         return judged.busy, judged.delivered
 
     async def _sleep_watching_shim(self, seconds: float) -> None:
@@ -560,23 +560,28 @@ class InstanceWatcher:
             judged = self._shim().judge(hb)
             if self._shim().first_time(judged):
                 log.warning("%s: %s: suspect, probing now", self.name, judged.stall)
-                self.shared.journal.note("shim_stall", instance=self.name, pid=hb.pid, reason=judged.stall,
+                self.shared.journal.note(Event.SHIM_STALL, instance=self.name, pid=hb.pid, reason=judged.stall,
                                          evidence=judged.evidence, heartbeat=hb.summary())
                 if self.detect.state == policy.HEALTHY:
                     if self.tracker.follower is not None:  # as probe() does for a healthy server:
                         self._say(await asyncio.to_thread(self.tracker.prime))  # older lines are history
-                    self.detect.state = policy.SUSPECT
+                    self.detect.suspect()
                     self._save()
                 return
             await self._sleep(min(left, SHIM_POLL))
 
     # --- bookkeeping
 
-    def _change(self, state: str, event: str, **extra: object) -> None:
-        self.detect.state = state
+    def _change(self, event: Event, state: str | None = None, **extra: object) -> None:
+        """Journal an incident's step. ``state``: what the policy's transition made it (the
+        watcher asks the policy; it never sets a state), or the state as it is."""
         assert self.incident is not None
-        self.shared.journal.record(event, self.incident, state=state, **extra)
+        self.shared.journal.record(event, self.incident, state=state or self.detect.state, **extra)
         self._save(last_incident=_incident_summary(self.incident))
+
+    def _policy_refused(self, message: str) -> None:
+        """The policy refused a transition: a bug, said once per kind; the watcher goes on."""
+        log.error("%s: %s", self.name, message)
 
     def _say(self, note: str | None) -> None:
         """Log a condition once (a missing log is worth one line, not one per probe)."""
