@@ -10,12 +10,22 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 
 from lab.server import LabServer, server_version
+from mlxwatch.shim import layout
+
+# Shim runtime files (heartbeats, stacks) of every server this run starts go to a directory of
+# this run, removed at its end, never to the shared /tmp/mlxwatch-<uid>. Set before any test runs
+# so that every process a test starts inherits it.
+SHARED_RUNTIME_DIR = Path(layout.runtime_dir({}))
+RUN_RUNTIME_DIR = Path(tempfile.mkdtemp(prefix="mlxwatch-test-runtime-"))
+os.environ[layout.RUNTIME_ENV] = str(RUN_RUNTIME_DIR)
 
 
 def _server_pythons() -> list[str]:
@@ -49,6 +59,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 _servers: dict[str, LabServer] = {}
+_SHARED_BEFORE = pytest.StashKey[set]()
+_BASETEMP = pytest.StashKey[Path]()
 
 
 @pytest.fixture(scope="session")
@@ -72,9 +84,54 @@ def lab(server_python: str, lab_root: Path):
     yield server
 
 
+def _shared_runtime_entries() -> set[str]:
+    try:
+        return set(os.listdir(SHARED_RUNTIME_DIR))
+    except OSError:
+        return set()
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    session.config.stash[_SHARED_BEFORE] = _shared_runtime_entries()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _basetemp(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Remember this run's temp root: the servers it starts name it in their command lines."""
+    request.config.stash[_BASETEMP] = tmp_path_factory.getbasetemp()
+
+
+def leaked_runtime_files(before: set[str], basetemp: Path) -> list[str]:
+    """Files this run left in the shared runtime dir: new since the start, of a process whose
+    heartbeat names this run's temp dir (a lab server's model, a stand-in's files), so another
+    user of the machine starting a shimmed server meanwhile does not count."""
+    leaked = []
+    for name in sorted(_shared_runtime_entries() - before):
+        heartbeat = SHARED_RUNTIME_DIR / f"{name.split('.')[0]}.json"
+        try:
+            ours = str(basetemp) in heartbeat.read_text(errors="replace")
+        except OSError:
+            ours = False
+        if ours:
+            leaked.append(name)
+    return leaked
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     for server in _servers.values():
         server.stop()
+    shutil.rmtree(RUN_RUNTIME_DIR, ignore_errors=True)
+    before = session.config.stash.get(_SHARED_BEFORE, None)
+    basetemp = session.config.stash.get(_BASETEMP, None)
+    if before is None or basetemp is None:
+        return  # no test ran
+    leaked = leaked_runtime_files(before, basetemp)
+    if leaked:
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+        line = f"this run left {len(leaked)} file(s) in {SHARED_RUNTIME_DIR}: {', '.join(leaked[:10])}"
+        if reporter is not None:
+            reporter.write_line(f"ERROR: {line}", red=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 @pytest.fixture
