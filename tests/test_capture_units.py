@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+import mlxwatch.probes
 from mlxwatch import stacks
 from mlxwatch.capture import CaptureRequest, capture_bundle, collector, procstats, pyspy
 from mlxwatch.capture.bundle import (
@@ -28,6 +29,8 @@ from mlxwatch.capture.bundle import (
 from mlxwatch.capture.classify import Evidence, classify
 from mlxwatch.capture.export import export_bundle, redact_file
 from mlxwatch.capture.redact import PRIVATE, redact_environment
+from mlxwatch.capture.results import VersionsResult
+from mlxwatch.capture.runner import StepRunner
 from mlxwatch.capture.summary import render_summary
 from mlxwatch.host.commands import CommandResult, run_command
 from mlxwatch.serverlog.markers import scan, since_last_start
@@ -614,6 +617,75 @@ async def test_capture_admissions_and_disconnects_are_not_evidence(offline):
     markers = json.loads((bundle.path / "log-markers.json").read_text())
     assert markers["last_traceback"][-1] == "ValueError: an older real error"
     assert markers["client_disconnects"] == 1
+
+
+async def test_step_runner_keeps_the_others_when_one_raises_or_overruns():
+    """One step raising and one still running at the ceiling cost the others nothing: each step
+    is recorded (in the order they started) with its outcome, and the ones that did not finish
+    hand back their unfinished result."""
+    steps = StepRunner(deadline=time.monotonic() + 1.0, ceiling=3.0)
+
+    async def answers():
+        return VersionsResult(versions={"mlx-lm": "0.32.0"})
+
+    async def raises():
+        raise RuntimeError("the tool broke")
+
+    async def overruns():
+        await asyncio.Event().wait()
+
+    slow, broken, fine = await asyncio.gather(steps.run("slow", overruns, VersionsResult),
+                                              steps.run("broken", raises, VersionsResult),
+                                              steps.run("fine", answers, VersionsResult))
+    assert fine.versions == {"mlx-lm": "0.32.0"}
+    assert slow == broken == VersionsResult()
+    records = [(r.name, r.outcome, r.error) for r in steps.records()]
+    assert records == [("slow", "stopped at ceiling", "the 3s capture ceiling was reached"),
+                       ("broken", "failed", "RuntimeError: the tool broke"), ("fine", "ok", None)]
+
+
+async def test_a_failed_step_leaves_the_others_results_in_the_bundle(offline, monkeypatch):
+    """The versions step raises: it is recorded failed with its error; the other steps' files and
+    results are in the bundle, and the classification reads them."""
+    make, _ = offline
+    req, _ = make()
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("importlib.metadata went away")
+
+    monkeypatch.setattr(collector, "server_versions", broken)
+    bundle = await capture_bundle(req, runner=_fake_runner)
+    _end_drain(bundle)
+    steps = {s["name"]: s for s in bundle.manifest["steps"]}
+    assert (steps["versions"]["outcome"], steps["versions"]["error"]) == ("failed", "RuntimeError: importlib.metadata went away")
+    assert {n: s["outcome"] for n, s in steps.items() if n != "versions"} == {
+        "process": "ok", "stacks": "ok", "cpu": "ok", "probe": "ok", "heartbeat": "skipped",
+        "sample": "skipped", "spindump": "skipped", "crash_reports": "skipped", "log": "ok"}
+    for name in ("process.json", "procstats.json", "stacks/pyspy-3.json", "probe.json", "log-tail.txt"):
+        assert (bundle.path / name).is_file(), name
+    assert not (bundle.path / "versions.json").exists() and bundle.manifest["versions"] == {}
+    assert bundle.classification.kind == "blocked", bundle.classification
+
+
+async def test_a_step_past_the_ceiling_is_cut_and_the_bundle_holds_the_rest(offline, monkeypatch):
+    """The capture's probe never answers: at the ceiling it is stopped and recorded so; the steps
+    that finished keep their files and results, and the bundle is written within the ceiling."""
+    make, _ = offline
+    req, _ = make(ceiling=8.0)
+
+    async def never(*args, **kwargs):
+        await asyncio.Event().wait()
+
+    monkeypatch.setattr(mlxwatch.probes, "run_check", never)
+    bundle = await capture_bundle(req, runner=_fake_runner)
+    steps = {s["name"]: s for s in bundle.manifest["steps"]}
+    assert (steps["probe"]["outcome"], steps["probe"]["error"]) == ("stopped at ceiling", "the 8s capture ceiling was reached")
+    assert steps["stacks"]["outcome"] == steps["cpu"]["outcome"] == steps["log"]["outcome"] == "ok", steps
+    assert steps["versions"]["outcome"] == "ok", steps
+    assert not (bundle.path / "probe.json").exists()
+    assert (bundle.path / "stacks/pyspy-3.json").is_file() and (bundle.path / "log-tail.txt").is_file()
+    assert bundle.manifest["duration"] < req.ceiling
+    assert bundle.lingering is None
 
 
 async def test_capture_healthy_after_a_verdict_states_the_contradiction(offline):

@@ -1,7 +1,10 @@
 """Capture an evidence bundle from a live (possibly hung) server, within a hard time ceiling.
 
-Steps, each with its own timeout, none able to abort another (a failed step is recorded with
-its error and the bundle is still written). They run side by side::
+Each step is a function that returns its typed result (``mlxwatch.capture.results``) to the
+step runner (``mlxwatch.capture.runner``), which applies the ceiling, times the step and
+records its outcome; none can abort another (a failed step is recorded with its error and the
+bundle is still written). The classifier's evidence and the manifest are assembled from those
+results. The steps run side by side::
 
     the window:       stack snapshots (py-spy, at 0, spacing, 2*spacing, ...) | CPU sampling | one probe
     beside it:        macOS sample / spindump / crash reports | versions
@@ -38,16 +41,18 @@ import platform
 import socket
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Awaitable, Callable
 
-from mlxwatch import __version__, stacks
+import httpx
+
+from mlxwatch import __version__, probes, stacks
 from mlxwatch.capture import macos, pyspy
 from mlxwatch.capture.bundle import BundleWriter, prune
 from mlxwatch.capture.classify import Classification, Evidence, classify
-from mlxwatch.capture.procstats import ProcessWindow, describe_process, sample_process
+from mlxwatch.capture.procstats import describe_process, sample_process
 from mlxwatch.capture.redact import (
     NONE,
     PRIVATE,
@@ -55,11 +60,25 @@ from mlxwatch.capture.redact import (
     redact_json,
     redact_text,
 )
+from mlxwatch.capture.results import (
+    CaptureResults,
+    CpuResult,
+    HeartbeatResult,
+    LogResult,
+    ProbeResult,
+    ProcessResult,
+    SampleResult,
+    Snapshot,
+    StacksResult,
+    VersionsResult,
+)
+from mlxwatch.capture.runner import R, StepCallback, StepResult, StepRunner
 from mlxwatch.capture.summary import render_summary
 from mlxwatch.capture.versions import server_versions
 from mlxwatch.config import CaptureConfig, ProbeConfig
-from mlxwatch.host.commands import Runner, run_command
+from mlxwatch.host.commands import CommandResult, Runner, run_command
 from mlxwatch.host.process import ProcessIdentity
+from mlxwatch.probes import CheckReport
 from mlxwatch.serverlog.follow import LogFollower
 from mlxwatch.serverlog.markers import (
     RECENT_BYTES,
@@ -74,6 +93,8 @@ from mlxwatch.serverlog.markers import (
     tail_lines,
 )
 from mlxwatch.shim import stacks as shim_stacks
+from mlxwatch.shim.heartbeat import Heartbeat, ShimError
+from mlxwatch.shim.stacks import ShimWindow
 from mlxwatch.verdict.progress import prompt_advances
 
 DUMP_TIMEOUT = 10.0
@@ -86,7 +107,6 @@ PROBE_LINGER = 30.0  # how long a given-up probe keeps draining its stream in th
 PROBE_FIRST_TOKEN_CAP = 10.0
 PROBE_TIMEOUT_CAP = 20.0
 
-StepCallback = Callable[[str, str], None]  # (step name, "start" | outcome)
 
 
 @dataclass
@@ -124,106 +144,30 @@ def capture_probe_timeouts(probe: ProbeConfig) -> dict[str, float]:
 class Bundle:
     path: Path
     classification: Classification
-    manifest: dict[str, Any]
+    manifest: dict[str, object]
     # The capture probe's background drain (see the module docstring), or None. The caller owns
     # it: await it or cancel it before its event loop ends.
     lingering: asyncio.Task | None = None
 
 
-@dataclass
-class _Step:
-    name: str
-    started: float = 0.0
-    duration: float = 0.0
-    outcome: str = "not run"  # ok | failed | skipped | timeout | stopped at ceiling
-    error: str | None = None
+class _Files:
+    """The bundle being written. Every file enters it through the redaction pass at the
+    bundle's level, then the write (blocking, so the async forms use a worker thread: a log or
+    a spindump can be megabytes)."""
 
-    def to_dict(self) -> dict:
-        return {"name": self.name, "start": round(self.started, 3), "duration": round(self.duration, 3),
-                "outcome": self.outcome, "error": self.error}
-
-
-class _Capture:
-    """The state of one capture run: the writer, step records, and what classification needs."""
-
-    def __init__(self, req: CaptureRequest, runner: Runner, on_step: StepCallback | None) -> None:
-        self.req = req
-        self.runner = runner
-        self.on_step = on_step or (lambda name, state: None)
-        self.t0 = time.monotonic()
-        self.deadline = self.t0 + req.ceiling
-        self.writer: BundleWriter = None  # type: ignore[assignment]  # made in a worker thread
-        self.steps: list[_Step] = []
-        self.snapshots: list[tuple[float, list[stacks.ThreadStack]]] = []
-        self.stacks_error: str | None = None
-        self.window = ProcessWindow()
-        self.window_seconds = max(0.5, (req.snapshots - 1) * req.spacing + 0.5)
-        self.probe_first_token = min(req.probe_first_token_timeout, max(PROBE_FLOOR, self.window_seconds + PROBE_MARGIN))
-        self.report: Any = None
-        self.lingering: asyncio.Task | None = None
-        # The log (and the file it was last rotated to) followed from the window's start; None: not measured
-        self.log_followers: list[LogFollower] | None = None
-        self.log_before: dict[int, int] = {}  # per prompt total Y, the last X logged before the window
-        self.log_window_text: str | None = None  # what the log gained during the window
-        self.markers: LogMarkers | None = None
-        self.process: dict = {}
-        self.versions: dict = {}
-        self.native_findings: list[str] = []  # macOS sample, when py-spy cannot read the server
-        self.shim_window: shim_stacks.ShimWindow | None = None  # the launch shim's heartbeat over the window
-        self.redaction = PRIVATE if req.redact else NONE  # every file goes through it (write_blocking)
-
-    def now(self) -> float:
-        return time.monotonic() - self.t0
+    def __init__(self, writer: BundleWriter, redaction: str) -> None:
+        self.writer = writer
+        self.redaction = redaction
 
     def write_blocking(self, relname: str, data: bytes | str) -> None:
-        """The one way text enters the bundle: the redaction pass at the bundle's level, then
-        the write (blocking, in a worker thread: a log or a spindump can be megabytes)."""
         self.writer.write(relname, redact_bytes(relname, data, self.redaction))
 
     async def write(self, relname: str, data: bytes | str) -> None:
         await asyncio.to_thread(self.write_blocking, relname, data)
 
-    async def write_json(self, relname: str, value: Any) -> None:
+    async def write_json(self, relname: str, value: object) -> None:
         text = json.dumps(value, indent=2, sort_keys=True, default=str)  # as BundleWriter.write_json
         await asyncio.to_thread(self.write_blocking, relname, text)
-
-    async def step(self, name: str, work: Callable[[_Step], Awaitable[None]]) -> None:
-        """Run one step; record its outcome whatever happens. Cancellation (the ceiling) propagates."""
-        record = _Step(name, started=self.now())
-        self.steps.append(record)
-        self.on_step(name, "start")
-        try:
-            await work(record)
-            if record.outcome == "not run":
-                record.outcome = "ok"
-        except asyncio.CancelledError:
-            record.outcome, record.error = "stopped at ceiling", f"the {self.req.ceiling:g}s capture ceiling was reached"
-            raise
-        except Exception as exc:  # a broken step must never cost the others
-            record.outcome, record.error = "failed", f"{type(exc).__name__}: {exc}"
-        finally:
-            record.duration = self.now() - record.started
-            self.on_step(name, record.outcome)
-
-    async def phase(self, *steps: Awaitable[None]) -> None:
-        """Run steps together until done or until the ceiling (less the finishing reserve)."""
-        tasks = [asyncio.ensure_future(s) for s in steps]
-        remaining = self.deadline - FINISH_RESERVE - time.monotonic()
-        if remaining <= 0:
-            for task in tasks:
-                task.cancel()
-        else:
-            _, pending = await asyncio.wait(tasks, timeout=remaining)
-            for task in pending:
-                task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-
-    async def after(self, tasks: list[asyncio.Future], name: str, work: Callable[[_Step], Awaitable[None]]) -> None:
-        """Run a step once ``tasks`` are done, or ``LOG_RESERVE`` before the steps are cut off."""
-        budget = self.deadline - FINISH_RESERVE - LOG_RESERVE - time.monotonic()
-        if budget > 0:
-            await asyncio.wait(tasks, timeout=budget)
-        await self.step(name, work)
 
 
 async def capture_bundle(req: CaptureRequest, *, runner: Runner = run_command, on_step: StepCallback | None = None) -> Bundle:
@@ -231,75 +175,98 @@ async def capture_bundle(req: CaptureRequest, *, runner: Runner = run_command, o
 
     The returned ``Bundle.lingering`` (if not None) is a task still draining the capture probe's
     stream; the caller awaits or cancels it."""
-    cap = _Capture(req, runner, on_step)
-    cap.writer = await asyncio.to_thread(BundleWriter, req.out_dir, req.label or f"pid-{req.pid}", req.min_free_bytes)
-    before: asyncio.Future | None = None
+    steps = StepRunner(deadline=time.monotonic() + req.ceiling - FINISH_RESERVE, ceiling=req.ceiling, on_step=on_step)
+    window_seconds = max(0.5, (req.snapshots - 1) * req.spacing + 0.5)
+    probe_first_token = min(req.probe_first_token_timeout, max(PROBE_FLOOR, window_seconds + PROBE_MARGIN))
+    writer = await asyncio.to_thread(BundleWriter, req.out_dir, req.label or f"pid-{req.pid}", req.min_free_bytes)
+    files = _Files(writer, PRIVATE if req.redact else NONE)
+    before: asyncio.Future[dict[int, int]] | None = None
+    probe_step: asyncio.Future[ProbeResult] | None = None
     try:
+        followers = None  # the log (and the file it was last rotated to) followed from the window's start
         if req.log is not None:
-            cap.log_followers = await asyncio.to_thread(_follow_log, req.log)
-            if cap.log_followers is not None:  # what the log said before the window, read beside it
-                before = asyncio.ensure_future(asyncio.to_thread(_progress_before, cap.log_followers))
-        await cap.step("process", lambda rec: _process(cap, rec))
-        window = [
-            asyncio.ensure_future(cap.step("stacks", lambda rec: _stacks(cap, rec))),
-            asyncio.ensure_future(cap.step("cpu", lambda rec: _cpu(cap, rec))),
-            asyncio.ensure_future(cap.step("probe", lambda rec: _probe(cap, rec))),
-            asyncio.ensure_future(cap.step("heartbeat", lambda rec: shim_stacks.watch_window(cap, rec))),
+            followers = await asyncio.to_thread(_follow_log, req.log)
+            if followers is not None:  # what the log said before the window, read beside it
+                before = asyncio.ensure_future(asyncio.to_thread(_progress_before, followers))
+        process = await steps.run("process", lambda: _process(req, files), ProcessResult)
+        # What these two steps had when cut off at the ceiling is kept: spaced dumps can be slow.
+        taken: list[Snapshot] = []
+        opened: list[Heartbeat] = []
+        stacks_step = asyncio.ensure_future(steps.run(
+            "stacks", lambda: _stacks(req, process, files, runner, steps.now, taken),
+            lambda: StacksResult(snapshots=tuple(taken))))
+        cpu_step = asyncio.ensure_future(steps.run("cpu", lambda: _cpu(req, files, window_seconds), CpuResult))
+        probe_step = asyncio.ensure_future(steps.run("probe", lambda: _probe(req, files, probe_first_token), ProbeResult))
+        heartbeat_step = asyncio.ensure_future(steps.run(
+            "heartbeat", lambda: _heartbeat(req, process, files, window_seconds, opened),
+            lambda: HeartbeatResult(window=ShimWindow(start=opened[0] if opened else None))))
+        window = [stacks_step, cpu_step, probe_step, heartbeat_step]
+        beside = [
+            asyncio.ensure_future(steps.run("sample", lambda: _sample(req, files, runner), SampleResult)),
+            asyncio.ensure_future(steps.run("spindump", lambda: _spindump(req, files, runner), StepResult)),
+            asyncio.ensure_future(steps.run("crash_reports", lambda: _crash_reports(req, process, files), StepResult)),
+            asyncio.ensure_future(steps.run("versions", lambda: _versions(process, files), VersionsResult)),
         ]
-        await cap.phase(
-            *window,
-            cap.step("sample", lambda rec: _sample(cap, rec)),
-            cap.step("spindump", lambda rec: _spindump(cap, rec)),
-            cap.step("crash_reports", lambda rec: _crash_reports(cap, rec)),
-            cap.step("versions", lambda rec: _versions(cap, rec)),
-            cap.after(window, "log", lambda rec: _log(cap, rec, before)),
-        )
-        bundle = await asyncio.to_thread(_finish, cap)
+        log_step = asyncio.ensure_future(_after(window, steps.deadline - LOG_RESERVE, lambda: steps.run(
+            "log", lambda: _log(req, files, followers, before), LogResult)))
+        await asyncio.gather(*window, *beside, log_step)
+        results = CaptureResults(process=process, stacks=stacks_step.result(), cpu=cpu_step.result(),
+                                 probe=probe_step.result(), heartbeat=heartbeat_step.result(),
+                                 sample=beside[0].result(), versions=beside[3].result(), log=log_step.result())
+        bundle = await asyncio.to_thread(_finish, req, steps, files, results, probe_first_token)
     except BaseException:
-        if cap.lingering is not None:  # nobody will receive it: end it now
-            cap.lingering.cancel()
+        if probe_step is not None and probe_step.done() and not probe_step.cancelled() \
+                and probe_step.exception() is None and probe_step.result().lingering is not None:
+            probe_step.result().lingering.cancel()  # nobody will receive it: end it now
         raise
     finally:
         if before is not None and not before.done():
             before.cancel()
-    bundle.lingering = cap.lingering
+    bundle.lingering = results.probe.lingering
     return bundle
 
 
-async def _process(cap: _Capture, rec: _Step) -> None:
-    if cap.req.pid is None:
-        cap.process = {"pid": None, "errors": {"process": "no server process found"}}
-        rec.outcome, rec.error = "failed", ("no server process could be proven at the URL (nothing listens "
-                                            "there, or another program holds the port: see the verdict)")
-        return
-    cap.process = await asyncio.to_thread(describe_process, cap.req.pid)
-    await cap.write_json("process.json", cap.process)
-    if "process" in cap.process["errors"]:
-        rec.outcome, rec.error = "failed", f"no process with PID {cap.req.pid}"
+async def _after(tasks: list[asyncio.Future], until: float, then: Callable[[], Awaitable[R]]) -> R:
+    """Run ``then`` once ``tasks`` are done, or at ``until`` (monotonic) at the latest."""
+    budget = until - time.monotonic()
+    if budget > 0:
+        await asyncio.wait(tasks, timeout=budget)
+    return await then()
 
 
-async def _stacks(cap: _Capture, rec: _Step) -> None:
-    req = cap.req
-    if req.pid is None or "process" in cap.process.get("errors", {}):
-        rec.outcome, rec.error = "skipped", "no process to inspect"
-        cap.stacks_error = rec.error
-        return
+async def _process(req: CaptureRequest, files: _Files) -> ProcessResult:
+    if req.pid is None:
+        return ProcessResult(info={"pid": None, "errors": {"process": "no server process found"}}, outcome="failed",
+                             error=("no server process could be proven at the URL (nothing listens "
+                                    "there, or another program holds the port: see the verdict)"))
+    info = await asyncio.to_thread(describe_process, req.pid)
+    await files.write_json("process.json", info)
+    if "process" in info["errors"]:
+        return ProcessResult(info=info, outcome="failed", error=f"no process with PID {req.pid}")
+    return ProcessResult(info=info)
+
+
+async def _stacks(req: CaptureRequest, process: ProcessResult, files: _Files, runner: Runner,
+                  now: Callable[[], float], taken: list[Snapshot]) -> StacksResult:
+    """Spaced Python stack dumps, from the launch shim or py-spy (``capture.stacks``); each
+    snapshot is appended to ``taken`` as it comes."""
+    if req.pid is None or process.missing:
+        return StacksResult(outcome="skipped", error="no process to inspect")
     if req.stacks == "sample":
-        rec.outcome, rec.error = "skipped", "capture.stacks is sample: no Python stacks (macOS sample is the stack source)"
-        cap.stacks_error = rec.error
-        return
-    if req.stacks in ("shim", "auto") and (await shim_stacks.take_stacks(cap, rec, required=req.stacks == "shim")
-                                           or req.stacks == "shim"):
-        return  # the launch shim's faulthandler dumps (auto: py-spy when the process has no shim)
+        return StacksResult(outcome="skipped",
+                            error="capture.stacks is sample: no Python stacks (macOS sample is the stack source)")
+    shim_error = None
+    if req.stacks in ("shim", "auto"):
+        from_shim = await _shim_stacks(req, process, files, now, taken, required=req.stacks == "shim")
+        if taken or req.stacks == "shim":
+            return from_shim
+        shim_error = from_shim.error  # auto: py-spy is tried next; the shim's trouble stands unless py-spy has its own
     exe = await asyncio.to_thread(pyspy.find_py_spy)
     if exe is None:
-        rec.outcome, rec.error = "failed", "py-spy not found on PATH (pip install py-spy)"
-        cap.stacks_error = rec.error
-        return
+        return StacksResult(outcome="failed", error="py-spy not found on PATH (pip install py-spy)")
     if pyspy.needs_root() and not req.sudo:
-        rec.outcome, rec.error = "skipped", "py-spy needs root on macOS: run as root or set capture.sudo (see README)"
-        cap.stacks_error = rec.error
-        return
+        return StacksResult(outcome="skipped",
+                            error="py-spy needs root on macOS: run as root or set capture.sudo (see README)")
     native = pyspy.native_supported()
     errors = []
     started = time.monotonic()
@@ -309,14 +276,14 @@ async def _stacks(cap: _Capture, rec: _Step) -> None:
         wait = started + (i - 1) * req.spacing - time.monotonic()
         if wait > 0:
             await asyncio.sleep(wait)
-        at = cap.now()
-        result = await cap.runner(pyspy.dump_command(exe, req.pid, as_json=True, native=False, sudo=req.sudo), DUMP_TIMEOUT)
+        at = now()
+        result = await runner(pyspy.dump_command(exe, req.pid, as_json=True, native=False, sudo=req.sudo), DUMP_TIMEOUT)
         nonblocking = False
         if not result.ok and not _missing_or_denied(result.error):
             # A SIGSTOPped target cannot be suspended again ("Failed to suspend process" or
             # "Failed to get stack traces"); --nonblocking reads it anyway.
             nonblocking = True
-            result = await cap.runner(pyspy.dump_command(exe, req.pid, as_json=True, native=False, nonblocking=True, sudo=req.sudo), DUMP_TIMEOUT)
+            result = await runner(pyspy.dump_command(exe, req.pid, as_json=True, native=False, nonblocking=True, sudo=req.sudo), DUMP_TIMEOUT)
         if not result.ok:
             output = result.stderr.decode("utf-8", "replace")
             meaning = pyspy.explain(output)
@@ -329,17 +296,52 @@ async def _stacks(cap: _Capture, rec: _Step) -> None:
         except ValueError as exc:
             errors.append(f"snapshot {i}: unreadable py-spy JSON: {exc}")
             continue
-        cap.snapshots.append((at, threads))
-        await cap.write(f"stacks/pyspy-{i}.json", result.stdout)
-        text = await cap.runner(pyspy.dump_command(exe, req.pid, as_json=False, native=native and not nonblocking,
-                                                   nonblocking=nonblocking, sudo=req.sudo), DUMP_TIMEOUT)
+        taken.append((at, threads))
+        await files.write(f"stacks/pyspy-{i}.json", result.stdout)
+        text = await runner(pyspy.dump_command(exe, req.pid, as_json=False, native=native and not nonblocking,
+                                               nonblocking=nonblocking, sudo=req.sudo), DUMP_TIMEOUT)
         header = f"# py-spy dump {i} at +{at:.2f}s ({datetime.now(timezone.utc).isoformat()})" \
                  f"{' --native' if native and not nonblocking else ''}{' --nonblocking' if nonblocking else ''}\n"
-        await cap.write(f"stacks/pyspy-{i}.txt", header + (text.stdout.decode("utf-8", "replace") if text.ok else f"# failed: {text.error}\n"))
+        await files.write(f"stacks/pyspy-{i}.txt", header + (text.stdout.decode("utf-8", "replace") if text.ok else f"# failed: {text.error}\n"))
     if errors:
-        cap.stacks_error = "; ".join(errors)
-        rec.error = cap.stacks_error
-        rec.outcome = "failed" if not cap.snapshots else "ok"
+        return StacksResult(snapshots=tuple(taken), outcome="ok" if taken else "failed", error="; ".join(errors))
+    return StacksResult(snapshots=tuple(taken), error=shim_error)
+
+
+async def _shim_stacks(req: CaptureRequest, process: ProcessResult, files: _Files, now: Callable[[], float],
+                       taken: list[Snapshot], *, required: bool) -> StacksResult:
+    """Stacks from the launch shim's faulthandler dumps, on py-spy's schedule (``stacks/shim-N.txt``
+    and ``.json``). With ``required`` (``capture.stacks: shim``) a missing shim is the step's
+    failure; in ``auto`` it is silence, and the caller goes on with py-spy."""
+    hb, problem = await asyncio.to_thread(shim_stacks.find_dumper, req.pid, process.create_time)
+    if hb is None:
+        return StacksResult(outcome="failed", error=f"shim stacks: {problem}") if required else StacksResult()
+    errors: list[str] = []
+    started = time.monotonic()
+    for i in range(1, req.snapshots + 1):
+        wait = started + (i - 1) * req.spacing - time.monotonic()
+        if wait > 0:
+            await asyncio.sleep(wait)
+        at = now()
+        try:
+            dump = await asyncio.to_thread(shim_stacks.request_dump, req.pid, process.create_time, hb)
+        except (ShimError, OSError) as exc:
+            errors.append(f"snapshot {i}: {exc}")
+            if shim_stacks.dumps_are_over(exc):
+                break
+            continue
+        taken.append((at, dump.threads))
+        header = (f"# shim (faulthandler) dump {i} at +{at:.2f}s ({datetime.now(timezone.utc).isoformat()}); "
+                  "thread names from the heartbeat:\n")
+        header += "".join(f"#   {t.name}\n" for t in dump.threads)
+        await files.write(f"stacks/shim-{i}.txt", header + dump.text)
+        await files.write_json(f"stacks/shim-{i}.json", shim_stacks.pyspy_json(dump.threads))
+    if not errors:
+        return StacksResult(snapshots=tuple(taken))
+    error = "shim stacks: " + "; ".join(errors)
+    if not taken and not required:
+        return StacksResult(error=error)  # auto: py-spy is tried next and decides the outcome
+    return StacksResult(snapshots=tuple(taken), outcome="ok" if taken else "failed", error=error)
 
 
 def _missing_or_denied(error: str | None) -> bool:
@@ -347,45 +349,67 @@ def _missing_or_denied(error: str | None) -> bool:
     return any(w in text for w in ("not found", "no such process", "permission denied", "operation not permitted"))
 
 
-async def _cpu(cap: _Capture, rec: _Step) -> None:
-    if cap.req.pid is None:
-        rec.outcome, rec.error = "skipped", "no process to inspect"
-        return
-    cap.window = await sample_process(cap.req.pid, cap.window_seconds)
-    await cap.write_json("procstats.json", cap.window.to_dict())
-    if cap.window.errors:
-        rec.error = "; ".join(cap.window.errors)
+async def _cpu(req: CaptureRequest, files: _Files, seconds: float) -> CpuResult:
+    if req.pid is None:
+        return CpuResult(outcome="skipped", error="no process to inspect")
+    window = await sample_process(req.pid, seconds)
+    await files.write_json("procstats.json", window.to_dict())
+    return CpuResult(window=window, error="; ".join(window.errors) or None)
 
 
-async def _probe(cap: _Capture, rec: _Step) -> None:
-    from mlxwatch.probes import make_client, run_check
+async def _heartbeat(req: CaptureRequest, process: ProcessResult, files: _Files, seconds: float,
+                     opened: list[Heartbeat]) -> HeartbeatResult:
+    """The launch shim's heartbeat at the window's start and end (``shim/heartbeat-*.json``);
+    the first reading is appended to ``opened`` as it comes."""
+    if req.pid is None or process.missing:
+        return HeartbeatResult(window=ShimWindow(), outcome="skipped", error="no process to inspect")
 
-    if cap.req.prior_probes:
-        await cap.write_json("probes-before.json", cap.req.prior_probes)
-    if not cap.req.url:
-        rec.outcome, rec.error = "skipped", "no URL given (--url or --instance)"
-        return
-    extra: dict[str, Any] = {}
-    if cap.req.probe_linger > 0 and "linger" in inspect.signature(run_check).parameters:
-        extra["linger"] = cap.req.probe_linger
-    client = make_client()
+    async def started(hb: Heartbeat) -> None:
+        opened.append(hb)
+        await files.write_json("shim/heartbeat-start.json", hb.data)
+
+    window = await shim_stacks.heartbeat_window(req.pid, process.create_time, seconds, on_start=started)
+    if window.start is None:
+        return HeartbeatResult(window=window, outcome="skipped",
+                               error=f"no launch shim in this process (`mlxwatch launch`): {window.problem}")
+    if window.end is None:
+        return HeartbeatResult(window=window, error=f"heartbeat gone by the window's end: {window.problem}")
+    await files.write_json("shim/heartbeat-end.json", window.end.data)
+    return HeartbeatResult(window=window)
+
+
+async def _probe(req: CaptureRequest, files: _Files, first_token_timeout: float) -> ProbeResult:
+    if req.prior_probes:
+        await files.write_json("probes-before.json", req.prior_probes)
+    if not req.url:
+        return ProbeResult(outcome="skipped", error="no URL given (--url or --instance)")
+    extra: dict[str, float] = {}
+    if req.probe_linger > 0 and "linger" in inspect.signature(probes.run_check).parameters:
+        extra["linger"] = req.probe_linger
+    client = probes.make_client()
     try:
-        cap.report = await run_check(client, cap.req.url, first_token_timeout=cap.probe_first_token,
-                                     timeout=cap.req.probe_timeout, endpoint_timeout=5.0, **extra)
+        report = await probes.run_check(client, req.url, first_token_timeout=first_token_timeout,
+                                        timeout=req.probe_timeout, endpoint_timeout=5.0, **extra)
     except BaseException:
         await client.aclose()
         raise
-    lingering = getattr(cap.report, "lingering", None)
+    lingering = getattr(report, "lingering", None)
+    drain = None
     if lingering is not None:  # the stream stays open: so must the client, until the drain ends
-        cap.lingering = asyncio.ensure_future(_drain_then_close(lingering, client))
+        drain = asyncio.ensure_future(_drain_then_close(lingering, client))
     else:
         await client.aclose()
-    await cap.write_json("probe.json", cap.report.to_dict())
-    if not cap.report.healthy:
-        rec.error = f"probe: {cap.report.reason}"  # evidence, not a step failure
+    try:
+        await files.write_json("probe.json", report.to_dict())
+    except BaseException:
+        if drain is not None:  # this result is lost: nobody would end the drain
+            drain.cancel()
+        raise
+    return ProbeResult(report=report, lingering=drain,
+                       error=None if report.healthy else f"probe: {report.reason}")  # evidence, not a step failure
 
 
-async def _drain_then_close(lingering: Awaitable[Any], client: Any) -> Any:
+async def _drain_then_close(lingering: Awaitable[None], client: httpx.AsyncClient) -> object:
     """Own the probe's client while its background drain runs; cancelling this cancels the drain."""
     try:
         return await lingering
@@ -395,61 +419,56 @@ async def _drain_then_close(lingering: Awaitable[Any], client: Any) -> Any:
         await client.aclose()
 
 
-async def _sample(cap: _Capture, rec: _Step) -> None:
+async def _sample(req: CaptureRequest, files: _Files, runner: Runner) -> SampleResult:
     if not macos.is_macos():
-        rec.outcome, rec.error = "skipped", "sample: not available on this OS (macOS only)"
-        return
+        return SampleResult(outcome="skipped", error="sample: not available on this OS (macOS only)")
     if not await asyncio.to_thread(macos.tool_available, "sample"):
-        rec.outcome, rec.error = "skipped", "sample: not found"
-        return
-    out = await asyncio.to_thread(cap.writer.tool_output, "native/sample.txt")
-    result = await cap.runner(macos.sample_command(cap.req.pid, out), macos.SAMPLE_SECONDS + 15)
-    await _register_tool_output(cap, rec, "native/sample.txt", result)
+        return SampleResult(outcome="skipped", error="sample: not found")
+    out = await asyncio.to_thread(files.writer.tool_output, "native/sample.txt")
+    result = await runner(macos.sample_command(req.pid, out), macos.SAMPLE_SECONDS + 15)
+    ran = await _register_tool_output(files, "native/sample.txt", result)
     # sample's call graph, read: every thread's heaviest native path (MLX/Metal threads marked)
     report = await asyncio.to_thread(
         lambda: macos.parse_sample(out.read_text(errors="replace")) if out.exists() else None)
-    if report is not None:
-        cap.native_findings = report.findings()
-        await cap.write_json("native/sample-threads.json", {
-            "process": report.process, "findings": report.findings(), "threads": [vars(t) for t in report.threads]})
+    if report is None:
+        return SampleResult(outcome=ran.outcome, error=ran.error)
+    await files.write_json("native/sample-threads.json", {
+        "process": report.process, "findings": report.findings(), "threads": [vars(t) for t in report.threads]})
+    return SampleResult(native_findings=tuple(report.findings()), outcome=ran.outcome, error=ran.error)
 
 
-async def _spindump(cap: _Capture, rec: _Step) -> None:
+async def _spindump(req: CaptureRequest, files: _Files, runner: Runner) -> StepResult:
     if not macos.is_macos():
-        rec.outcome, rec.error = "skipped", "spindump: not available on this OS (macOS only)"
-        return
-    if os.geteuid() != 0 and not cap.req.sudo:
-        rec.outcome, rec.error = "skipped", "spindump needs root: run as root or set capture.sudo"
-        return
+        return StepResult(outcome="skipped", error="spindump: not available on this OS (macOS only)")
+    if os.geteuid() != 0 and not req.sudo:
+        return StepResult(outcome="skipped", error="spindump needs root: run as root or set capture.sudo")
     # The report comes on stdout and is written here: a file spindump wrote under sudo would be
     # root's, neither private nor readable by this daemon.
-    result = await cap.runner(macos.spindump_command(cap.req.pid, sudo=cap.req.sudo and os.geteuid() != 0),
-                              macos.SAMPLE_SECONDS + 30)
+    result = await runner(macos.spindump_command(req.pid, sudo=req.sudo and os.geteuid() != 0),
+                          macos.SAMPLE_SECONDS + 30)
     if result.stdout:
-        await cap.write("native/spindump.txt", result.stdout)
-    if not result.ok:
-        rec.outcome, rec.error = "failed", result.error
+        await files.write("native/spindump.txt", result.stdout)
+    return StepResult() if result.ok else StepResult(outcome="failed", error=result.error)
 
 
-async def _register_tool_output(cap: _Capture, rec: _Step, relname: str, result) -> None:
-    """Tools that write their own file: list it in the manifest (or record why there is none)."""
-    await asyncio.to_thread(cap.writer.adopt, relname)
-    if not result.ok:
-        rec.outcome, rec.error = "failed", result.error
+async def _register_tool_output(files: _Files, relname: str, result: CommandResult) -> StepResult:
+    """Tools that write their own file: list it in the manifest (or say why there is none)."""
+    await asyncio.to_thread(files.writer.adopt, relname)
+    return StepResult() if result.ok else StepResult(outcome="failed", error=result.error)
 
 
-async def _crash_reports(cap: _Capture, rec: _Step) -> None:
+async def _crash_reports(req: CaptureRequest, process: ProcessResult, files: _Files) -> StepResult:
     if not macos.is_macos():
-        rec.outcome, rec.error = "skipped", "crash reports: macOS only"
-        return
-    since = cap.process.get("create_time") or macos.since_default()
+        return StepResult(outcome="skipped", error="crash reports: macOS only")
+    since = process.create_time or macos.since_default()
 
     def collect() -> None:
-        for path in macos.recent_crash_reports(cap.req.pid, since):
+        for path in macos.recent_crash_reports(req.pid, since):
             with open(path, "rb") as fh:
-                cap.write_blocking(f"crash/{path.name}", fh.read(16 * 1024 * 1024))
+                files.write_blocking(f"crash/{path.name}", fh.read(16 * 1024 * 1024))
 
     await asyncio.to_thread(collect)
+    return StepResult()
 
 
 def _follow_log(path: Path) -> list[LogFollower] | None:
@@ -504,27 +523,29 @@ def _read_log(path: Path, followers: list[LogFollower] | None, tail: int) -> tup
     return scan(since_last_start(text)), "\n".join(tail_lines(text, tail)) + "\n", gained
 
 
-async def _log(cap: _Capture, rec: _Step, before: Awaitable[dict[int, int]] | None) -> None:
-    if cap.req.log is None:
-        rec.outcome, rec.error = "skipped", "no server log given (--log or the instance's log)"
-        return
-    read = await asyncio.to_thread(_read_log, cap.req.log, cap.log_followers, cap.req.log_tail_lines)
+async def _log(req: CaptureRequest, files: _Files, followers: list[LogFollower] | None,
+               before: Awaitable[dict[int, int]] | None) -> LogResult:
+    if req.log is None:
+        return LogResult(outcome="skipped", error="no server log given (--log or the instance's log)")
+    read = await asyncio.to_thread(_read_log, req.log, followers, req.log_tail_lines)
     if read is None:
-        rec.outcome, rec.error = "failed", f"log not found: {cap.req.log}"
-        return
-    cap.markers, tail, gained = read
-    await cap.write("log-tail.txt", tail)
-    await cap.write_json("log-markers.json", cap.markers.to_dict())
-    if before is not None:
-        cap.log_before = await before
-    cap.log_window_text = gained
+        return LogResult(outcome="failed", error=f"log not found: {req.log}")
+    markers, tail, gained = read
+    await files.write("log-tail.txt", tail)
+    await files.write_json("log-markers.json", markers.to_dict())
+    try:
+        last_x = await before if before is not None else {}
+    except Exception as exc:  # no baseline for the window: the markers still stand
+        return LogResult(markers=markers, outcome="failed", error=f"{type(exc).__name__}: {exc}")
+    return LogResult(markers=markers, gained=gained, before=last_x)
 
 
-async def _versions(cap: _Capture, rec: _Step) -> None:
-    cap.versions = await asyncio.to_thread(server_versions, cap.process.get("cmdline") or [], cap.process.get("exe"))
-    cap.versions["mlxwatch"] = __version__
-    cap.versions["watcher_python"] = platform.python_version()
-    await cap.write_json("versions.json", cap.versions)
+async def _versions(process: ProcessResult, files: _Files) -> VersionsResult:
+    versions = await asyncio.to_thread(server_versions, process.info.get("cmdline") or [], process.info.get("exe"))
+    versions["mlxwatch"] = __version__
+    versions["watcher_python"] = platform.python_version()
+    await files.write_json("versions.json", versions)
+    return VersionsResult(versions=versions)
 
 
 @dataclass
@@ -549,81 +570,85 @@ def log_window(before: dict[int, int], gained: str, probe_totals: set[int]) -> L
     return LogWindow(advances=advances, admissions=completions_ok(since_last_start(gained)))
 
 
-def _probe_totals(cap: _Capture) -> set[int]:
+def _probe_totals(report: CheckReport | None, prior_probes: list[dict]) -> set[int]:
     """The prompt sizes (Y of X/Y) the capture's and the watchdog's probes were seen to have."""
-    totals = {k.total for k in cap.report.generation.keepalives} if cap.report is not None else set()
-    for prior in cap.req.prior_probes:
+    totals = {k.total for k in report.generation.keepalives} if report is not None else set()
+    for prior in prior_probes:
         for k in (prior.get("generation") or {}).get("keepalives") or []:
             if isinstance(k, dict) and isinstance(k.get("total"), int):
                 totals.add(k["total"])
     return totals
 
 
-def _evidence(cap: _Capture) -> tuple[Evidence, LogWindow | None]:
-    ev = Evidence(verdict=cap.req.verdict, native_findings=list(cap.native_findings))
-    ev.process_alive = "process" not in cap.process.get("errors", {}) and cap.window.gone_at is None
-    if ev.process_alive and cap.req.pid is not None and cap.process.get("create_time"):
+def _evidence(req: CaptureRequest, found: CaptureResults) -> tuple[Evidence, LogWindow | None]:
+    """The classifier's evidence, assembled from the steps' results."""
+    cpu, report, markers = found.cpu.window, found.probe.report, found.log.markers
+    ev = Evidence(verdict=req.verdict, native_findings=list(found.sample.native_findings))
+    ev.process_alive = not found.process.missing and cpu.gone_at is None
+    if ev.process_alive and req.pid is not None and found.process.create_time:
         # Still the same process now (same PID and create time, not a zombie)?
-        ev.process_alive = ProcessIdentity(cap.req.pid, cap.process["create_time"], ()).alive()
-    ev.process_statuses = cap.window.statuses()
-    ev.snapshots = [threads for _, threads in cap.snapshots]
-    ev.stacks_error = cap.stacks_error
+        ev.process_alive = ProcessIdentity(req.pid, found.process.create_time, ()).alive()
+    ev.process_statuses = cpu.statuses()
+    ev.snapshots = [threads for _, threads in found.stacks.snapshots]
+    ev.stacks_error = found.stacks.error
     gens = [stacks.generation_thread(t) for t in ev.snapshots]
     tid = next((g.os_thread_id for g in gens if g is not None), None)
-    ev.generation_cpu = cap.window.thread_cpu_percent(tid)
-    ev.process_cpu = cap.window.cpu_percent()
-    if cap.report is not None:
-        gen = cap.report.generation
+    ev.generation_cpu = cpu.thread_cpu_percent(tid)
+    ev.process_cpu = cpu.cpu_percent()
+    if report is not None:
+        gen = report.generation
         ev.probe_ran = True
-        ev.probe_ok = cap.report.healthy
+        ev.probe_ok = report.healthy
         ev.probe_tokens = gen.tokens
-        ev.probe_failure = cap.report.failure
+        ev.probe_failure = report.failure
         done = [k.processed for k in gen.keepalives]
         ev.probe_keepalive_advanced = len(set(done)) > 1
-        ev.health_status = cap.report.health.status
-        ev.models_status = cap.report.models.status
-        ev.endpoints_answered = cap.report.health.answered or cap.report.models.answered
-    ev.log = cap.markers
-    if cap.shim_window is not None:
-        ev.shim = cap.shim_window.findings(cap.report.generation.tokens if cap.report is not None else 0)
+        ev.health_status = report.health.status
+        ev.models_status = report.models.status
+        ev.endpoints_answered = report.health.answered or report.models.answered
+    ev.log = markers
+    if found.heartbeat.window is not None:
+        ev.shim = found.heartbeat.window.findings(report.generation.tokens if report is not None else 0)
     window = None
-    if cap.markers is not None and cap.log_window_text is not None:
-        window = log_window(cap.log_before, cap.log_window_text, _probe_totals(cap))
+    if markers is not None and found.log.gained is not None:
+        window = log_window(found.log.before, found.log.gained, _probe_totals(report, req.prior_probes))
         ev.log_progress_advanced = bool(window.advances)
         ev.log_progress_now = window.advances[-1] if window.advances else None
-        ours = 1 if cap.report is not None and cap.report.generation.status == 200 else 0
+        ours = 1 if report is not None and report.generation.status == 200 else 0
         ev.log_admissions = max(0, window.admissions - ours)
     return ev, window
 
 
-def _finish(cap: _Capture) -> Bundle:
+def _finish(req: CaptureRequest, steps: StepRunner, files: _Files, found: CaptureResults,
+            probe_first_token: float) -> Bundle:
     """Classify and write the bundle (blocking: run in a worker thread)."""
-    req = cap.req
-    evidence, window = _evidence(cap)
+    evidence, window = _evidence(req, found)
     classification = classify(evidence)
+    process = found.process.info
     manifest = {
         "created_at": datetime.now(timezone.utc).isoformat(),
         "host": socket.gethostname(),
         "mlxwatch": __version__,
         "platform": sys.platform,
         "target": {"pid": req.pid, "label": req.label, "url": req.url, "log": str(req.log) if req.log else None,
-                   "create_time": cap.process.get("create_time"), "cmdline": cap.process.get("cmdline")},
+                   "create_time": process.get("create_time"), "cmdline": process.get("cmdline")},
         "verdict": req.verdict,
         "settings": {"snapshots": req.snapshots, "spacing": req.spacing, "ceiling": req.ceiling, "sudo": req.sudo,
-                     "probe_first_token_timeout": cap.probe_first_token, "probe_linger": req.probe_linger,
+                     "probe_first_token_timeout": probe_first_token, "probe_linger": req.probe_linger,
                      "stacks": req.stacks, "redact": req.redact},
-        "duration": round(cap.now(), 3),
-        "steps": [s.to_dict() for s in cap.steps],
+        "duration": round(steps.now(), 3),
+        "steps": [record.to_dict() for record in steps.records()],
         "cpu": {"process": evidence.process_cpu, "generation_thread": evidence.generation_cpu,
                 "statuses": evidence.process_statuses},
         "log_window": window.to_dict() if window else None,
-        "shim": cap.shim_window.to_dict() if cap.shim_window is not None else None,
-        "versions": cap.versions,
+        "shim": found.heartbeat.window.to_dict() if found.heartbeat.window is not None else None,
+        "versions": found.versions.versions,
         "classification": classification.to_dict(),
     }
-    manifest = redact_json(manifest, cap.redaction)  # the command line, the verdict, step errors
-    summary = redact_text(render_summary(manifest, cap.snapshots, cap.markers.to_dict() if cap.markers else None),
-                          cap.redaction)
-    path = cap.writer.finish(manifest, summary)
+    manifest = redact_json(manifest, files.redaction)  # the command line, the verdict, step errors
+    markers = found.log.markers
+    summary = redact_text(render_summary(manifest, list(found.stacks.snapshots), markers.to_dict() if markers else None),
+                          files.redaction)
+    path = files.writer.finish(manifest, summary)
     prune(req.out_dir, req.keep, req.max_bytes, protect=path, keep_days=req.keep_days)
-    return Bundle(path, classification, cap.writer.manifest)
+    return Bundle(path, classification, files.writer.manifest)

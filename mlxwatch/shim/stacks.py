@@ -1,18 +1,22 @@
-"""Capture's use of the launch shim: faulthandler stacks as a stack source, and the heartbeat
-over the capture window as evidence.
+"""The launch shim as a source of evidence for capture: all-thread dumps on demand, parsed into
+``mlxwatch.stacks.ThreadStack``, and the heartbeat read across a window. Plain arguments in,
+values out; the capture steps that use these live in ``mlxwatch.capture``.
 
-Stacks (``capture.stacks``: ``auto`` | ``pyspy`` | ``shim`` | ``sample``): ``shim`` asks the
-server's shim for an all-thread dump at each snapshot time (the same schedule as py-spy's: 0,
-spacing, 2×spacing…) and writes ``stacks/shim-N.txt`` (faulthandler's text, with the thread
-names the heartbeat gives) and ``stacks/shim-N.json`` (py-spy's JSON shape). No root, and it
-works while a native call holds the GIL. ``auto`` uses the shim when the process has one that
-answers and py-spy otherwise; ``pyspy`` never asks the shim; ``sample`` takes no Python stacks
-(macOS ``sample`` runs as always and is then the only stack source).
+Stacks: ``find_dumper`` says whether a process has a shim that can dump its stacks,
+``request_dump`` asks it for one (faulthandler's text, with the thread names the heartbeat
+gives) and ``pyspy_json`` writes the threads in py-spy's JSON shape. No root, and it works while
+a native call holds the GIL.
 
-The heartbeat is read when the window opens and when it closes (``shim/heartbeat-start.json``,
-``shim/heartbeat-end.json``); ``ShimWindow.findings`` turns the difference into the evidence
-lines the classifier uses, each starting with ``shim:`` so a bundle says which evidence came
-from inside the server.
+Heartbeat: ``heartbeat_window`` reads it when a window opens and when it closes;
+``ShimWindow.findings`` turns the difference into the evidence lines the classifier uses, each
+starting with ``shim:`` so a bundle says which evidence came from inside the server.
+
+Usage::
+
+    hb, why_not = find_dumper(pid, create_time)
+    dump = request_dump(pid, create_time, hb)          # blocking: call it from a worker thread
+    window = await heartbeat_window(pid, create_time, seconds=4.5)
+    window.findings(probe_tokens=0).blocked
 """
 
 from __future__ import annotations
@@ -20,15 +24,13 @@ from __future__ import annotations
 import asyncio
 import re
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
-from typing import Any
 
 from mlxwatch.shim import heartbeat
-from mlxwatch.shim.heartbeat import Change, Heartbeat, ShimError
+from mlxwatch.shim.heartbeat import Change, Heartbeat
 from mlxwatch.stacks import Frame, ThreadStack
 
-STACK_MODES = ("auto", "pyspy", "shim", "sample")
 PROMPT_ALLOWANCE = 512  # prompt tokens a probe's own prompt could account for (its prompt is ~30)
 
 _THREAD = re.compile(r"^(Current thread|Thread) (0x[0-9a-fA-F]+)\b")
@@ -56,55 +58,45 @@ def parse_dump(text: str, names: dict[int, tuple[str, int | None]] | None = None
     return threads
 
 
-def _thread_dicts(threads: list[ThreadStack]) -> list[dict[str, Any]]:
+def pyspy_json(threads: list[ThreadStack]) -> list[dict[str, object]]:
+    """Threads in py-spy's JSON shape (``stacks/shim-N.json``): one reader for both sources."""
     return [{"thread_name": t.name, "os_thread_id": t.os_thread_id, "active": t.active, "owns_gil": None,
              "frames": [{"name": f.name, "filename": f.filename, "line": f.line} for f in t.frames]}
             for t in threads]
 
 
-async def take_stacks(cap: Any, rec: Any, *, required: bool) -> bool:
-    """The stacks step from the shim. True when it produced snapshots. With ``required``
-    (``capture.stacks: shim``) a missing shim is the step's failure; in ``auto`` it is silence
-    and the caller goes on with py-spy."""
-    req = cap.req
-    create_time = cap.process.get("create_time")
-    hb, problem = await asyncio.to_thread(heartbeat.find, req.pid, create_time)
-    if hb is None or hb.stack_signal is None:
-        if required:
-            why = problem if hb is None else "the shim in this process has no stack signal (see the server log)"
-            rec.outcome, rec.error = "failed", f"shim stacks: {why}"
-            cap.stacks_error = rec.error
-        return False
-    errors: list[str] = []
-    started = time.monotonic()
-    for i in range(1, req.snapshots + 1):
-        wait = started + (i - 1) * req.spacing - time.monotonic()
-        if wait > 0:
-            await asyncio.sleep(wait)
-        fresh, _ = await asyncio.to_thread(heartbeat.find, req.pid, create_time)
-        hb = fresh or hb  # newer thread names, if it still publishes
-        at = cap.now()
-        try:
-            text = await asyncio.to_thread(heartbeat.request_stacks, hb, create_time)
-        except (ShimError, OSError) as exc:
-            errors.append(f"snapshot {i}: {exc}")
-            if "no stack dump" in str(exc) or "gone" in str(exc):
-                break  # a stopped or vanished process will not answer the next signal either
-            continue
-        threads = parse_dump(text, hb.thread_names())
-        cap.snapshots.append((at, threads))
-        header = (f"# shim (faulthandler) dump {i} at +{at:.2f}s ({datetime.now(timezone.utc).isoformat()}); "
-                  "thread names from the heartbeat:\n")
-        header += "".join(f"#   {t.name}\n" for t in threads)
-        await cap.write(f"stacks/shim-{i}.txt", header + text)
-        await cap.write_json(f"stacks/shim-{i}.json", _thread_dicts(threads))
-    if errors:
-        cap.stacks_error = "shim stacks: " + "; ".join(errors)
-        rec.error = cap.stacks_error
-        rec.outcome = "failed" if not cap.snapshots else "ok"
-        if not cap.snapshots and not required:
-            rec.outcome = "not run"  # auto: py-spy is tried next and decides the outcome
-    return bool(cap.snapshots)
+def find_dumper(pid: int, create_time: float | None) -> tuple[Heartbeat | None, str | None]:
+    """The heartbeat of the process's shim if it can dump stacks, else (None, why not).
+    Blocking (reads files): call it from a worker thread."""
+    hb, problem = heartbeat.find(pid, create_time)
+    if hb is None:
+        return None, problem
+    if hb.stack_signal is None:
+        return None, "the shim in this process has no stack signal (see the server log)"
+    return hb, None
+
+
+@dataclass(frozen=True)
+class ShimDump:
+    """One all-thread dump: faulthandler's text as the shim wrote it, and its threads named."""
+
+    text: str
+    threads: list[ThreadStack]
+
+
+def request_dump(pid: int, create_time: float | None, known: Heartbeat) -> ShimDump:
+    """Ask the shim for an all-thread dump now, naming threads from its newest heartbeat (or
+    ``known``, if it no longer publishes). Blocking; raises ShimError or OSError."""
+    fresh, _ = heartbeat.find(pid, create_time)
+    hb = fresh or known
+    text = heartbeat.request_stacks(hb, create_time)
+    return ShimDump(text, parse_dump(text, hb.thread_names()))
+
+
+def dumps_are_over(exc: Exception) -> bool:
+    """After this failure, would the next dump request fail the same way? (A stopped process
+    does not answer the signal; a vanished one is gone.)"""
+    return "no stack dump" in str(exc) or "gone" in str(exc)
 
 
 @dataclass
@@ -120,13 +112,15 @@ class ShimFindings:
     notes: list[str] = field(default_factory=list)
 
 
-@dataclass
+@dataclass(frozen=True)
 class ShimWindow:
+    """The heartbeat when a window opened and when it closed; ``problem``: why one is missing."""
+
     start: Heartbeat | None = None
     end: Heartbeat | None = None
     problem: str | None = None
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, object]:
         change = self.change()
         return {"found": self.end is not None or self.start is not None, "problem": self.problem,
                 "start": self.start.summary() if self.start else None,
@@ -180,24 +174,17 @@ class ShimWindow:
         return out
 
 
-async def watch_window(cap: Any, rec: Any) -> None:
-    """The heartbeat step: read at the window's start and end (beside stacks, CPU and probe)."""
-    req = cap.req
-    cap.shim_window = window = ShimWindow()
-    if req.pid is None or "process" in cap.process.get("errors", {}):
-        rec.outcome, rec.error = "skipped", "no process to inspect"
-        return
-    create_time = cap.process.get("create_time")
+async def heartbeat_window(pid: int, create_time: float | None, seconds: float,
+                           on_start: Callable[[Heartbeat], Awaitable[None]] | None = None) -> ShimWindow:
+    """Read the heartbeat now and ``seconds`` after now. No shim now: a window with no start and
+    the reason, returned at once. ``on_start`` receives the first reading as soon as it is read
+    (capture writes it to the bundle then, so a capture cut short still holds it)."""
     opened = time.monotonic()
-    window.start, window.problem = await asyncio.to_thread(heartbeat.find, req.pid, create_time)
-    if window.start is None:
-        rec.outcome, rec.error = "skipped", f"no launch shim in this process (`mlxwatch launch`): {window.problem}"
-        return
-    await cap.write_json("shim/heartbeat-start.json", window.start.data)
-    await asyncio.sleep(max(0.0, opened + cap.window_seconds - time.monotonic()))
-    window.end, problem = await asyncio.to_thread(heartbeat.find, req.pid, create_time)
-    if window.end is not None:
-        await cap.write_json("shim/heartbeat-end.json", window.end.data)
-    else:
-        window.problem = problem
-        rec.error = f"heartbeat gone by the window's end: {problem}"
+    start, problem = await asyncio.to_thread(heartbeat.find, pid, create_time)
+    if start is None:
+        return ShimWindow(problem=problem)
+    if on_start is not None:
+        await on_start(start)
+    await asyncio.sleep(max(0.0, opened + seconds - time.monotonic()))
+    end, problem = await asyncio.to_thread(heartbeat.find, pid, create_time)
+    return ShimWindow(start, end, problem if end is None else None)
