@@ -1,3 +1,3 @@
-from mlxwatch.cli.main import main
+from mlxwatch.cli import main
 
 main()

@@ -4,7 +4,12 @@ Makes a tiny random model, starts a real ``mlx_lm.server`` through the fault wra
 loopback port, runs the real watchdog on it with a fast config, switches a livelock on, and
 shows detection, the bundle and its classification, the restart and the recovery. Then it
 stops the server it started (by its PID only) and removes the model; the bundle and the
-journal are kept so they can be read afterwards.
+journal are kept so they can be read afterwards. It prints nothing itself: it tells a
+``DemoProgress`` (``mlxwatch.output.demo.DemoView``) each step, and returns a ``DemoResult``::
+
+    result = run_demo(DemoView(console), keep=False)
+    render_demo_report(result, console)
+    sys.exit(0 if result.ok else 1)
 """
 
 from __future__ import annotations
@@ -16,10 +21,9 @@ import shutil
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
-
-from rich.console import Console
-from rich.logging import RichHandler
+from typing import Any, Protocol
 
 from mlxwatch.config import (
     CaptureConfig,
@@ -45,31 +49,52 @@ def demo_config(server_dir: Path, url: str, log: Path, pid_file: Path, state_dir
     return Config(None, (inst,), state_dir, (), CaptureConfig(snapshots=3, spacing=1.0, ceiling=30.0))
 
 
-def run_demo(console: Console, keep: bool = False) -> int:
+class DemoProgress(Protocol):
+    """Who hears each step of the demo as it happens (the CLI's ``DemoView``)."""
+
+    def log_handler(self) -> logging.Handler: ...
+    def starting(self, mlx_lm_version: str) -> None: ...
+    def server_started(self, pid: int, url: str, log: Path) -> None: ...
+    def never_healthy(self) -> None: ...
+    def fault_on(self) -> None: ...
+    def recovered(self, seconds: float) -> None: ...
+    def not_recovered(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class DemoResult:
+    """How the demo ended and what it left on disk."""
+
+    ok: bool
+    records: list[dict[str, Any]]  # the demo instance's journal records, oldest first
+    state_dir: Path
+    journal: Path
+    kept: Path | None  # the server dir (its log and the model), with --keep
+    summary_head: str | None  # the bundle's summary.md before its thread stacks
+
+
+def run_demo(progress: DemoProgress, keep: bool = False) -> DemoResult:
     if importlib.util.find_spec("mlx_lm") is None:
         raise UsageError("demo: needs mlx-lm in this environment: pip install 'mlxwatch[demo]'")
     from mlxwatch._lab.server import LabServer, server_version
 
     workdir = Path(tempfile.mkdtemp(prefix="mlxwatch-demo-"))
     server_dir, state_dir = workdir / "server", workdir / "state"
-    console.rule("mlxwatch demo")
-    console.print(f"Making a tiny random model and starting a real mlx_lm.server "
-                  f"(mlx-lm {server_version(sys.executable)}) on 127.0.0.1 ...")
+    progress.starting(server_version(sys.executable))
     server = LabServer.start(sys.executable, server_dir)
-    console.print(f"Server PID {server.pid} at {server.url}, log {server.log_path}")
+    progress.server_started(server.pid, server.url, server.log_path)
     config = demo_config(server_dir, server.url, server.log_path, server.pid_file, state_dir)
     try:
-        ok = asyncio.run(_watch(console, config, server))
+        ok = asyncio.run(_watch(progress, config, server))
     finally:
         server.stop()
         if not keep:
             shutil.rmtree(server_dir, ignore_errors=True)
-    _report(console, Journal(state_dir), state_dir, server_dir if keep else None)
-    return 0 if ok else 1
+    return demo_result(Journal(state_dir), state_dir, server_dir if keep else None, ok)
 
 
-async def _watch(console: Console, config: Config, server) -> bool:
-    handler = RichHandler(console=console, show_path=False, markup=False)
+async def _watch(progress: DemoProgress, config: Config, server) -> bool:
+    handler = progress.log_handler()
     logger = logging.getLogger("mlxwatch")
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
@@ -79,17 +104,16 @@ async def _watch(console: Console, config: Config, server) -> bool:
     journal = Journal(config.state_dir)
     try:
         if not await _until(lambda: _state(daemon) == "healthy" and _last_ok(daemon), HEALTHY_WAIT):
-            console.print("[red]the server never looked healthy; see its log[/]")
+            progress.never_healthy()
             return False
-        console.print("[green]Healthy:[/] probes get tokens. Now switching on a livelock: the batch loop "
-                      "keeps stepping and burning CPU, but no token reaches any client; /v1/models stays 200.")
+        progress.fault_on()
         server.set_fault("spin")
         t0 = time.monotonic()
         recovered = await _until(lambda: any(r["event"] == "recovered" for r in journal.records()), INCIDENT_WAIT)
         if recovered:
-            console.print(f"[green]Recovered[/] {time.monotonic() - t0:.1f}s after the livelock was switched on.")
+            progress.recovered(time.monotonic() - t0)
         else:
-            console.print("[red]no recovery within the demo's time limit[/]")
+            progress.not_recovered()
         return recovered
     finally:
         stop.set()
@@ -116,31 +140,11 @@ async def _until(predicate, timeout: float) -> bool:
     return False
 
 
-def _report(console: Console, journal: Journal, state_dir: Path, kept: Path | None = None) -> None:
-    """What happened, and what is left on disk (``kept``: the server dir, with ``--keep``)."""
+def demo_result(journal: Journal, state_dir: Path, kept: Path | None = None, ok: bool = True) -> DemoResult:
+    """The demo's records from ``journal`` and the head of its last bundle's summary."""
     records = [r for r in journal.records() if r.get("instance") == "demo"]
-    if not records:
-        console.print(f"Kept {state_dir} (journal and state); the server was stopped"
-                      + (f", its log and the model are kept in {kept}." if kept else " and the model removed."),
-                      markup=False, highlight=False)
-        return
-    last = records[-1]
-    console.rule("incident")
-    first = last.get("first_failure_at") or 0
-    for r in records:
-        at = f"+{r['ts'] - first:5.1f}s" if first else ""
-        console.print(f"{at:>8}  {r['event']}", markup=False)
-    console.print(f"classification: [bold]{last.get('kind')}[/] ({last.get('confidence')} confidence)")
-    console.print(f"bundle:         {last.get('bundle')}", markup=False, highlight=False)
-    if last.get("bundle"):
-        summary = (Path(last["bundle"]) / "summary.md").read_text().split("## Generation thread")[0]
-        console.print(summary.strip(), markup=False)
-    if last.get("seconds_to_recovery") is not None:
-        console.print(f"recovered {last['seconds_to_recovery']:.1f}s after the first failed probe")
-    console.print(f"journal:        {journal.path}", markup=False, highlight=False)
-    if kept:
-        console.print(f"Kept {state_dir} (bundle and journal) for you to read; the server was stopped, its log "
-                      f"and the model are kept in {kept}.", markup=False, highlight=False)
-    else:
-        console.print(f"Kept {state_dir} (bundle and journal) for you to read; the server was stopped and the "
-                      "model removed.", markup=False, highlight=False)
+    bundle = records[-1].get("bundle") if records else None
+    head = None
+    if bundle:
+        head = (Path(bundle) / "summary.md").read_text().split("## Generation thread")[0].strip()
+    return DemoResult(ok, records, state_dir, journal.path, kept, head)

@@ -3,9 +3,7 @@
 One finding per check, each with what was found and, when something is wrong, what to do::
 
     findings = await diagnose(config, config_path, config_error, state_dir)
-    for f in findings:
-        print(f.status, f.check, f.message, f.fix)
-    sys.exit(1 if any(f.status == FAIL for f in findings) else 0)
+    code = exit_code(findings)   # 1 if any finding is FAIL; mlxwatch.output.doctor renders them
 
 Checks, in order: the config is valid; the state dir (and the bundles dir) can be written; a
 daemon runs; py-spy is present; ``sample`` and ``spindump`` (macOS); the notify hook can run.
@@ -320,6 +318,15 @@ def read_ptrace_scope() -> int | None:
         return None
 
 
+def stacks_hint(manifest: dict[str, Any], sudo: bool) -> str | None:
+    """What to do when a capture's py-spy was refused the server (ptrace rights, root on macOS),
+    read from the bundle's manifest; None when its stacks step did not fail so."""
+    step = next((s for s in manifest.get("steps") or [] if s.get("name") == "stacks"), None)
+    if not step or not step.get("error"):
+        return None
+    return pyspy_hint(step["error"], sys.platform, os.geteuid(), sudo, read_ptrace_scope())
+
+
 def files_written_by(pid: int) -> dict[tuple[int, int], str] | None:
     """(device, inode) -> path of every regular file ``pid`` has open (its stdout and stderr
     included), or None when this user may not look."""
@@ -419,27 +426,3 @@ async def restart_finding(inst: InstanceConfig, server: ProcessIdentity | None, 
                        "to signal", "start the server; its supervisor must start it again after the signal")
     return f(OK, f"signal {r.signal_name} to {server.describe()}; its supervisor must start it again")
 
-
-# --- output
-
-
-def render_findings(findings: list[Finding], console: Any, config_path: Path, state_dir: Path) -> None:
-    """One line per check: status, check, what was found, and the fix when there is one."""
-    styles = {OK: "green", WARN: "yellow", FAIL: "bold red", SKIP: "dim"}
-    console.print(f"mlxwatch doctor: config {config_path}, state {state_dir}", markup=False, highlight=False)
-    current: str | None = None
-    for finding in findings:
-        if finding.instance != current:
-            current = finding.instance
-            console.print(f"instance {current}:", markup=False, highlight=False, style="bold")
-        fix = f"; fix: {finding.fix}" if finding.fix and finding.status in (WARN, FAIL) else ""
-        line = f"  {finding.status:<4}  {finding.check:<10} {finding.message}{fix}"
-        console.print(line, markup=False, highlight=False, style=styles.get(finding.status), soft_wrap=True)
-    failures = sum(1 for f in findings if f.status == FAIL)
-    warnings = sum(1 for f in findings if f.status == WARN)
-    if failures:
-        console.print(f"{failures} problem(s) to fix" + (f", {warnings} warning(s)" if warnings else ""),
-                      markup=False, style="bold red")
-    else:
-        console.print("everything mlxwatch needs is in place" + (f" ({warnings} warning(s))" if warnings else ""),
-                      markup=False, style="bold green")

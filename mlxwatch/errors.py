@@ -9,7 +9,7 @@
     ├── BundleError        a path is not a bundle or archive, or it cannot be read or exported (CLI exit 2)
     └── FrontError         the front door cannot start (its address is taken or cannot be bound)
 
-Library code raises these; only ``mlxwatch.cli.main`` turns them into messages and exit codes.
+Library code raises these; only ``mlxwatch.cli`` turns them into messages and exit codes.
 Probe failures are not exceptions: a probe always returns a result that says what went wrong.
 """
 

@@ -21,7 +21,7 @@ from rich.console import Console
 
 from mlxwatch.capture.bundle import BundleWriter, bundle_entries
 from mlxwatch.capture.export import export_bundle, read_archive
-from mlxwatch.cli import main as cli
+import mlxwatch.cli as cli
 from mlxwatch.config import CaptureConfig, ProbeConfig
 from lab.ports import free_port  # a loopback port free a moment ago
 from lab.standin import STANDIN  # the token-streaming stand-in's script
@@ -259,18 +259,18 @@ def test_help_defaults_are_the_config_defaults():
     check, capture = parser[("check",)].format_help(), parser[("capture",)].format_help()
     flat = lambda text: " ".join(text.split())  # noqa: E731 - argparse wraps lines
     p, c = ProbeConfig(), CaptureConfig()
-    assert f"default {cli._human_duration(p.timeout)}" in flat(check) and "default 90s" in flat(check)
-    assert f"default {cli._human_duration(p.first_token_timeout)}" in flat(check)
+    assert f"default {cli.help_duration(p.timeout)}" in flat(check) and "default 90s" in flat(check)
+    assert f"default {cli.help_duration(p.first_token_timeout)}" in flat(check)
     assert f"default {p.max_tokens}" in flat(check)
-    assert f"default {c.snapshots}" in flat(capture) and f"default {cli._human_duration(c.spacing)}" in flat(capture)
-    assert f"default {cli._human_duration(c.ceiling)}" in flat(capture)
+    assert f"default {c.snapshots}" in flat(capture) and f"default {cli.help_duration(c.spacing)}" in flat(capture)
+    assert f"default {cli.help_duration(c.ceiling)}" in flat(capture)
     assert "120" not in check
 
 
 @pytest.mark.parametrize("seconds, text", [(90, "90s"), (45, "45s"), (600, "10m"), (3600, "1h"), (0.5, "500ms"),
                                            (2, "2s"), (150, "150s")])
 def test_human_duration(seconds, text):
-    assert cli._human_duration(seconds) == text
+    assert cli.help_duration(seconds) == text
 
 
 def _readme_commands() -> dict[str, str]:
@@ -324,7 +324,7 @@ def _instance(name="gemma", state="healthy", ok=True, reason=None, open_incident
 
 def test_status_fits_80_columns_and_cuts_with_an_ellipsis():
     """Measured: headers cut, a row wrapping to 7 lines, reasons cut mid-word with no mark."""
-    from mlxwatch.daemon.status import status_lines
+    from mlxwatch.output.status import status_lines
 
     reason = "no token delivered within the first-token timeout: 45s passed (headers received, 3 keepalives)" * 2
     status = _status(instances=[
@@ -454,7 +454,7 @@ def test_bundle_show_a_directory_a_name_or_an_archive(tmp_path, capsys):
 
 def test_capture_progress_says_no_token_when_the_probe_got_none():
     """Measured: the progress table said "probe ok" when the probe got no token."""
-    from mlxwatch.output.reports import CaptureProgress
+    from mlxwatch.output.capture import CaptureProgress
 
     console = Console(file=io.StringIO(), width=100, color_system=None)
     with CaptureProgress(console) as progress:
@@ -828,8 +828,9 @@ def test_resume_json_and_what_it_says_about_the_state(tmp_path, capsys):
 
 def test_demo_keep_says_what_was_kept(tmp_path):
     """Measured: `demo --keep` ended with "the server and model are gone" when they were kept."""
-    from mlxwatch.demo import _report
+    from mlxwatch.demo import demo_result
     from mlxwatch.journal.incidents import Incident, Journal
+    from mlxwatch.output.demo import render_demo_report
 
     for with_incident in (False, True):
         if with_incident:
@@ -837,7 +838,7 @@ def test_demo_keep_says_what_was_kept(tmp_path):
         for kept, expected in ((tmp_path / "server", f"its log and the model are kept in {tmp_path / 'server'}"),
                                (None, "the model removed")):
             console = Console(file=io.StringIO(), width=300)
-            _report(console, Journal(tmp_path), tmp_path, kept)
+            render_demo_report(demo_result(Journal(tmp_path), tmp_path, kept), console)
             text = console.file.getvalue()
             assert expected in text and "are gone" not in text
 
@@ -849,7 +850,8 @@ async def test_after_recovery_status_shows_the_recovery_probe(tmp_path):
 
     from mlxwatch.capture import Bundle, Classification
     from mlxwatch.config import Config, InstanceConfig, RestartConfig
-    from mlxwatch.daemon.status import collect_status, status_lines
+    from mlxwatch.daemon.status import collect_status
+    from mlxwatch.output.status import status_lines
     from mlxwatch.daemon.supervisor import Daemon
     from mlxwatch.journal.incidents import Journal
     from mlxwatch.restart.methods import OK, RestartOutcome
@@ -899,7 +901,8 @@ async def test_after_recovery_status_shows_the_recovery_probe(tmp_path):
 def test_status_names_the_state_a_clean_stop_interrupted(tmp_path):
     """An incident a SIGTERM interrupted is shown at the state it was in, not at "interrupted"."""
     from mlxwatch.config import Config, InstanceConfig
-    from mlxwatch.daemon.status import collect_status, status_lines
+    from mlxwatch.daemon.status import collect_status
+    from mlxwatch.output.status import status_lines
     from mlxwatch.journal.incidents import Incident, Journal
 
     inc = Incident("gemma")

@@ -20,7 +20,7 @@ import pytest
 from rich.console import Console
 from test_cli import make_bundle, no_user_config, one_line_error, sleeper  # noqa: F401 - fixtures
 
-from mlxwatch.cli import main as cli
+import mlxwatch.cli as cli
 from lab.ports import free_port
 
 FAKE_SERVER = """\

@@ -17,7 +17,7 @@ import pytest
 import yaml
 from rich.console import Console
 
-from mlxwatch.cli import main as cli
+import mlxwatch.cli as cli
 from mlxwatch.config import load_config
 from lab.ports import free_port  # a loopback port free a moment ago
 

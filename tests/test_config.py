@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from mlxwatch.cli.main import run
+from mlxwatch.cli import run
 from mlxwatch.config import (
     MAX_CONFIG_BYTES,
     CaptureConfig,

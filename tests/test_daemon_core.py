@@ -28,7 +28,8 @@ from mlxwatch.config import (
     ProbeConfig,
     RestartConfig,
 )
-from mlxwatch.daemon.status import collect_status, render_status
+from mlxwatch.daemon.status import collect_status
+from mlxwatch.output.status import render_status
 from mlxwatch.daemon.supervisor import Daemon
 from mlxwatch.errors import RestartError, StateError
 from mlxwatch.host.process import ProcessIdentity, lookup_server

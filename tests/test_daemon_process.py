@@ -257,7 +257,7 @@ else:  # the daemon's own imports, as a cold start on a loaded Mac takes them
 
     sys.meta_path.insert(0, Hold())
 
-from mlxwatch.cli.main import main
+from mlxwatch.cli import main
 
 sys.argv = ["mlxwatch", *sys.argv[4:]]
 main()

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from mlxwatch.cli.main import run
+from mlxwatch.cli import run
 from mlxwatch.daemon.agent import agent
 from mlxwatch.host import launchctl
 

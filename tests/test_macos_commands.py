@@ -186,7 +186,7 @@ def test_restart_uid_is_read_for_launchd(config_file):
      "instances[0].restart.uid: unknown key (got 501)"),
 ])
 def test_bad_restart_uid_is_one_line_exit_2(config_file, capsys, text, message):
-    from mlxwatch.cli.main import run
+    from mlxwatch.cli import run
 
     path = config_file(text)
     assert run(["config", "validate", str(path)]) == 2

@@ -20,7 +20,7 @@ import pytest
 
 import mlxwatch.probes
 from mlxwatch.capture import CaptureRequest, capture_bundle, export_bundle, pyspy
-from mlxwatch.cli import main as cli
+import mlxwatch.cli as cli
 from mlxwatch.shim import heartbeat, layout
 
 sys.path.insert(0, str(Path(__file__).parent))

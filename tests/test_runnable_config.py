@@ -8,7 +8,7 @@ import plistlib
 
 import pytest
 
-from mlxwatch.cli.main import run
+from mlxwatch.cli import run
 
 GOOD = "instances: [{name: local, url: 'http://127.0.0.1:8082'}]\n"
 NOT_RUNNABLE = {

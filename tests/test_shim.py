@@ -371,7 +371,8 @@ def test_status_shows_tokens_per_second_and_time_since_the_last_token(standin, t
     from rich.console import Console
 
     from mlxwatch.config import Config, InstanceConfig
-    from mlxwatch.daemon.status import collect_status, render_status
+    from mlxwatch.daemon.status import collect_status
+    from mlxwatch.output.status import render_status
 
     s = standin()
     s.wait_for(lambda h: (h.tokens_per_s or 0) > 0, what="tokens/s")
@@ -577,7 +578,7 @@ def test_shimwatch_turns_readings_into_stall_delivered_busy_and_evidence():
 def test_the_example_server_agent_runs_the_server_through_launch():
     import plistlib
 
-    from mlxwatch.cli.main import build_parser
+    from mlxwatch.cli import build_parser
 
     plist = plistlib.loads((ROOT / "launchd" / "com.example.mlx-server-shim.plist").read_bytes())
     argv = plist["ProgramArguments"]

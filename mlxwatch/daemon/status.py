@@ -9,9 +9,8 @@ The state file and the journal are read as untrusted input: a hand-edited or dam
 ``state.json`` (``[]``, ``{"instances": 5}``, a probe that is a number) or a journal line with
 odd fields is shown as far as it makes sense, never a traceback::
 
-    status = collect_status(config, state_dir)
-    render_status(status, console)          # fits 80 columns
-    sys.exit(status_exit_code(status))      # 0 all healthy and a daemon runs, else 1
+    status = collect_status(config, state_dir)  # plain data (JSON-ready); output/status.py renders it
+    code = status_exit_code(status)             # 0 all healthy and a daemon runs, else 1
 """
 
 from __future__ import annotations
@@ -20,11 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from rich.console import Console
-from rich.text import Text
-
 from mlxwatch.config import Config
-from mlxwatch.durations import format_duration
 from mlxwatch.journal.incidents import CLOSING_EVENTS, Journal
 from mlxwatch.journal.lock import lock_holder
 from mlxwatch.journal.state import load_state
@@ -123,120 +118,6 @@ def status_exit_code(status: dict[str, Any]) -> int:
     if not d["running"] or d.get("stalled") or not status["instances"]:
         return 1
     return 0 if all(i["state"] == "healthy" and not i["open_incident"] for i in status["instances"]) else 1
-
-
-# --- rendering: fits 80 columns; long texts end in an ellipsis, never cut mid-word unmarked
-
-HUNG_STATES = ("hung", "capturing", "restarting", "recovering", "gave_up")
-STATE_STYLES = {"healthy": "green", "starting": "cyan", "suspect": "yellow", "slow": "yellow", "never probed": "yellow"}
-
-
-def state_label(instance: dict[str, Any]) -> str:
-    """The state as a person reads it: a hung server whose capture found no process is down
-    (crashed), not "hung"; a known kind is named next to the state."""
-    state = instance["state"]
-    kind = (instance.get("open_incident") or {}).get("kind")
-    if state == "hung" and kind == "crashed":
-        return "down (crashed)"
-    if state in HUNG_STATES and kind:
-        return f"{state} ({kind})"
-    return state
-
-
-def status_lines(status: dict[str, Any], width: int = 80) -> list[Text]:
-    """The human status, one ``Text`` per line, each at most ``width`` characters."""
-    lines: list[Text] = []
-    d = status["daemon"]
-    where = f"state in {status['state_dir']}"
-    if d["running"] and d.get("stalled"):
-        lines.append(Text(f"daemon running (PID {d['pid']}) but stalled: no heartbeat for "
-                          f"{_ago(d.get('last_tick'))}; {where}", style="red"))
-    elif d["running"]:
-        errors = f", {d['watcher_errors']} watcher error(s)" if d.get("watcher_errors") else ""
-        lines.append(Text(f"daemon running (PID {d['pid']}{errors}), {where}"))
-    elif d.get("updated_at"):
-        lines.append(Text(f"daemon not running (last update {_ago(_number(d['updated_at']))}); {where}; "
-                          "start it with `mlxwatch run`", style="yellow"))
-    else:
-        lines.append(Text(f"daemon not running (none has left a record in {status['state_dir']}); "
-                          "start it with `mlxwatch run`", style="yellow"))
-    instances = status["instances"]
-    if not instances:
-        if status.get("config"):
-            lines.append(Text(f"no instances in {status['config']}: add one (see `mlxwatch config example`)"))
-        else:
-            lines.append(Text("no config, so nothing is watched: write one with `mlxwatch config init` "
-                              "(finds running mlx-lm servers) or see `mlxwatch config example`"))
-        return [_fit(line, width) for line in lines]
-    header = ("INSTANCE", "STATE", "LAST PROBE", "TTFT", "RESTARTS")
-    rows = []
-    for i in instances:
-        p = i["last_probe"]
-        probe = "-" if not p else ("ok" if p["ok"] else "failed") + (f" {_ago(p['at'])}" if p["at"] else "")
-        ttft = format_duration(p["ttft"]) if p and p["ttft"] is not None else "-"
-        restarts = str(i["restarts_in_window"]) + (f" of {i['budget']}" if i.get("budget") else "")
-        rows.append((i["name"], state_label(i), probe, ttft, restarts))
-    widths = [min(max(len(r[c]) for r in [header, *rows]), cap) for c, cap in enumerate((20, 24, 16, 8, 8))]
-    lines.append(Text(_row(header, widths), style="bold"))
-    for i, row in zip(instances, rows):
-        lines.append(Text(_row(row, widths), style=STATE_STYLES.get(i["state"], "red")))
-        p = i["last_probe"]
-        if p and not p["ok"] and p.get("reason"):
-            lines.append(Text(f"  last probe: {p['reason']}"))
-        if i.get("shim"):
-            from mlxwatch.shim.heartbeat import describe
-
-            lines.append(Text(f"  {describe(i['shim'])}"))
-        o, inc = i["open_incident"], i["last_incident"]
-        if o:
-            if d["running"]:
-                lines.append(Text(f"  {i['name']}: incident {o['id']} in progress: {o['stopped_at_event']}", style="red"))
-            else:
-                lines.append(Text(f"  {i['name']}: incident {o['id']} open: daemon stopped at {o['stopped_at_event']} "
-                                  "(the daemon will close it when it starts)", style="red"))
-        elif inc:
-            how = inc.get("event")
-            took = inc.get("seconds_to_recovery")
-            took_text = f" after {format_duration(took)}" if isinstance(took, (int, float)) else ""
-            lines.append(Text(f"  last incident {_ago(_number(inc.get('detected_at')))}: {inc.get('kind') or 'kind unknown'}, "
-                              f"{how}{took_text}"))
-        if i["state"] == "gave_up":
-            lines.append(Text(f"  gave up restarting: `mlxwatch resume {i['name']}` allows restarts again", style="red"))
-        if not i.get("configured", True):
-            lines.append(Text("  (in the state file, not in the config)"))
-    if status.get("state_problem"):
-        lines.append(Text(f"state file {status['state_problem']}; the daemon rebuilds it from the journal", style="yellow"))
-    return [_fit(line, width) for line in lines]
-
-
-def render_status(status: dict[str, Any], console: Console, fit: bool | None = None) -> None:
-    """Print the status; on a terminal (or with ``fit``) each line fits the console's width.
-    Piped output keeps whole lines: a reason cut to 80 columns is lost to a log reader."""
-    fit = console.is_terminal if fit is None else fit
-    for line in status_lines(status, console.width if fit else 10**6):
-        console.print(line, soft_wrap=True)
-
-
-def _row(cells: tuple[str, ...], widths: list[int]) -> str:
-    return "  ".join(_cut(c, w).ljust(w) for c, w in zip(cells, widths)).rstrip()
-
-
-def _cut(text: str, width: int) -> str:
-    return text if len(text) <= width else text[: max(0, width - 1)] + "…"
-
-
-def _fit(line: Text, width: int) -> Text:
-    if len(line.plain) <= width:
-        return line
-    out = line[: max(0, width - 1)]
-    out.append("…")
-    return out
-
-
-def _ago(ts: float | None) -> str:
-    if not ts:
-        return ""
-    return f"{format_duration(max(0.0, time.time() - ts))} ago"
 
 
 def _stopped_at(rec: dict) -> object:

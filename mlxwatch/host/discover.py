@@ -102,6 +102,15 @@ def _url(addresses: list[tuple[str, int]]) -> str:
     return f"http://{host}:{port}"
 
 
+def listening_url(pid: int, cmdline: tuple[str, ...]) -> str | None:
+    """Where a server process listens, as a URL a local client would use (None: nowhere yet)."""
+    listeners = own_listeners(pid)
+    if not listeners:
+        return None
+    wanted = server_port(cmdline)
+    return _url([a for a in listeners if a[1] == wanted] or listeners)
+
+
 def _arg(cmdline: tuple[str, ...], option: str) -> str | None:
     for i, arg in enumerate(cmdline):
         if arg == option and i + 1 < len(cmdline):

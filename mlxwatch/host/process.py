@@ -387,3 +387,38 @@ def find_server_pid(port: int, pid_file: Path | None = None) -> int:
     if len(pids) > 1:
         raise ProcessGoneError(f"several processes listen on port {port}: {sorted(pids)}; set pid_file")
     return pids.pop()
+
+
+def not_the_server(pid: int, cmdline: tuple[str, ...], url: str | None, inst: InstanceConfig | None,
+                   lookup: Callable[[InstanceConfig], ServerLookup] = lookup_instance) -> str | None:
+    """Why ``pid`` is not the mlx-lm server at ``url`` (proven as the daemon proves it), or None.
+    Without a URL: why it is not an mlx-lm server at all. ``inst``: the instance at ``url``, whose
+    lookup (pid_file, launchd label) is the one to trust."""
+    if url is None:
+        if is_mlx_server(cmdline):
+            return None
+        return f"PID {pid} is not an mlx-lm server ({short_cmdline(cmdline)})"
+    found = lookup(inst) if inst is not None and inst.url == url else lookup_server(url)
+    if found.identity is not None and found.identity.pid == pid:
+        return None
+    what = f"PID {pid} ({short_cmdline(cmdline)}) is not the mlx-lm server listening at {url}"
+    if found.identity is not None:
+        return f"{what}: that is {found.identity.describe()}"
+    return f"{what}: {found.stranger or found.detail or 'nothing listens there'}"
+
+
+def instance_at(instances: tuple[InstanceConfig, ...] | list[InstanceConfig], pid: int, url: str | None,
+                lookup: Callable[[InstanceConfig], ServerLookup] = lookup_instance,
+                ) -> tuple[InstanceConfig | None, Path | None]:
+    """The configured instance whose server ``pid`` is, and the log its lookup found (a launchd
+    job's): the instance at ``url`` when given, else the one at an address ``pid`` listens on,
+    proven as the daemon proves its server. (None, None): no instance is this process's."""
+    if url is not None:
+        return next((i for i in instances if i.url == url), None), None
+    ports = {port for _, port in own_listeners(pid)}
+    for inst in instances:
+        if url_port(inst.url) in ports:
+            found = lookup(inst)
+            if found.identity is not None and found.identity.pid == pid:
+                return inst, found.log
+    return None, None

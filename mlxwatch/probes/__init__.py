@@ -4,7 +4,7 @@ Each probe is a coroutine that returns a result (never raises for the server's b
 enforces its own deadline. ``run_check`` combines them into the verdict the CLI and daemon use.
 """
 
-from mlxwatch.probes.check import CheckReport, make_client, run_check
+from mlxwatch.probes.check import CheckReport, WaitedCheck, check_until_healthy, make_client, run_check
 from mlxwatch.probes.endpoints import EndpointResult, probe_endpoint
 from mlxwatch.probes.generation import (
     PROBE_PROMPT,
@@ -19,6 +19,8 @@ __all__ = [
     "EndpointResult",
     "Failure",
     "GenerationProbeResult",
+    "WaitedCheck",
+    "check_until_healthy",
     "make_client",
     "probe_endpoint",
     "probe_generation",

@@ -11,7 +11,7 @@ import asyncio
 import functools
 import ssl
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import httpx
 
@@ -99,6 +99,48 @@ async def run_check(
     if not generation.ok and health.status == 200 and remaining > 0.5:
         health = await probe_endpoint(client, url, "/health", min(endpoint_timeout, remaining))
     return CheckReport(url, generation, health, models)
+
+
+@dataclass(frozen=True)
+class WaitedCheck:
+    """The last check of ``check_until_healthy``, how long it waited and how many probes it took."""
+
+    report: CheckReport
+    seconds: float
+    probes: int
+
+
+async def check_until_healthy(
+    url: str,
+    *,
+    first_token_timeout: float,
+    timeout: float,
+    max_tokens: int,
+    endpoint_timeout: float,
+    wait: float | None,
+    on_wait: Callable[[float, str], None] = lambda seconds, reason: None,
+) -> WaitedCheck:
+    """``run_check`` once, or (``wait``) again until one is healthy or ``wait`` seconds have passed:
+    for a server still loading in CI. After a quick failure the next probe comes a second after
+    the last one began; a probe started in time may run its own ``timeout`` past ``wait``.
+    ``on_wait(seconds, reason)`` hears each new reason to wait, once (not once per probe)."""
+    async with make_client() as client:
+        loop = asyncio.get_running_loop()
+        started, probes, said = loop.time(), 0, None
+        while True:
+            began = loop.time()
+            probes += 1
+            report = await run_check(client, url, first_token_timeout=first_token_timeout, timeout=timeout,
+                                     max_tokens=max_tokens, endpoint_timeout=endpoint_timeout)
+            waited = loop.time() - started
+            if report.healthy or wait is None or waited >= wait:
+                return WaitedCheck(report, waited, probes)
+            if report.reason != said:
+                said = report.reason
+                on_wait(waited, report.reason)
+            pause = min(1.0 - (loop.time() - began), wait - waited)  # quick failures: once a second
+            if pause > 0:
+                await asyncio.sleep(pause)
 
 
 def make_client() -> httpx.AsyncClient:

@@ -366,20 +366,3 @@ class Change:
         return cls(max(0.0, after.published_at - before.published_at), after.steps - before.steps,
                    after.tokens - before.tokens, after.prompt_tokens - before.prompt_tokens)
 
-
-def describe(summary: dict[str, Any]) -> str:
-    """One line for ``status`` from ``Heartbeat.summary()``: tokens/s and time since the last token."""
-    if summary.get("thread") == "died":
-        return f"shim: generation thread died ({summary.get('exception') or 'no exception recorded'})"
-    if summary.get("stale"):
-        return f"shim: no heartbeat for {summary.get('age')}s (GIL held, or process stopped)"
-    if summary.get("seam") != "ok":
-        return f"shim: heartbeat unavailable ({summary.get('seam')}); stacks on demand only"
-    rate = summary.get("tokens_per_s")
-    since = summary.get("since_last_token")
-    parts = [f"{rate:.1f} tok/s" if isinstance(rate, (int, float)) else "tok/s unknown",
-             f"last token {since:.0f}s ago" if isinstance(since, (int, float)) else "no token yet",
-             f"{summary.get('in_flight', 0)} in flight"]
-    if summary.get("stalled_for"):
-        parts.append(f"no progress for {summary['stalled_for']:.0f}s")
-    return "shim: " + ", ".join(parts)
