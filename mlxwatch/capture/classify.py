@@ -38,9 +38,9 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
 
 from mlxwatch.serverlog.markers import LogMarkers
+from mlxwatch.shim.stacks import ShimFindings
 from mlxwatch.stacks import ThreadStack, generation_thread
 
 IDLE_CPU = 5.0  # percent of one core: below this the process computes nothing
@@ -77,7 +77,7 @@ class Evidence:
     log_progress_now: tuple[int, int] | None = None  # its latest X/Y
     log_admissions: int = 0  # other requests admitted (POST ... 200) during the window: not progress
     verdict: str | None = None  # the watchdog's reason for its verdict; None for a manual capture
-    shim: Any = None  # the launch shim's heartbeat findings (mlxwatch.shim.stacks.ShimFindings), if any
+    shim: ShimFindings | None = None  # the launch shim's heartbeat findings, if any
 
 
 @dataclass
