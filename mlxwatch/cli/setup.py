@@ -9,7 +9,7 @@ import sys
 
 from rich.console import Console
 
-from mlxwatch.cli.common import EXIT_OK, EXIT_USAGE, explicit_config, state_dir
+from mlxwatch.cli.common import EXIT_OK, EXIT_USAGE, err_console, explicit_config, state_dir
 from mlxwatch.config import Config, bundles_dir_for, load_config, load_runnable_config, resolve_config_path
 from mlxwatch.errors import ConfigError, UsageError
 
@@ -56,10 +56,13 @@ def cmd_launchd(args: argparse.Namespace, out: Console) -> int:
 
 
 def cmd_launch(args: argparse.Namespace, out: Console) -> int:
+    from mlxwatch.output.launchd import render_launch_warning
     from mlxwatch.shim.launcher import launch
 
+    err = err_console()
     try:
-        launch(list(args.server_command), name=args.name, exit_on_thread_death=args.exit_on_thread_death)
+        launch(list(args.server_command), name=args.name, exit_on_thread_death=args.exit_on_thread_death,
+               on_warning=lambda warning: render_launch_warning(err, warning))
     except OSError as exc:  # exec itself failed (the command checked out a moment ago)
         raise UsageError(f"launch: cannot run {args.server_command[-1] if args.server_command else '?'}: "
                          f"{exc.strerror or exc}") from None

@@ -1,4 +1,5 @@
-"""``mlxwatch launchd install`` and ``uninstall``: what was done, and the commands that follow::
+"""``mlxwatch launchd install`` and ``uninstall``: what was done, and the commands that follow;
+``mlxwatch launch``'s warnings::
 
     render_installed(launchd.install(config, label), label, console)
 """
@@ -27,3 +28,8 @@ def render_uninstalled(gone: Uninstalled, label: str, console: Console) -> None:
         return
     done = [w for w, did in (("unloaded", gone.booted_out), (f"removed {gone.plist}", gone.removed)) if did]
     console.print(f"{label}: {', '.join(done)}; the state dir and the bundles are kept", markup=False)
+
+
+def render_launch_warning(err: Console, warning: str) -> None:
+    """``mlxwatch launch``: something about the server command worth knowing, before the exec."""
+    err.print(f"mlxwatch launch: {warning}", markup=False)

@@ -25,7 +25,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import NoReturn
+from typing import Callable, NoReturn
 
 import psutil
 
@@ -171,11 +171,13 @@ def clean_runtime_dir(directory: str, own_pid: int, now: float | None = None) ->
     return removed
 
 
-def launch(command: list[str], *, name: str | None = None, exit_on_thread_death: bool = False) -> NoReturn:
-    """Exec the server command with the shim; returns only by raising (UsageError, OSError)."""
+def launch(command: list[str], *, name: str | None = None, exit_on_thread_death: bool = False,
+           on_warning: Callable[[str], None] = lambda warning: None) -> NoReturn:
+    """Exec the server command with the shim; returns only by raising (UsageError, OSError).
+    ``on_warning`` hears what the plan found worth saying, before the exec (the CLI prints it)."""
     p = plan(command, name=name, exit_on_thread_death=exit_on_thread_death)
     for warning in p.warnings:
-        print(f"mlxwatch launch: {warning}", file=sys.stderr)
+        on_warning(warning)
     sys.stdout.flush()
     sys.stderr.flush()
     os.execve(p.executable, p.argv, p.env)
