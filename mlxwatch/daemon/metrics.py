@@ -19,6 +19,7 @@ other label comes from a fixed list, so no URL, path, prompt or message can reac
 ``mlxwatch_probe_success{server}``                        gauge      1 if the last probe delivered a token in time
 ``mlxwatch_probe_ttft_seconds{server}``                   histogram  request sent -> first token, of probes that got one
 ``mlxwatch_probe_duration_seconds{server}``               histogram  request sent -> end or give-up, of every probe
+``mlxwatch_last_probe_timestamp_seconds{server}``         gauge      when the watcher's last probe ended (its liveness)
 ``mlxwatch_instance_state{server,state}``                 gauge      1 for the current state, 0 for the others
 ``mlxwatch_incidents_total{server,kind}``                 counter    incidents by classified kind (see below)
 ``mlxwatch_restarts_total{server,result}``                counter    restarts run: ok, nothing_to_restart, failed
@@ -132,6 +133,9 @@ class Metrics:
                                     ["server"], buckets=buckets_up_to(ttft_top), registry=r)
         self.probe_duration = Histogram("mlxwatch_probe_duration_seconds", "Probe request sent to end or give-up",
                                         ["server"], buckets=buckets_up_to(total_top), registry=r)
+        self.last_probe_time = Gauge("mlxwatch_last_probe_timestamp_seconds",
+                                     "When the instance's last probe ended: a watcher that stopped probing shows here",
+                                     ["server"], registry=r)
         self.instance_state = Gauge("mlxwatch_instance_state", "1 for the instance's current watchdog state",
                                     ["server", "state"], registry=r)
         self.incidents = Counter("mlxwatch_incidents", "Incidents by classified kind (unknown: never classified)",
@@ -204,6 +208,8 @@ class Metrics:
             if isinstance(probe, dict) and probe.get("at") != self.probe_at.get(name):
                 self.probe_at[name] = probe.get("at")
                 self.probe_success.labels(name).set(1 if probe.get("ok") else 0)
+                if isinstance(probe.get("at"), (int, float)):
+                    self.last_probe_time.labels(name).set(probe["at"])
                 if isinstance(probe.get("ttft"), (int, float)):
                     self.probe_ttft.labels(name).observe(probe["ttft"])
                 if isinstance(probe.get("total"), (int, float)):
@@ -260,6 +266,7 @@ class Metrics:
             self.restart_times.pop(name, None)
             for metric, others in ((self.instance_state, STATES), (self.incidents, (*KINDS, OTHER)),
                                    (self.restarts, (*RESTART_RESULTS, OTHER)), (self.probe_success, ()),
+                                   (self.last_probe_time, ()),
                                    (self.probe_ttft, ()), (self.probe_duration, ()), (self.capture_seconds, ()),
                                    (self.last_recovery, ())):
                 for labels in [(name, o) for o in others] or [(name,)]:
@@ -384,6 +391,7 @@ class MetricsExporter:
         self.server: Any = None
         self.thread: Any = None
         self.writer: asyncio.Task | None = None
+        self.writing: asyncio.Future | None = None  # the textfile write in its thread, if one runs
         self.dirty = asyncio.Event()
         self.write_error: str | None = None
         self.address: tuple[str, int] | None = None  # where the endpoint listens (the port, if 0 was asked)
@@ -428,6 +436,8 @@ class MetricsExporter:
             self.writer.cancel()
             await asyncio.gather(self.writer, return_exceptions=True)
             self.writer = None
+            if self.writing is not None:  # a write in its thread outlives the cancel: the last word is ours
+                await asyncio.gather(self.writing, return_exceptions=True)
             try:
                 await asyncio.to_thread(self.write_textfile)
             except OSError as exc:
@@ -447,7 +457,8 @@ class MetricsExporter:
             await asyncio.sleep(self.min_gap)
             self.dirty.clear()
             try:
-                await asyncio.to_thread(self.write_textfile)
+                self.writing = asyncio.ensure_future(asyncio.to_thread(self.write_textfile))
+                await asyncio.shield(self.writing)
             except Exception as exc:  # a full disk or a missing directory: say it once, keep trying
                 error = f"{type(exc).__name__}: {getattr(exc, 'strerror', None) or exc}"
                 if self.write_error is None:

@@ -57,10 +57,12 @@ def collect_status(config: Config, state_dir: Path) -> dict[str, Any]:
         inc = latest.get(name)
         opened = open_incidents.get(name)
         probe = _dict(s.get("last_probe"))
+        stuck = _dict(s.get("stuck")) if running else {}  # a stopped daemon's watchers are not stuck, just gone
         instances.append({
             "name": name,
             "configured": name in configured,
-            "state": _text(s.get("state")) or "never probed",
+            "state": "stuck" if stuck else _text(s.get("state")) or "never probed",
+            "stuck": stuck and {"since": _number(stuck.get("since")), "state": _text(stuck.get("state"))} or None,
             "last_probe": {"at": _number(probe.get("at")), "ok": probe.get("ok") is True,
                            "reason": _text(probe.get("reason")), "ttft": _number(probe.get("ttft")),
                            "total": _number(probe.get("total")), "tokens": _number(probe.get("tokens"))}

@@ -6,7 +6,14 @@ the loop wakes on them or on its heartbeat, and does the work:
 - **Supervision.** Every task it creates it watches. A watcher that raises is logged with its
   traceback (once per distinct error), journaled (``watcher_error``), counted in the daemon's
   health, and started again after a backoff (1 s doubling to 60 s). A crashed watcher never
-  leaves its instance looking "healthy" in ``status``.
+  leaves its instance looking "healthy" in ``status``. A watcher whose ``run`` returns without
+  being stopped is treated as one that raised.
+- **Liveness** (as uvicorn's ping, not "the task exists"). Each watcher promises its next sign
+  of life (``InstanceWatcher.promise``: after each cycle, within its sleep plus a cycle's bound;
+  each incident step with that step's bound). At each heartbeat a watcher more than
+  ``LIVENESS_SLACK`` past its promise is *stuck*: logged, one ``watcher_stuck`` journal record
+  per episode, ``stuck`` in its state-file entry (``status`` shows it, not "healthy"); its next
+  sign of life ends the episode.
 - **One daemon per state dir** (``lock.py``): a second ``run`` is refused with the holder's PID.
 - **Lifecycle.** Any stop (SIGTERM, SIGINT, a crash, SIGKILL) leaves a journal the next start
   reads: incidents left open are closed with where they stopped, partial bundles whose writer
@@ -47,16 +54,19 @@ from mlxwatch.journal.state import StateFile
 log = logging.getLogger("mlxwatch.watchdog")
 
 HEARTBEAT = 30.0  # seconds between the daemon's own liveness writes (status reads `last_tick`)
+LIVENESS_SLACK = 30.0  # seconds past a watcher's promise before it is stuck: thread lookups, log reads, a loaded Mac
 MAX_WATCHER_BACKOFF = 60.0
 
 
 class Daemon:
     def __init__(self, config: Config, state_dir: Path, *, shared_overrides: dict | None = None,
-                 heartbeat: float = HEARTBEAT) -> None:
+                 heartbeat: float = HEARTBEAT, liveness_slack: float = LIVENESS_SLACK) -> None:
         self.config = config
         self.state_dir = state_dir
         self.overrides = shared_overrides or {}
         self.heartbeat = heartbeat
+        self.liveness_slack = liveness_slack
+        self.stuck: dict[str, InstanceWatcher] = {}  # watchers in a stuck episode (said once each)
         self.lock = StateDirLock(state_dir)
         self.watchers: dict[str, InstanceWatcher] = {}
         self.tasks: dict[str, asyncio.Task] = {}
@@ -134,6 +144,7 @@ class Daemon:
                     reload.clear()
                     await self._reload(load_config)
                 self._apply_pending()
+                self._check_liveness()
                 self.state.set_daemon(last_tick=time.time(), watcher_errors=self.watcher_errors)
         finally:
             await self._shutdown(writer)
@@ -194,13 +205,16 @@ class Daemon:
             started = time.monotonic()
             try:
                 await watcher.run()
-                return
+                if watcher.stop.is_set():
+                    return
+                raise RuntimeError("the watcher returned without being stopped")  # silent: a bug, supervised as one
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
                 if time.monotonic() - started > 10 * MAX_WATCHER_BACKOFF:
                     delay = 1.0  # it ran well for a long while: this is a new problem
                 self._watcher_failed(watcher, exc, delay)
+            watcher.promise(delay)  # waiting out the backoff is not being stuck
             await watcher._sleep(delay)
             delay = min(delay * 2, MAX_WATCHER_BACKOFF)
 
@@ -219,6 +233,32 @@ class Daemon:
                               incident=watcher.incident.id if watcher.incident else None)
         except OSError as journal_exc:  # a full disk: the log line above is what we have
             log.error("%s: cannot journal the watcher error: %s", watcher.name, journal_exc)
+
+    def _check_liveness(self) -> None:
+        """Report each watcher more than ``liveness_slack`` past its promised sign of life (once
+        per episode: a log line, a ``watcher_stuck`` record, ``stuck`` in the state file), and
+        say when one lives again."""
+        now = self.shared.clock.monotonic()
+        for name, watcher in self.watchers.items():
+            late = watcher.overdue(now)
+            if late > self.liveness_slack and name not in self.stuck:
+                self.stuck[name] = watcher
+                silent = now - (watcher.alive_at or now)
+                log.error("%s: watcher stuck: no sign of life for %.0fs (promised within %.0fs) in state '%s'",
+                          name, silent, watcher.alive_within, watcher.detect.state)
+                self.journal.note(Event.WATCHER_STUCK, instance=name, state=watcher.detect.state,
+                                  silent_for=round(silent, 3), promised_within=round(watcher.alive_within, 3),
+                                  incident=watcher.incident.id if watcher.incident else None)
+                self.state.update(name, stuck={"since": self.shared.clock.wall_of(watcher.alive_at or now),
+                                               "state": watcher.detect.state})
+            elif late <= self.liveness_slack and self.stuck.get(name) is watcher:
+                del self.stuck[name]
+                log.warning("%s: watcher alive again (it was stuck)", name)
+                self.state.update(name, stuck=None)
+        for name in [n for n, w in self.stuck.items() if self.watchers.get(n) is not w]:
+            del self.stuck[name]  # retired or dropped: a new watcher starts its own record
+            if name in self.watchers:
+                self.state.update(name, stuck=None)
 
     # --- reload
 

@@ -96,6 +96,8 @@ class InstanceWatcher:
     client: httpx.AsyncClient | None = None
     said: set[str] = field(default_factory=set)  # notes already logged once
     shimwatch: ShimWatch | None = None  # the launch shim's heartbeat readings (see "launch shim" below)
+    alive_at: float | None = None  # monotonic: the last sign of life (a cycle done, an incident step begun)
+    alive_within: float = 0.0  # ... and the most it promised to take until the next one
 
     def __post_init__(self) -> None:
         p, r = self.inst.probe, self.inst.restart
@@ -138,10 +140,40 @@ class InstanceWatcher:
         """An incident is open (any state, awaiting recovery and given-up included)."""
         return self.incident is not None
 
+    # --- liveness: the supervisor reports a watcher that breaks its promise (docs/deciding.md)
+
+    def cycle_bound(self) -> float:
+        """The longest one cycle may take: a check ends within ``timeout`` + ``endpoint_timeout``
+        (``run_check``); lookups and log reads ride on the supervisor's slack."""
+        p = self.inst.probe
+        return p.timeout + p.endpoint_timeout
+
+    def promise(self, within: float) -> None:
+        """A sign of life, and a promise of the next one within ``within`` seconds plus a cycle."""
+        self.alive_at, self.alive_within = self.shared.clock.monotonic(), within + self.cycle_bound()
+
+    def overdue(self, now: float) -> float:
+        """Seconds past the promised next sign of life (<= 0: on time), at monotonic ``now``."""
+        if self.alive_at is None:
+            return 0.0
+        return now - self.alive_at - self.alive_within
+
+    def _step_bound(self, event: Event, extra: dict) -> float:
+        """How long an incident's step may take beyond a cycle: it is not "stuck" meanwhile."""
+        if event == Event.CAPTURING:
+            return self.shared.capture.ceiling
+        if event == Event.BACKOFF:
+            wait = extra.get("wait")
+            return float(wait) if isinstance(wait, (int, float)) else 0.0
+        if event == Event.RESTARTING:
+            return self.inst.restart.timeout + self.inst.restart.grace
+        return 0.0
+
     # --- the loop
 
     async def run(self) -> None:
         """Watch until ``stop`` is set. The daemon's supervisor calls this again after a crash."""
+        self.promise(self.inst.probe.interval)  # the first cycle starts within its spread (below), at most an interval
         self._after_crash()
         if not self.seen_healthy and self.identity is not None:
             # The process an earlier run saw healthy is still running: it is not loading.
@@ -161,6 +193,7 @@ class InstanceWatcher:
                         # On schedule: a healthy instance's interval runs from probe start to probe
                         # start, so a probe's own duration does not stretch it.
                         delay = max(0.0, started + delay - loop.time())
+                    self.promise(delay)  # a cycle completed: the next one ends within its sleep and a cycle
                     await self._sleep_watching_shim(delay)
             finally:
                 await self._end_linger()
@@ -446,6 +479,7 @@ class InstanceWatcher:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.inst.probe.startup_timeout
         while not self.stop.is_set() and loop.time() < deadline:
+            self.promise(min(RECOVERY_PROBE_EVERY, self.inst.probe.interval))
             report = await self.probe()
             self.shared.state.update(self.name, quiet=True, last_probe=_probe_summary(report, self.shared.clock.wall()))
             if report.healthy:
@@ -576,6 +610,7 @@ class InstanceWatcher:
         """Journal an incident's step. ``state``: what the policy's transition made it (the
         watcher asks the policy; it never sets a state), or the state as it is."""
         assert self.incident is not None
+        self.promise(self._step_bound(event, extra))  # each step is bounded: not stuck while it runs
         self.shared.journal.record(event, self.incident, state=state or self.detect.state, **extra)
         self._save(last_incident=_incident_summary(self.incident))
 
