@@ -49,6 +49,9 @@ class RequestView:
     tokens: int
     bytes_out: int
     generation: bool = True  # a completion request: tokens are expected from it
+    # The request body (held anyway while in flight, at most front.max_body): for a bundle only
+    # with capture.requests: bodies. Never in repr, so never in a log line by accident.
+    body: bytes = field(default=b"", repr=False, compare=False)
 
 
 @dataclass(frozen=True)
@@ -80,7 +83,8 @@ class _Flight:
     def snapshot(self) -> RequestView:
         v = self.view
         return RequestView(v.id, v.method, v.path, v.started_mono, v.stream, v.max_tokens, v.prompt_bytes,
-                           self.first_token_mono, self.last_token_mono, self.tokens, self.bytes_out, v.generation)
+                           self.first_token_mono, self.last_token_mono, self.tokens, self.bytes_out, v.generation,
+                           v.body)
 
 
 @dataclass
@@ -97,10 +101,10 @@ class Ledger:
     _rates: deque = field(default_factory=lambda: deque(maxlen=OBSERVATIONS_KEPT))
 
     def open(self, method: str, path: str, *, stream: bool, max_tokens: int | None, prompt_bytes: int,
-             generation: bool = True) -> str:
+             generation: bool = True, body: bytes = b"") -> str:
         fid = f"r{next(self._ids)}"
         self._flights[fid] = _Flight(RequestView(fid, method, path, self.monotonic(), stream, max_tokens,
-                                                 prompt_bytes, None, None, 0, 0, generation))
+                                                 prompt_bytes, None, None, 0, 0, generation, body))
         return fid
 
     def delivered(self, fid: str, *, tokens: int = 0, nbytes: int = 0) -> None:
@@ -123,7 +127,7 @@ class Ledger:
         if flight is not None:
             v = flight.view
             flight.view = RequestView(v.id, v.method, v.path, self.monotonic(), v.stream, v.max_tokens,
-                                      v.prompt_bytes, None, None, 0, 0, v.generation)
+                                      v.prompt_bytes, None, None, 0, 0, v.generation, v.body)
         self.count(REPLAYED)
 
     def close(self, fid: str, outcome: str) -> None:

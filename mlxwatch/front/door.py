@@ -287,7 +287,7 @@ class FrontDoor:
                 return self._refusal()
         parsed = _parse(request.method, request.path, body)
         fid = self._ledger.open(request.method, request.path, stream=parsed.stream, max_tokens=parsed.max_tokens,
-                                prompt_bytes=len(body), generation=parsed.generation)
+                                prompt_bytes=len(body), generation=parsed.generation, body=body)
         live = _Live(fid)
         self._live[fid] = live
         self._idle.clear()
