@@ -107,6 +107,10 @@ class Event(StrEnum):
     WATCHER_ERROR = "watcher_error"
     WATCHER_STUCK = "watcher_stuck"
     CONFIG_RELOAD = "config_reload"
+    # the front door (instances[].front)
+    FRONT_STALL = "front_stall"
+    FRONT_REQUEST_STALLED = "front_request_stalled"
+    FRONT_ERROR = "front_error"
 
 
 CLOSING_EVENTS = (Event.RECOVERED, Event.GAVE_UP, Event.CLOSED)
