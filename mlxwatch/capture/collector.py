@@ -200,24 +200,25 @@ async def capture_bundle(req: CaptureRequest, *, runner: Runner = run_command, o
         heartbeat_step = asyncio.ensure_future(steps.run(
             "heartbeat", lambda: _heartbeat(req, process, files, window_seconds, opened),
             lambda: HeartbeatResult(window=ShimWindow(start=opened[0] if opened else None))))
-        window = [stacks_step, cpu_step, probe_step, heartbeat_step]
-        beside = [
-            asyncio.ensure_future(steps.run("sample", lambda: _sample(req, files, runner), SampleResult)),
-            asyncio.ensure_future(steps.run("spindump", lambda: _spindump(req, files, runner), StepResult)),
-            asyncio.ensure_future(steps.run("crash_reports", lambda: _crash_reports(req, process, files), StepResult)),
-            asyncio.ensure_future(steps.run("versions", lambda: _versions(process, files), VersionsResult)),
-        ]
+        window: list[asyncio.Future] = [stacks_step, cpu_step, probe_step, heartbeat_step]
+        sample_step = asyncio.ensure_future(steps.run("sample", lambda: _sample(req, files, runner), SampleResult))
+        spindump_step = asyncio.ensure_future(steps.run("spindump", lambda: _spindump(req, files, runner), StepResult))
+        crash_step = asyncio.ensure_future(steps.run(
+            "crash_reports", lambda: _crash_reports(req, process, files), StepResult))
+        versions_step = asyncio.ensure_future(steps.run("versions", lambda: _versions(process, files), VersionsResult))
         log_step = asyncio.ensure_future(_after(window, steps.deadline - LOG_RESERVE, lambda: steps.run(
             "log", lambda: _log(req, files, followers, before), LogResult)))
-        await asyncio.gather(*window, *beside, log_step)
+        await asyncio.gather(*window, sample_step, spindump_step, crash_step, versions_step, log_step)
         results = CaptureResults(process=process, stacks=stacks_step.result(), cpu=cpu_step.result(),
                                  probe=probe_step.result(), heartbeat=heartbeat_step.result(),
-                                 sample=beside[0].result(), versions=beside[3].result(), log=log_step.result())
+                                 sample=sample_step.result(), versions=versions_step.result(), log=log_step.result())
         bundle = await asyncio.to_thread(_finish, req, steps, files, results, probe_first_token)
     except BaseException:
         if probe_step is not None and probe_step.done() and not probe_step.cancelled() \
-                and probe_step.exception() is None and probe_step.result().lingering is not None:
-            probe_step.result().lingering.cancel()  # nobody will receive it: end it now
+                and probe_step.exception() is None:
+            drain = probe_step.result().lingering
+            if drain is not None:  # nobody will receive it: end it now
+                drain.cancel()
         raise
     finally:
         if before is not None and not before.done():
@@ -409,7 +410,7 @@ async def _probe(req: CaptureRequest, files: _Files, first_token_timeout: float)
                        error=None if report.healthy else f"probe: {report.reason}")  # evidence, not a step failure
 
 
-async def _drain_then_close(lingering: Awaitable[None], client: httpx.AsyncClient) -> object:
+async def _drain_then_close(lingering: Awaitable[object], client: httpx.AsyncClient) -> object:
     """Own the probe's client while its background drain runs; cancelling this cancels the drain."""
     try:
         return await lingering

@@ -80,7 +80,8 @@ class StepRunner:
         self._begun.append((name, start))
         self.on_step(name, "start")
         task = asyncio.ensure_future(work())
-        outcome, error = "cancelled", "the capture was cancelled"
+        outcome: str = "cancelled"
+        error: str | None = "the capture was cancelled"
         try:
             done, _ = await asyncio.wait({task}, timeout=max(0.0, self.deadline - self.clock()))
             if not done:
