@@ -101,7 +101,8 @@ class Upstream:
             writer.write(b"HTTP/1.1 201 Created\r\nContent-Type: application/json\r\nServer: standin\r\n"
                          b"Date: " + DATE.encode() + b"\r\nX-Custom: a, b\r\nSet-Cookie: a=1\r\nSet-Cookie: b=2\r\n"
                          b"Connection: close, X-Hop\r\nX-Hop: secret\r\nKeep-Alive: timeout=5\r\n"
-                         b"Content-Length: " + str(len(payload)).encode() + b"\r\n\r\n" + payload)
+                         b"Content-Length: " + str(len(payload)).encode() + b"\r\n\r\n"
+                         + (b"" if method == "HEAD" else payload))
             await writer.drain()
             return
         if target.startswith("/big"):
@@ -267,6 +268,19 @@ async def test_plain_answer_is_identical_with_and_without_the_door():
     assert second.body == first.body == b"hello"
     sent = {k.lower() for k, _ in second.headers}
     assert "x-keep" in sent and not sent & {"x-secret", "te", "proxy-authorization", "connection"}
+
+
+async def test_head_has_the_servers_headers_and_no_body_and_the_connection_goes_on():
+    async with Upstream() as up, _door(up) as door:
+        host, port = door.address
+        reader, writer = await asyncio.open_connection(host, port)
+        writer.write(b"HEAD /plain HTTP/1.1\r\nHost: h\r\n\r\nGET /plain HTTP/1.1\r\nHost: h\r\n\r\n")
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), BOUND)
+        after = await asyncio.wait_for(_read_response(reader), BOUND)
+        writer.close()
+    assert head.startswith(b"HTTP/1.1 201 ") and b"Content-Length: 27" in head
+    assert after.startswith(b"HTTP/1.1 201 ") and after.endswith(b'{"plain": true, "echo": ""}')
+    assert [s.method for s in up.seen] == ["HEAD", "GET"]
 
 
 async def test_a_stream_is_identical_with_and_without_the_door_and_keeps_the_connection_alive():
