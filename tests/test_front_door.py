@@ -658,3 +658,17 @@ async def test_start_on_a_taken_address_is_one_line_front_error():
     finally:
         holder.close()
     assert f"127.0.0.1:{port}" in str(caught.value) and "\n" not in str(caught.value)
+
+
+async def test_a_bug_while_relaying_answers_in_json_and_leaves_no_request_in_flight(monkeypatch):
+    """Whatever goes wrong inside the door, the client gets an error and the request does not
+    stay "in flight" (it would look like a stall to the daemon forever)."""
+    async def broken(self, *args):
+        raise RuntimeError("bug")
+
+    monkeypatch.setattr(FrontDoor, "_relay", broken)
+    async with Upstream() as up, _door(up) as door:
+        status, _, body = _split(await _raw(_url(door), b"GET /plain HTTP/1.1\r\nHost: h\r\n\r\n"))
+        view = door.view()
+    assert status.startswith("HTTP/1.1 502") and json.loads(body)["error"]["code"]
+    assert view.in_flight == () and view.outcomes["failed_loudly"] == 1

@@ -293,8 +293,17 @@ class FrontDoor:
         self._idle.clear()
         try:
             return await self._serve(request, body, parsed, live)
+        except Exception:  # a bug, or a client gone mid-write: never an empty answer, never a flight left open
+            log.exception("front door %s: request %s failed", self.name, fid)
+            if live.response is None:
+                return _error(502, "the mlxwatch front door failed to relay this request", wire.UNREACHABLE)
+            if request.transport is not None:
+                request.transport.abort()
+            return live.response
         finally:
             self._live.pop(fid, None)
+            if self._ledger.get(fid) is not None:  # a flight left open would look like a stall forever
+                self._ledger.close(fid, FAILED_LOUDLY)
             if not self._live:
                 self._idle.set()
 
