@@ -124,6 +124,7 @@ class CaptureRequest:
     probe_first_token_timeout: float = PROBE_FIRST_TOKEN_CAP  # an upper bound: the window's end (+ margin) cuts it
     probe_timeout: float = PROBE_TIMEOUT_CAP
     prior_probes: list[dict] = field(default_factory=list)  # the watchdog's failed probes
+    front_requests: list[dict] | None = None  # the front door's requests in flight at the verdict (front/requests.json)
     keep: int = CaptureConfig.keep
     max_bytes: int = CaptureConfig.max_bytes
     keep_days: float | None = CaptureConfig.keep_days

@@ -27,6 +27,10 @@ other label comes from a fixed list, so no URL, path, prompt or message can reac
 ``mlxwatch_last_recovery_seconds{server}``                gauge      the last recovery: first failed probe -> proven
 ``mlxwatch_restart_budget_remaining{server}``             gauge      restarts left in the window (read at scrape)
 ``mlxwatch_restart_budget{server}``                       gauge      the configured budget (restarts per window)
+``mlxwatch_front_requests_total{server,outcome}``           counter    front door requests ended, by outcome (below)
+``mlxwatch_front_requests_in_flight{server}``               gauge      front door requests in flight
+``mlxwatch_front_first_token_seconds{server}``              histogram  front door: request received -> its first token
+``mlxwatch_front_tokens_per_second{server}``                histogram  front door: a request's rate, first to last token
 ``mlxwatch_build_info{version,python}``                     gauge      1
 ``mlxwatch_config_last_reload_successful``                  gauge      0 after a refused SIGHUP reload, else 1
 ``mlxwatch_config_last_reload_success_timestamp_seconds``   gauge      the last good load (start or reload)
@@ -34,6 +38,12 @@ other label comes from a fixed list, so no URL, path, prompt or message can reac
 ``mlxwatch_daemon_heartbeat_timestamp_seconds``             gauge      the daemon's last tick (the textfile's liveness)
 ``mlxwatch_daemon_running``                                 gauge      1; 0 in the textfile a stopped daemon leaves
 ==========================================================  =========  ==============================================
+
+The front door's series (``instances[].front``, docs/front-door.md) exist for instances that have
+one; ``outcome`` is one of ``ok``, ``cancelled`` (the client went away), ``failed_loudly`` (an
+explicit error: the verdict, or the request stalled alone), ``refused_restarting`` (503 while the
+server restarts), ``replayed`` (sent again to the recovered server) and ``rejected`` (over a size
+limit). They are read from the door every few seconds by the daemon (``Metrics.on_front``).
 
 An incident is counted once, when its kind is known (``captured``). One whose kind never becomes
 known (its capture failed, or it ended or the daemon stopped before the capture finished) is
@@ -72,6 +82,7 @@ from prometheus_client.exposition import start_http_server
 from mlxwatch import __version__
 from mlxwatch.capture.classify import KINDS
 from mlxwatch.config import Config, MetricsConfig, ProbeConfig
+from mlxwatch.front.delivery import OUTCOMES, DeliveryView, Observations
 from mlxwatch.journal.incidents import Journal
 from mlxwatch.journal.state import StateFile
 from mlxwatch.restart.methods import NOTHING_TO_RESTART, OK
@@ -87,6 +98,9 @@ ENDING_EVENTS = ("recovered", "closed", "interrupted")  # after these an inciden
 _LADDER = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 45.0, 60.0, 90.0, 120.0, 180.0,
            300.0, 600.0, 900.0, 1800.0, 3600.0)
 TEXTFILE_MIN_GAP = 0.5  # changes within this are written together
+
+
+RATE_BUCKETS = (1.0, 2.0, 5.0, 10.0, 20.0, 35.0, 50.0, 75.0, 100.0, 150.0, 250.0, 500.0)  # tokens/s
 
 
 def buckets_up_to(limit: float) -> tuple[float, ...]:
@@ -153,6 +167,17 @@ class Metrics:
         self.watcher_errors = Counter("mlxwatch_watcher_errors", "Watchers that crashed and were restarted", registry=r)
         self.heartbeat = Gauge("mlxwatch_daemon_heartbeat_timestamp_seconds", "The daemon's last heartbeat", registry=r)
         self.running = Gauge("mlxwatch_daemon_running", "1 while the daemon runs; 0 once it stopped", registry=r)
+        self.front_requests = Counter("mlxwatch_front_requests", "Front door requests ended, by outcome",
+                                      ["server", "outcome"], registry=r)
+        self.front_in_flight = Gauge("mlxwatch_front_requests_in_flight", "Front door requests in flight",
+                                     ["server"], registry=r)
+        self.front_first_token = Histogram("mlxwatch_front_first_token_seconds",
+                                           "Front door: request received to its first token delivered",
+                                           ["server"], buckets=buckets_up_to(ttft_top), registry=r)
+        self.front_rate = Histogram("mlxwatch_front_tokens_per_second",
+                                    "Front door: one request's tokens per second, first to last token",
+                                    ["server"], buckets=RATE_BUCKETS, registry=r)
+        self.front_outcomes: dict[str, dict[str, int]] = {}  # the door's totals at the last reading
         r.register(_BudgetCollector(self))
         r.register(_ShimCollector(self))
         self.reload_ok.set(1)  # the config the daemon started with loaded, or it would not be running
@@ -166,6 +191,25 @@ class Metrics:
         self._said: set[str] = set()
 
     # --- observers
+
+    def on_front(self, name: str, view: DeliveryView, observations: Observations) -> None:
+        """One reading of an instance's front door (on the event loop). The door's outcome totals
+        start at zero with each door; the counters add what grew since the last reading (a new
+        door's totals, whole)."""
+        self._seen(name)
+        last = self.front_outcomes.get(name, {})
+        for outcome in OUTCOMES:
+            total = int(view.outcomes.get(outcome, 0))
+            before = last.get(outcome, 0)
+            grown = total - before if total >= before else total
+            self.front_requests.labels(name, outcome).inc(grown)
+        self.front_outcomes[name] = {o: int(view.outcomes.get(o, 0)) for o in OUTCOMES}
+        self.front_in_flight.labels(name).set(len(view.in_flight))
+        for seconds in observations.first_token_latency:
+            self.front_first_token.labels(name).observe(seconds)
+        for rate in observations.tokens_per_second:
+            self.front_rate.labels(name).observe(rate)
+        self._changed()
 
     def on_record(self, entry: dict[str, Any]) -> None:
         """A journal record was written."""
@@ -263,12 +307,14 @@ class Metrics:
         for name in self.instances - live:
             self.instances.discard(name)
             self.probe_at.pop(name, None)
+            self.front_outcomes.pop(name, None)
             self.restart_times.pop(name, None)
             for metric, others in ((self.instance_state, STATES), (self.incidents, (*KINDS, OTHER)),
                                    (self.restarts, (*RESTART_RESULTS, OTHER)), (self.probe_success, ()),
                                    (self.last_probe_time, ()),
                                    (self.probe_ttft, ()), (self.probe_duration, ()), (self.capture_seconds, ()),
-                                   (self.last_recovery, ())):
+                                   (self.last_recovery, ()), (self.front_requests, OUTCOMES),
+                                   (self.front_in_flight, ()), (self.front_first_token, ()), (self.front_rate, ())):
                 for labels in [(name, o) for o in others] or [(name,)]:
                     try:
                         metric.remove(*labels)

@@ -34,11 +34,12 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterable
 
 from mlxwatch.capture.bundle import adopt_partials
 from mlxwatch.config import (
     Config,
+    FrontConfig,
     InstanceConfig,
     bundles_dir_for,
     check_runnable,
@@ -46,13 +47,15 @@ from mlxwatch.config import (
 )
 from mlxwatch.daemon.notify import Notifier
 from mlxwatch.daemon.watcher import InstanceWatcher, Shared
-from mlxwatch.errors import ConfigError, StateError
+from mlxwatch.errors import ConfigError, FrontError, StateError
+from mlxwatch.front.door import FrontDoor
 from mlxwatch.journal.incidents import Event, Journal
 from mlxwatch.journal.lock import StateDirLock
 from mlxwatch.journal.state import StateFile
 
 log = logging.getLogger("mlxwatch.watchdog")
 
+FRONT_METRICS_EVERY = 5.0  # seconds between readings of the doors for the metrics
 HEARTBEAT = 30.0  # seconds between the daemon's own liveness writes (status reads `last_tick`)
 LIVENESS_SLACK = 30.0  # seconds past a watcher's promise before it is stuck: thread lookups, log reads, a loaded Mac
 MAX_WATCHER_BACKOFF = 60.0
@@ -60,7 +63,8 @@ MAX_WATCHER_BACKOFF = 60.0
 
 class Daemon:
     def __init__(self, config: Config, state_dir: Path, *, shared_overrides: dict | None = None,
-                 heartbeat: float = HEARTBEAT, liveness_slack: float = LIVENESS_SLACK) -> None:
+                 heartbeat: float = HEARTBEAT, liveness_slack: float = LIVENESS_SLACK,
+                 door_factory: Callable[..., FrontDoor] = FrontDoor) -> None:
         self.config = config
         self.state_dir = state_dir
         self.overrides = shared_overrides or {}
@@ -72,6 +76,8 @@ class Daemon:
         self.tasks: dict[str, asyncio.Task] = {}
         self.pending: dict[str, InstanceConfig | None] = {}  # changes waiting for an incident to end
         self.retired: set[asyncio.Task] = set()  # replaced watchers' tasks, awaited at shutdown
+        self.door_factory = door_factory
+        self.doors: dict[str, tuple[tuple[str, FrontConfig], FrontDoor]] = {}  # name -> ((url, front), serving door)
         self.watcher_errors = 0
         self._errors_logged: set[str] = set()
 
@@ -129,6 +135,7 @@ class Daemon:
         # It observes the journal and the state file; metrics settings apply at start only.
         self.metrics = await start_metrics(self.config.metrics, self.journal, self.state, lambda: self.config)
         writer = asyncio.create_task(self.state.run_writer(), name="state-writer")
+        await self._sync_doors(self.config.instances)  # before the watchers: their first probe has the door's view
         for inst in self.config.instances:
             self._start(inst)
         for rec in left_open:
@@ -136,7 +143,8 @@ class Daemon:
         log.info("watching %d instance(s): %s", len(self.tasks), ", ".join(self.tasks) or "none")
         try:
             while not stop.is_set():
-                await _wait_any(stop, reload, timeout=min(self.heartbeat, 1.0) if self.pending else self.heartbeat)
+                await _wait_any(stop, reload, timeout=min(self.heartbeat, 1.0 if self.pending else
+                                                          FRONT_METRICS_EVERY if self.doors else self.heartbeat))
                 if writer.done():  # the writer never returns; if it died, say so and start another
                     log.error("state writer stopped: %r; starting it again", writer.exception())
                     writer = asyncio.create_task(self.state.run_writer(), name="state-writer")
@@ -144,6 +152,8 @@ class Daemon:
                     reload.clear()
                     await self._reload(load_config)
                 self._apply_pending()
+                await self._sync_doors([w.inst for w in self.watchers.values()])
+                self._front_metrics()
                 self._check_liveness()
                 self.state.set_daemon(last_tick=time.time(), watcher_errors=self.watcher_errors)
         finally:
@@ -188,13 +198,16 @@ class Daemon:
             await asyncio.to_thread(self.state.flush)
         except OSError as exc:
             log.error("cannot write the state file at stop: %s", exc)
+        await self._stop_doors()
         await self.metrics.stop()
         log.info("stopped")
 
     # --- supervision
 
     def _start(self, inst: InstanceConfig) -> None:
-        self.watchers[inst.name] = InstanceWatcher(inst, self.shared, asyncio.Event())
+        door = self.doors.get(inst.name)
+        self.watchers[inst.name] = InstanceWatcher(inst, self.shared, asyncio.Event(),
+                                                   door=door[1] if door and door[0] == (inst.url, inst.front) else None)
         self.tasks[inst.name] = asyncio.create_task(self._supervise(inst.name), name=f"watch-{inst.name}")
 
     async def _supervise(self, name: str) -> None:
@@ -259,6 +272,63 @@ class Daemon:
             del self.stuck[name]  # retired or dropped: a new watcher starts its own record
             if name in self.watchers:
                 self.state.update(name, stuck=None)
+
+    # --- front doors (instances[].front): served beside the watchers, one per instance that has one
+
+    async def _sync_doors(self, instances: Iterable[InstanceConfig]) -> None:
+        """Each of ``instances`` (the watchers') with a ``front`` section has its door serving; a door whose
+        instance is gone, or whose front settings or server URL changed, is stopped (its requests
+        drained, then failed loudly) and, if still wanted, started anew. A door that cannot start
+        is said once (ERROR, the journal, ``front_error`` in the state file) and tried again at the
+        next tick; the watcher watches on without it. Doors follow the watchers: a change that
+        waits for an incident to end reaches the door when it reaches the watcher."""
+        wanted = {i.name: (i.url, i.front) for i in instances if i.front is not None}
+        for name in [n for n, (spec, _) in self.doors.items() if wanted.get(n) != spec]:
+            _, door = self.doors.pop(name)
+            watcher = self.watchers.get(name)
+            if watcher is not None and watcher.door is door:
+                watcher.door, watcher.frontwatch = None, None
+            await self._stop_door(name, door)
+        for name, (url, front) in wanted.items():
+            if name not in self.doors:
+                door = self.door_factory(name, url, front, clock=self.shared.clock)
+                try:
+                    await door.start()
+                except FrontError as exc:
+                    if f"front:{exc}" not in self._errors_logged:
+                        self._errors_logged.add(f"front:{exc}")
+                        log.error("%s: front door: %s; watching on without it, trying again", name, exc)
+                        self.journal.note(Event.FRONT_ERROR, instance=name, error=str(exc))
+                        self.state.update(name, front_error=str(exc))
+                    continue
+                self._errors_logged = {e for e in self._errors_logged if not e.startswith("front:")}
+                self.doors[name] = ((url, front), door)
+                self.state.update(name, front_error=None)
+                log.info("%s: front door on %s for %s", name, _address(front.listen), url)
+            watcher = self.watchers.get(name)
+            if watcher is not None and watcher.door is not self.doors[name][1]:
+                watcher.door, watcher.frontwatch = self.doors[name][1], None  # a new door: a new baseline
+
+    def _front_metrics(self) -> None:
+        """Each door's delivery, read on the event loop (the door's ledger is the loop's), into
+        the metrics (their endpoint reads them from its own thread)."""
+        metrics = self.metrics.metrics
+        if metrics is None:
+            return
+        for name, (_, door) in self.doors.items():
+            metrics.on_front(name, door.view(), door.take_observations())
+
+    async def _stop_door(self, name: str, door: FrontDoor) -> None:
+        try:
+            await door.stop()
+        except Exception as exc:  # a door that fails to stop must not stop the daemon
+            log.error("%s: front door did not stop cleanly: %s", name, exc)
+        else:
+            log.info("%s: front door stopped", name)
+
+    async def _stop_doors(self) -> None:
+        doors, self.doors = self.doors, {}
+        await asyncio.gather(*(self._stop_door(name, door) for name, (_, door) in doors.items()))
 
     # --- reload
 
@@ -356,6 +426,11 @@ class Daemon:
             log.info("%s: removed from the config: no longer watched", name)
         self.state.data["instances"].pop(name, None)
         self.state.dirty.set()
+
+
+def _address(listen: tuple[str, int]) -> str:
+    host, port = listen
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 async def _wait_any(*events: asyncio.Event, timeout: float) -> None:

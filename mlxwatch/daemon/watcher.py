@@ -28,7 +28,9 @@ from mlxwatch.capture import Bundle, CaptureRequest, capture_bundle, capture_pro
 from mlxwatch.clock import Clock, Stamp
 from mlxwatch.config import CaptureConfig, InstanceConfig
 from mlxwatch.daemon.notify import Notifier
+from mlxwatch.daemon.frontwatch import FrontWatch, requests_evidence
 from mlxwatch.errors import MlxwatchError
+from mlxwatch.front.door import FrontDoor, Gate
 from mlxwatch.host.process import ProcessIdentity, ServerLookup, lookup_instance, lookup_server
 from mlxwatch.journal.incidents import Event, Incident, Journal
 from mlxwatch.journal.state import StateFile, take_resume
@@ -96,6 +98,8 @@ class InstanceWatcher:
     client: httpx.AsyncClient | None = None
     said: set[str] = field(default_factory=set)  # notes already logged once
     shimwatch: ShimWatch | None = None  # the launch shim's heartbeat readings (see "launch shim" below)
+    door: FrontDoor | None = None  # the instance's front door (the daemon starts and stops it; see "front door" below)
+    frontwatch: FrontWatch | None = None  # the door's delivery view, read as signals for the policy
     alive_at: float | None = None  # monotonic: the last sign of life (a cycle done, an incident step begun)
     alive_within: float = 0.0  # ... and the most it promised to take until the next one
 
@@ -194,7 +198,7 @@ class InstanceWatcher:
                         # start, so a probe's own duration does not stretch it.
                         delay = max(0.0, started + delay - loop.time())
                     self.promise(delay)  # a cycle completed: the next one ends within its sleep and a cycle
-                    await self._sleep_watching_shim(delay)
+                    await self._sleep_watching(delay)
             finally:
                 await self._end_linger()
                 self.client = None
@@ -204,6 +208,7 @@ class InstanceWatcher:
         if self.incident is not None and self.detect.state != policy.GAVE_UP:
             self.shared.journal.record(Event.CLOSED, self.incident, reason="watcher error mid-incident; watching again")
             self.incident = None
+            self._front_gate(Gate.OPEN, "incident closed")
         if self.detect.state not in (policy.GAVE_UP, policy.STARTING):
             self.detect.watching_again()
             self.seen_healthy = False
@@ -232,7 +237,7 @@ class InstanceWatcher:
                 self._say(await asyncio.to_thread(self.tracker.prime))
             p = self.inst.probe
             assert self.client is not None
-            report = await run_check(self.client, self.inst.url, first_token_timeout=p.first_token_timeout,
+            report = await run_check(self.client, self.inst.url, first_token_timeout=self._first_token_timeout(),
                                      timeout=p.timeout, max_tokens=p.max_tokens, endpoint_timeout=p.endpoint_timeout,
                                      linger=p.interval)
         finally:
@@ -251,8 +256,11 @@ class InstanceWatcher:
         elif self.detect.state == policy.GAVE_UP and self.guard.cooled_down(now):
             self._resume(f"cool-down of {self.inst.restart.cooldown:g}s passed")
         previous = self.last_probe  # its stream is read until this probe has its answer: then its late tokens are final
+        if self.door is not None and self.frontwatch is None:
+            self._front_reading()  # a new door: its first reading is the baseline of this probe's window
         report = await self.probe()
         now = self.shared.clock.monotonic()
+        front_delivered = self._front_reading()  # every probe ends one reading window of the door's deliveries
         self.shared.state.update(self.name, quiet=True, last_probe=_probe_summary(report, self.shared.clock.wall()))
         if report.healthy:
             await self._healthy(report, now)
@@ -267,6 +275,7 @@ class InstanceWatcher:
             self._say(note)
         self.failed_reports = [*self.failed_reports[-(KEPT_FAILED_REPORTS - 1):], report]
         busy, delivered = await self._shim_on_failure(report)
+        delivered += self._front_on_failure(front_delivered)
         was = self.detect.state
         if not self.detect.failure(now, list(progress.signals) + busy, list(progress.delivered) + delivered):
             if self.detect.state == policy.SLOW:
@@ -388,10 +397,11 @@ class InstanceWatcher:
             log.warning("%s: %s: not the server; it is not captured, signalled or passed to a hook", self.name, stranger)
         self._change(Event.VERDICT)  # the policy's failure() made it hung
         self.shared.notifier.fire("verdict", inc.to_dict())
+        front_requests = self._front_at_verdict()
 
         self._change(Event.CAPTURING, self.detect.capturing())
         await self._end_linger()  # the capture makes its own probe
-        await self._capture(inc, server)
+        await self._capture(inc, server, front_requests)
         if self.inst.restart.method == "none":
             log.warning("%s: restart method is none: waiting for it to recover by itself", self.name)
             self._change(Event.AWAITING_RECOVERY, self.detect.awaiting_recovery())
@@ -430,7 +440,8 @@ class InstanceWatcher:
                      looked.act_on.describe() if looked.act_on else f"no server process to name ({found.detail or 'none'})")
         return looked
 
-    async def _capture(self, inc: Incident, server: ProcessIdentity | None) -> None:
+    async def _capture(self, inc: Incident, server: ProcessIdentity | None,
+                       front_requests: list[dict] | None = None) -> None:
         cap, p = self.shared.capture, self.inst.probe
         request = CaptureRequest(
             pid=server.pid if server else None, out_dir=self.shared.bundles_dir, label=self.name, url=self.inst.url,
@@ -439,7 +450,7 @@ class InstanceWatcher:
             log_tail_lines=cap.log_tail_lines, **capture_probe_timeouts(p),
             prior_probes=[r.to_dict() for r in self.failed_reports],
             keep=cap.keep, max_bytes=cap.max_bytes, keep_days=cap.keep_days, min_free_bytes=cap.min_free_bytes,
-            verdict=_verdict_text(self.failed_reports, inc.stranger),
+            verdict=_verdict_text(self.failed_reports, inc.stranger), front_requests=front_requests,
         )
         try:
             bundle = await self.shared.capture_fn(request)
@@ -501,6 +512,7 @@ class InstanceWatcher:
         began = self.incident_began if self.incident_began is not None else now
         inc.seconds_to_recovery = round(now - began, 3)
         log.warning("%s: recovered (%s) %.1fs after the first failed probe", self.name, how, inc.seconds_to_recovery)
+        self._front_gate(Gate.OPEN, "recovered")
         self.shared.journal.record(Event.RECOVERED, inc, how=how)
         self.shared.notifier.fire("recovered", inc.to_dict())
         self.incident = None
@@ -526,6 +538,7 @@ class InstanceWatcher:
         self.shared.journal.record(Event.GAVE_UP, inc)
         self.shared.notifier.fire("gave_up", inc.to_dict())
         self.detect.gave_up()
+        self._front_gate(Gate.OPEN, "gave up: requests reach the server again, and fail on their own")
         self._save(last_incident=_incident_summary(inc))  # kept open: a later good probe records recovery
 
     def _resume(self, why: str) -> None:
@@ -572,25 +585,25 @@ class InstanceWatcher:
             self.detect.stall_seen()
         return judged.busy, judged.delivered
 
-    async def _sleep_watching_shim(self, seconds: float) -> None:
+    async def _sleep_watching_shim(self, seconds: float) -> bool:
         """``_sleep``, reading the heartbeat every ``SHIM_POLL`` s meanwhile: a stall (requests in
         flight and no token for stall_timeout, a stale heartbeat, a dead thread) makes the
         server suspect at once and ends the wait, so the next probe runs now. Without a
-        heartbeat this is ``_sleep`` after one read."""
+        heartbeat this is ``_sleep`` after one read. True: it ended early for a stall."""
         loop = asyncio.get_running_loop()
         end = loop.time() + seconds
         while not self.stop.is_set():
             left = end - loop.time()
             if left <= 0:
-                return
+                return False
             if (self.inst.shim == "off" or self.identity is None or self.incident is not None
                     or self.detect.state not in (policy.HEALTHY, *policy.PROBING_SOON)):
                 await self._sleep(left)
-                return
+                return False
             hb = await self._shim_read()
             if hb is None:
                 await self._sleep(left)
-                return
+                return False
             judged = self._shim().judge(hb)
             if self._shim().first_time(judged):
                 log.warning("%s: %s: suspect, probing now", self.name, judged.stall)
@@ -601,8 +614,115 @@ class InstanceWatcher:
                         self._say(await asyncio.to_thread(self.tracker.prime))  # older lines are history
                     self.detect.suspect()
                     self._save()
-                return
+                return True
             await self._sleep(min(left, SHIM_POLL))
+        return False
+
+    # --- front door (instances[].front): the door's delivery view as signals for the policy
+    # (mlxwatch.daemon.frontwatch), and the door told what the verdict means for its clients.
+    # Without a door every method here is a no-op.
+
+    def _front(self) -> FrontWatch:
+        assert self.inst.front is not None
+        if self.frontwatch is None:
+            self.frontwatch = FrontWatch(self.inst.front.stall_timeout)
+        return self.frontwatch
+
+    def _front_reading(self) -> list[str]:
+        """Tokens the door delivered since the last reading (a line, or none); starts the next window."""
+        if self.door is None or self.inst.front is None:
+            return []
+        return self._front().delivered(self.door.view())
+
+    def _front_stalled(self) -> str | None:
+        """Outside an incident: requests in flight through the door and no token to anyone for
+        ``front.stall_timeout`` (the reason), else None."""
+        if self.door is None or self.inst.front is None or self.incident is not None:
+            return None
+        stall = self._front().stall(self.door.view(), self.shared.clock.monotonic())
+        return stall.reason if stall else None
+
+    def _first_token_timeout(self) -> float:
+        """The probe's first-token deadline: ``probe.first_token_timeout``, but no longer than
+        ``front.stall_timeout`` while the door shows a stall. The door has then seen that long
+        with no token to any client; the confirming probe needs only as long again."""
+        p = self.inst.probe
+        if self._front_stalled() is None:
+            return p.first_token_timeout
+        return min(p.first_token_timeout, self.inst.front.stall_timeout)
+
+    def _front_on_failure(self, delivered: list[str]) -> list[str]:
+        """A failed probe: the door's deliveries in its window count as the shim's "tokens to
+        other clients" do (slow, never a verdict); a stall the door still shows, with nothing
+        delivered, makes this failure decisive (the stall was the first)."""
+        for line in delivered:
+            log.info("%s: %s", self.name, line)
+        stalled = self._front_stalled()
+        if stalled and not delivered:
+            log.info("%s: %s", self.name, stalled)
+            self.detect.stall_seen()
+        return delivered
+
+    async def _front_poll(self) -> bool:
+        """One look at the door while waiting for the next probe: requests it failed alone are
+        said; a stall makes the instance suspect at once. True: probe now."""
+        if self.door is None or self.inst.front is None:
+            return False
+        for req in self.door.take_stalled_requests():
+            log.warning("%s: front door: request %s (%s %s) got no token for %gs while others did; it failed loudly",
+                        self.name, req.id, req.method, req.path, self.inst.front.request_stall_timeout)
+            self.shared.journal.note(Event.FRONT_REQUEST_STALLED, instance=self.name, request=req.id, path=req.path,
+                                     tokens=req.tokens, timeout=self.inst.front.request_stall_timeout)
+        if self.incident is not None or self.detect.state not in (policy.HEALTHY, *policy.PROBING_SOON):
+            return False
+        watch, view = self._front(), self.door.view()
+        stall = watch.stall(view, self.shared.clock.monotonic())
+        if not watch.first_time(stall):
+            return False
+        assert stall is not None
+        log.warning("%s: %s: suspect, probing now", self.name, stall.reason)
+        self.shared.journal.note(Event.FRONT_STALL, instance=self.name, reason=stall.reason,
+                                 in_flight=len(view.in_flight))
+        watch.delivered(view)  # the confirming probe's window starts now: older tokens do not excuse it
+        if self.detect.state == policy.HEALTHY:
+            if self.tracker.follower is not None:  # as probe() does for a healthy server:
+                self._say(await asyncio.to_thread(self.tracker.prime))  # older lines are history
+            self.detect.suspect()
+            self._save()
+        return True
+
+    async def _sleep_watching(self, seconds: float) -> None:
+        """The wait before the next probe, watching the front door (every ``SHIM_POLL`` s) and the
+        launch shim meanwhile: a stall either sees ends the wait, so the next probe runs now."""
+        if self.door is None:
+            await self._sleep_watching_shim(seconds)
+            return
+        loop = asyncio.get_running_loop()
+        end = loop.time() + seconds
+        while not self.stop.is_set() and (left := end - loop.time()) > 0:
+            if await self._front_poll():
+                return
+            if await self._sleep_watching_shim(min(left, SHIM_POLL)):
+                return
+
+    def _front_at_verdict(self) -> list[dict] | None:
+        """The verdict, for the door's clients: the requests in flight are kept as evidence, then
+        each ends with an explicit error (never an empty success); when a restart follows, new
+        requests get 503 + Retry-After (or are held up to ``front.hold``) until it is verified."""
+        if self.door is None:
+            return None
+        view = self.door.view()
+        evidence = requests_evidence(view, self.shared.clock.monotonic(), bodies=self.shared.capture.requests == "bodies")
+        failed = self.door.fail_in_flight("the server is hung (mlxwatch verdict); retry later")
+        log.warning("%s: front door: %d request(s) in flight failed loudly", self.name, failed)
+        if self.inst.restart.method != "none":
+            self._front_gate(Gate.RESTARTING, "a restart follows the verdict")
+        return evidence
+
+    def _front_gate(self, gate: Gate, why: str) -> None:
+        if self.door is not None:
+            log.info("%s: front door: %s (%s)", self.name, getattr(gate, "value", gate), why)
+            self.door.set_gate(gate)
 
     # --- bookkeeping
 

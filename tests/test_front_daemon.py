@@ -1,0 +1,331 @@
+"""The daemon's side of the front door, without a model server and with a fake door that keeps
+the contract (docs/front-door.md): the door's deliveries hold the verdict, its stall makes the
+instance suspect at once, the verdict fails its requests loudly and gates new ones while the
+server restarts, its requests in flight become evidence, and the daemon starts and stops doors
+with the watchers (start, reload, removal, shutdown)."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from mlxwatch.capture import Bundle
+from mlxwatch.capture.classify import Classification
+from mlxwatch.config import CaptureConfig, Config, FrontConfig, InstanceConfig, ProbeConfig, RestartConfig
+from mlxwatch.daemon.frontwatch import FrontWatch, quiet_start, requests_evidence
+from mlxwatch.errors import FrontError
+from mlxwatch.front.delivery import DeliveryView, RequestView
+from mlxwatch.front.door import Gate
+from mlxwatch.restart.methods import OK, RestartOutcome
+from lab.ports import free_port
+
+from test_daemon_core import FAST, Running, standin  # noqa: F401 - the fixture
+
+FRONT = FrontConfig(listen=("127.0.0.1", 1), stall_timeout=1.0)
+
+
+class FakeDoor:
+    """A door as the contract describes it, whose view the test sets."""
+
+    made: list["FakeDoor"] = []
+    refuse: str | None = None  # start() raises FrontError with this
+    flowing_at_start = False
+
+    def __init__(self, name: str, upstream: str, cfg: FrontConfig, *, clock) -> None:
+        self.name, self.upstream, self.cfg, self.clock = name, upstream, cfg, clock
+        self.started = self.stopped = False
+        self.gates: list[Gate] = []
+        self.failed: list[str] = []
+        self.in_flight: tuple[RequestView, ...] = ()
+        self.last_token_mono: float | None = None
+        self.tokens_total = 0
+        self.flowing = FakeDoor.flowing_at_start  # tokens keep coming: every view shows more
+        self.stalled: list[RequestView] = []
+        FakeDoor.made.append(self)
+
+    async def start(self) -> None:
+        if FakeDoor.refuse:
+            raise FrontError(FakeDoor.refuse)
+        self.started = True
+
+    async def stop(self, drain: float = 5.0) -> None:
+        self.stopped = True
+
+    def view(self) -> DeliveryView:
+        if self.flowing:
+            self.tokens_total += 1
+            self.last_token_mono = self.clock.monotonic()
+        return DeliveryView(self.in_flight, self.last_token_mono, self.tokens_total, {})
+
+    def set_gate(self, gate: Gate) -> None:
+        self.gates.append(gate)
+
+    def fail_in_flight(self, reason: str) -> int:
+        self.failed.append(reason)
+        n, self.in_flight = len(self.in_flight), ()
+        return n
+
+    def take_stalled_requests(self) -> list[RequestView]:
+        taken, self.stalled = self.stalled, []
+        return taken
+
+
+@pytest.fixture(autouse=True)
+def fresh_doors():
+    FakeDoor.made, FakeDoor.refuse, FakeDoor.flowing_at_start = [], None, False
+    yield
+
+
+def request(started: float, tokens: int = 0, last: float | None = None) -> RequestView:
+    return RequestView("r1", "POST", "/v1/chat/completions", started, True, 64, 812, last, last, tokens, 0)
+
+
+def cfg_with(state_dir: Path, url: str, front: FrontConfig | None = FRONT, probe: ProbeConfig = FAST,
+             restart: RestartConfig = RestartConfig(), name: str = "gone") -> Config:
+    inst = InstanceConfig(name, url, None, None, probe, restart, "off", front)
+    return Config(None, (inst,), state_dir, (), CaptureConfig(snapshots=1, spacing=0.1, ceiling=5.0))
+
+
+class FrontRunning(Running):
+    def __init__(self, cfg: Config, **overrides) -> None:
+        super().__init__(cfg, **overrides)
+        self.daemon.door_factory = FakeDoor
+
+
+async def fake_capture(request):
+    fake_capture.requests.append(request)
+    return Bundle(Path("/nonexistent/bundle"), Classification("unknown", "low", []), {})
+
+
+fake_capture.requests = []
+
+
+# --- the reading: pure
+
+
+def test_quiet_starts_at_the_later_of_the_last_token_and_the_oldest_request():
+    view = DeliveryView((request(5.0), request(8.0)), 3.0, 10, {})
+    assert quiet_start(view) == 5.0
+    assert quiet_start(replace(view, last_token_mono=7.0)) == 7.0
+    assert quiet_start(replace(view, in_flight=())) is None  # nothing in flight: quiet is not a stall
+    models = RequestView("r2", "GET", "/v1/models", 1.0, False, None, 0, None, None, 0, 0, generation=False)
+    assert quiet_start(replace(view, in_flight=(models,))) is None  # no token is expected from it
+
+
+def test_stall_is_one_early_probe_per_episode():
+    watch = FrontWatch(stall_timeout=10.0)
+    view = DeliveryView((request(100.0),), 95.0, 3, {})
+    assert watch.stall(view, 109.0) is None
+    stall = watch.stall(view, 110.5)
+    assert stall and "1 request(s) in flight and no token delivered to anyone for 10s" in stall.reason
+    assert watch.first_time(stall) and not watch.first_time(watch.stall(view, 130.0))
+    assert watch.first_time(watch.stall(replace(view, last_token_mono=120.0), 131.0))  # tokens came, then a new stall
+
+
+def test_delivered_counts_tokens_since_the_last_reading():
+    watch = FrontWatch(stall_timeout=10.0)
+    assert watch.delivered(DeliveryView((), None, 5, {})) == []  # the first reading is the baseline
+    assert watch.delivered(DeliveryView((), 1.0, 12, {}), 30) == ["front door: 7 token(s) delivered to clients in the last 30s"]
+    assert watch.delivered(DeliveryView((), 1.0, 12, {})) == []
+
+
+def test_evidence_has_ages_and_sizes_never_a_prompt():
+    r = RequestView("r7", "POST", "/v1/completions", 10.0, False, 32, 4096, 12.0, 15.0, 5, 300)
+    [out] = requests_evidence(DeliveryView((r,), 15.0, 5, {}), 20.0)
+    assert out == {"id": "r7", "method": "POST", "path": "/v1/completions", "age_s": 10.0, "stream": False,
+                   "max_tokens": 32, "prompt_bytes": 4096, "tokens": 5, "bytes_out": 300,
+                   "first_token_after_s": 2.0, "since_last_token_s": 5.0}
+
+
+# --- the daemon
+
+
+async def test_tokens_through_the_door_hold_every_verdict(tmp_path):
+    """Every probe fails (nothing listens), but the door keeps delivering tokens to clients: slow,
+    never a verdict (without the door's reading: a verdict at the first failure)."""
+    cfg = cfg_with(tmp_path / "state", f"http://127.0.0.1:{free_port()}")
+    FakeDoor.flowing_at_start = True
+    async with FrontRunning(cfg) as run:
+        await run.until(lambda: "slow" in run.events(), what="slow")
+        await asyncio.sleep(1.5)  # several more failed probes, tokens still flowing
+        assert "verdict" not in run.events()
+        assert run.daemon.instance_state("gone")["state"] == "slow"
+    assert FakeDoor.made[0].stopped and FakeDoor.made[0].failed == []
+
+
+async def test_verdict_fails_requests_loudly_gates_the_restart_and_keeps_the_evidence(tmp_path):
+    """At the verdict the door's requests in flight go into the bundle's request, then fail
+    loudly; the gate is RESTARTING from the verdict until recovery is verified, then OPEN."""
+    fake_capture.requests = []
+    state = {"listening": False}
+
+    cfg = cfg_with(tmp_path / "state", f"http://127.0.0.1:{free_port()}",
+                   restart=RestartConfig("command", argv=("true",), backoff=0.1))
+
+    async def restart_fn(ctx):
+        door = FakeDoor.made[0]
+        assert door.gates == [Gate.RESTARTING] and door.failed, "gate closed and requests failed before the restart"
+        state["restarted"] = True
+        return RestartOutcome(OK, "restarted")
+
+    async with FrontRunning(cfg, capture_fn=fake_capture, restart_fn=restart_fn) as run:
+        await run.until(lambda: FakeDoor.made and FakeDoor.made[0].started, what="the door to start")
+        door = FakeDoor.made[0]
+        now = run.daemon.shared.clock.monotonic()
+        door.in_flight = (request(now - 3.0, tokens=2, last=now - 2.5),)
+        door.last_token_mono = now - 2.5
+        await run.until(lambda: "restarting" in run.events(), what="the restart")
+    assert "the server is hung" in door.failed[0]
+    [req] = fake_capture.requests
+    [evidence] = req.front_requests
+    assert evidence["id"] == "r1" and evidence["tokens"] == 2 and evidence["age_s"] >= 3.0
+    assert state.get("restarted")
+
+
+async def test_gate_opens_when_recovery_is_verified(tmp_path, standin):
+    """A restart that brings the server back: the gate opens at the verified recovery."""
+    [url], mode_file, _ = standin("hang")
+    cfg = cfg_with(tmp_path / "state", url, restart=RestartConfig("command", argv=("true",), backoff=0.1))
+
+    async def restart_fn(ctx):
+        mode_file.write_text("ok")
+        return RestartOutcome(OK, "restarted")
+
+    async with FrontRunning(cfg, capture_fn=fake_capture, restart_fn=restart_fn) as run:
+        await run.until(lambda: "recovered" in run.events(), what="recovered")
+        door = FakeDoor.made[0]
+        assert door.gates == [Gate.RESTARTING, Gate.OPEN]
+
+
+async def test_gave_up_opens_the_gate(tmp_path):
+    """Given up, the server is not restarted any more: requests reach it again (and fail on
+    their own, loudly, by the door's request_stall_timeout) rather than a 503 for an hour."""
+    cfg = cfg_with(tmp_path / "state", f"http://127.0.0.1:{free_port()}",
+                   restart=RestartConfig("command", argv=("false",), budget=1, backoff=0.1))
+    async with FrontRunning(cfg, capture_fn=fake_capture) as run:
+        await run.until(lambda: "gave_up" in run.events(), what="gave_up")
+        assert FakeDoor.made[0].gates[-1] == Gate.OPEN
+
+
+async def test_restart_none_never_gates(tmp_path):
+    """No restart will come: requests are failed at the verdict, but the gate stays open."""
+    cfg = cfg_with(tmp_path / "state", f"http://127.0.0.1:{free_port()}")
+    async with FrontRunning(cfg, capture_fn=fake_capture) as run:
+        await run.until(lambda: "awaiting_recovery" in run.events(), what="awaiting_recovery")
+        door = FakeDoor.made[0]
+        assert door.gates == [] and len(door.failed) == 1
+
+
+async def test_a_stall_at_the_door_probes_now_and_the_confirming_probe_decides(tmp_path, standin):
+    """Probes every 60 s; the door shows a request with no token for stall_timeout: the instance
+    is suspect at once, probed now with a first-token deadline of stall_timeout, and that
+    failed probe is decisive (failures: 2). Without the door: no verdict for a minute."""
+    [url], mode_file, _ = standin("ok")
+    probe = replace(FAST, interval=60.0, suspect_interval=60.0, first_token_timeout=30.0, timeout=40.0, failures=2)
+    cfg = cfg_with(tmp_path / "state", url, probe=probe)
+    async with FrontRunning(cfg, capture_fn=fake_capture) as run:
+        await run.until(lambda: run.daemon.instance_state("gone").get("state") == "healthy", what="healthy")
+        mode_file.write_text("hang")
+        door = FakeDoor.made[0]
+        now = run.daemon.shared.clock.monotonic()
+        door.in_flight, door.last_token_mono = (request(now),), now
+        await run.until(lambda: "verdict" in run.events(), timeout=20, what="the verdict")
+        events = run.events()
+        assert events.index("front_stall") < events.index("verdict")
+
+
+async def test_a_stall_cleared_by_a_good_probe_is_no_verdict(tmp_path, standin):
+    """The confirming probe answers: healthy, one early probe for the episode, no verdict."""
+    [url], _, _ = standin("ok")
+    probe = replace(FAST, interval=60.0, failures=2)
+    cfg = cfg_with(tmp_path / "state", url, probe=probe)
+    async with FrontRunning(cfg) as run:
+        await run.until(lambda: run.daemon.instance_state("gone").get("state") == "healthy", what="healthy")
+        door = FakeDoor.made[0]
+        now = run.daemon.shared.clock.monotonic()
+        door.in_flight, door.last_token_mono = (request(now),), now
+        await run.until(lambda: "front_stall" in run.events(), what="the stall")
+        await asyncio.sleep(3.0)
+        assert run.events().count("front_stall") == 1 and "verdict" not in run.events()
+        assert run.daemon.instance_state("gone")["state"] == "healthy"
+
+
+async def test_doors_follow_the_config(tmp_path):
+    """Started with the watcher; kept when other settings change; replaced when its front
+    settings change; stopped when the instance goes, and at shutdown; an instance without a
+    front section has none."""
+    url = f"http://127.0.0.1:{free_port()}"
+    slow = replace(FAST, interval=30.0)
+    cfg = cfg_with(tmp_path / "state", url, probe=slow)
+    async with FrontRunning(cfg) as run:
+        await run.until(lambda: FakeDoor.made and FakeDoor.made[0].started, what="the door to start")
+        first = FakeDoor.made[0]
+        assert run.daemon.watchers["gone"].door is first and first.upstream == url
+        run.cfg = cfg_with(tmp_path / "state", url, probe=replace(slow, max_tokens=8))
+        run.reload.set()
+        await run.until(lambda: run.daemon.watchers["gone"].inst.probe.max_tokens == 8, what="the reload")
+        await run.until(lambda: run.daemon.watchers["gone"].door is first, what="the door kept")
+        assert len(FakeDoor.made) == 1 and not first.stopped
+        run.cfg = cfg_with(tmp_path / "state", url, probe=slow, front=replace(FRONT, stall_timeout=5.0))
+        run.reload.set()
+        await run.until(lambda: len(FakeDoor.made) == 2 and FakeDoor.made[1].started, what="a new door")
+        second = FakeDoor.made[1]
+        assert first.stopped and second.cfg.stall_timeout == 5.0
+        await run.until(lambda: run.daemon.watchers["gone"].door is second, what="the new door")
+        run.cfg = cfg_with(tmp_path / "state", url, probe=slow, front=None)
+        run.reload.set()
+        await run.until(lambda: second.stopped, what="the door stopped")
+        assert run.daemon.watchers["gone"].door is None
+        run.cfg = cfg_with(tmp_path / "state", url, probe=slow)
+        run.reload.set()
+        await run.until(lambda: len(FakeDoor.made) == 3 and FakeDoor.made[2].started, what="a door again")
+        run.cfg = replace(cfg_with(tmp_path / "state", url), instances=(
+            InstanceConfig("other", f"http://127.0.0.1:{free_port()}", probe=slow),))
+        run.reload.set()
+        await run.until(lambda: FakeDoor.made[2].stopped, what="the removed instance's door stopped")
+        assert len(FakeDoor.made) == 3
+
+
+async def test_a_door_that_cannot_start_is_said_once_and_the_watcher_runs_on(tmp_path, caplog):
+    FakeDoor.refuse = "cannot listen on 127.0.0.1:1: address already in use"
+    cfg = cfg_with(tmp_path / "state", f"http://127.0.0.1:{free_port()}", probe=replace(FAST, interval=30.0))
+    async with FrontRunning(cfg, heartbeat=0.1) as run:
+        await run.until(lambda: "front_error" in run.events(), what="front_error")
+        await asyncio.sleep(0.5)  # several ticks, each trying again
+        assert run.events().count("front_error") == 1
+        assert run.daemon.instance_state("gone")["front_error"] == FakeDoor.refuse
+        FakeDoor.refuse = None
+        await run.until(lambda: any(d.started for d in FakeDoor.made), what="the door to start at last")
+        await run.until(lambda: run.daemon.instance_state("gone").get("front_error") is None, what="error cleared")
+    lines = [r.getMessage() for r in caplog.records if "address already in use" in r.getMessage()]
+    assert len(lines) == 1 and lines[0].startswith("gone: front door: cannot listen")
+
+
+# --- metrics
+
+
+def test_front_metrics_count_outcomes_in_flight_and_observations(tmp_path):
+    """Outcome totals become counters (a new door's totals add, never go back); in flight is a
+    gauge; first-token latencies and rates are histograms; a removed instance's series go."""
+    from mlxwatch.daemon.metrics import Metrics
+    from mlxwatch.front.delivery import Observations
+
+    cfg = cfg_with(tmp_path, "http://127.0.0.1:9")
+    metrics = Metrics(lambda: cfg)
+    none = Observations((), ())
+    metrics.on_front("gone", DeliveryView((request(1.0),), None, 0, {"ok": 3, "failed_loudly": 1}), Observations((0.5,), (20.0,)))
+    metrics.on_front("gone", DeliveryView((), None, 0, {"ok": 5, "failed_loudly": 1}), none)
+    metrics.on_front("gone", DeliveryView((), None, 0, {"ok": 1}), none)  # a new door: its totals start over
+    text = metrics.exposition().decode()
+    assert 'mlxwatch_front_requests_total{outcome="ok",server="gone"} 6.0' in text
+    assert 'mlxwatch_front_requests_total{outcome="failed_loudly",server="gone"} 1.0' in text
+    assert 'mlxwatch_front_requests_total{outcome="refused_restarting",server="gone"} 0.0' in text
+    assert 'mlxwatch_front_requests_in_flight{server="gone"} 0.0' in text
+    assert 'mlxwatch_front_first_token_seconds_count{server="gone"} 1.0' in text
+    assert 'mlxwatch_front_tokens_per_second_bucket{le="20.0",server="gone"} 1.0' in text
+    metrics.config_fn = lambda: replace(cfg, instances=())
+    metrics._forget_removed()
+    assert "mlxwatch_front_requests_total{" not in metrics.exposition().decode()
