@@ -7,17 +7,19 @@ with the watchers (start, reload, removal, shutdown)."""
 from __future__ import annotations
 
 import asyncio
+import json
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
-from mlxwatch.capture import Bundle
+from mlxwatch.capture import Bundle, CaptureRequest, capture_bundle
 from mlxwatch.capture.classify import Classification
 from mlxwatch.config import CaptureConfig, Config, FrontConfig, InstanceConfig, ProbeConfig, RestartConfig
 from mlxwatch.daemon.frontwatch import FrontWatch, quiet_start, requests_evidence
+from mlxwatch.daemon.metrics import Metrics
 from mlxwatch.errors import FrontError
-from mlxwatch.front.delivery import DeliveryView, RequestView
+from mlxwatch.front.delivery import DeliveryView, Observations, RequestView
 from mlxwatch.front.door import Gate
 from mlxwatch.restart.methods import OK, RestartOutcome
 from lab.ports import free_port
@@ -310,9 +312,6 @@ async def test_a_door_that_cannot_start_is_said_once_and_the_watcher_runs_on(tmp
 def test_front_metrics_count_outcomes_in_flight_and_observations(tmp_path):
     """Outcome totals become counters (a new door's totals add, never go back); in flight is a
     gauge; first-token latencies and rates are histograms; a removed instance's series go."""
-    from mlxwatch.daemon.metrics import Metrics
-    from mlxwatch.front.delivery import Observations
-
     cfg = cfg_with(tmp_path, "http://127.0.0.1:9")
     metrics = Metrics(lambda: cfg)
     none = Observations((), ())
@@ -329,3 +328,13 @@ def test_front_metrics_count_outcomes_in_flight_and_observations(tmp_path):
     metrics.config_fn = lambda: replace(cfg, instances=())
     metrics._forget_removed()
     assert "mlxwatch_front_requests_total{" not in metrics.exposition().decode()
+
+
+async def test_the_bundle_holds_the_door_requests_as_passed(tmp_path):
+    """Capture writes the requests it is handed as front/requests.json (no door is read by capture)."""
+    evidence = [{"id": "r1", "age_s": 12.5, "stream": True, "prompt_bytes": 812, "tokens": 0}]
+    bundle = await capture_bundle(CaptureRequest(pid=None, out_dir=tmp_path, label="gone", snapshots=1,
+                                                 spacing=0.1, ceiling=10.0, front_requests=evidence))
+    if bundle.lingering is not None:
+        bundle.lingering.cancel()
+    assert json.loads((bundle.path / "front" / "requests.json").read_text()) == evidence

@@ -383,6 +383,8 @@ async def _heartbeat(req: CaptureRequest, process: ProcessResult, files: _Files,
 async def _probe(req: CaptureRequest, files: _Files, first_token_timeout: float) -> ProbeResult:
     if req.prior_probes:
         await files.write_json("probes-before.json", req.prior_probes)
+    if req.front_requests is not None:  # data the daemon passed: capture reads no door itself
+        await files.write_json("front/requests.json", req.front_requests)
     if not req.url:
         return ProbeResult(outcome="skipped", error="no URL given (--url or --instance)")
     extra: dict[str, float] = {}
