@@ -142,6 +142,18 @@ def test_evidence_has_ages_and_sizes_never_a_prompt():
                    "first_token_after_s": 2.0, "since_last_token_s": 5.0}
 
 
+def test_bodies_only_when_asked_and_redacted():
+    """capture.requests: bodies adds each body as text, with a pasted key removed (redact.py);
+    capture.redact: false keeps it whole."""
+    body = b'{"messages": [{"role": "user", "content": "my key is sk-abcdefghijklmnopqrstuvwx, summarise"}]}'
+    r = replace(request(1.0), body=body)
+    view = DeliveryView((r,), None, 0, {})
+    assert "body" not in requests_evidence(view, 2.0)[0]
+    [out] = requests_evidence(view, 2.0, bodies=True)
+    assert "summarise" in out["body"] and "sk-abcdefghijklmnopqrstuvwx" not in out["body"]
+    assert requests_evidence(view, 2.0, bodies=True, redact=False)[0]["body"] == body.decode()
+
+
 # --- the daemon
 
 

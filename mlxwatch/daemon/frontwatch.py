@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from mlxwatch.capture.redact import NONE, PUBLIC, redact_text
 from mlxwatch.front.delivery import DeliveryView, RequestView
 
 
@@ -74,13 +75,15 @@ def quiet_start(view: DeliveryView) -> float | None:
     return oldest if view.last_token_mono is None else max(oldest, view.last_token_mono)
 
 
-def requests_evidence(view: DeliveryView, now: float, bodies: bool = False) -> list[dict[str, Any]]:
+def requests_evidence(view: DeliveryView, now: float, bodies: bool = False, redact: bool = True) -> list[dict[str, Any]]:
     """The requests in flight as a bundle's ``front/requests.json`` holds them: ages and sizes,
-    never a prompt, unless ``bodies`` (``capture.requests: bodies``; capture redacts them)."""
-    return [_request(r, now, bodies) for r in view.in_flight]
+    never a prompt, unless ``bodies`` (``capture.requests: bodies``): then each body as text too,
+    at the export's redaction level (``redact``: ``capture.redact``; prompts are private, and a
+    key pasted into one is still a key)."""
+    return [_request(r, now, bodies, PUBLIC if redact else NONE) for r in view.in_flight]
 
 
-def _request(r: RequestView, now: float, bodies: bool) -> dict[str, Any]:
+def _request(r: RequestView, now: float, bodies: bool, level: str) -> dict[str, Any]:
     out: dict[str, Any] = {
         "id": r.id, "method": r.method, "path": r.path, "age_s": round(now - r.started_mono, 3),
         "stream": r.stream, "max_tokens": r.max_tokens, "prompt_bytes": r.prompt_bytes, "tokens": r.tokens,
@@ -88,7 +91,6 @@ def _request(r: RequestView, now: float, bodies: bool) -> dict[str, Any]:
         "first_token_after_s": None if r.first_token_mono is None else round(r.first_token_mono - r.started_mono, 3),
         "since_last_token_s": None if r.last_token_mono is None else round(now - r.last_token_mono, 3),
     }
-    body = getattr(r, "body", None)
-    if bodies and body is not None:
-        out["body"] = body.decode("utf-8", errors="replace") if isinstance(body, (bytes, bytearray)) else str(body)
+    if bodies:
+        out["body"] = redact_text(r.body.decode("utf-8", errors="replace"), level)
     return out

@@ -712,7 +712,8 @@ class InstanceWatcher:
         if self.door is None:
             return None
         view = self.door.view()
-        evidence = requests_evidence(view, self.shared.clock.monotonic(), bodies=self.shared.capture.requests == "bodies")
+        cap = self.shared.capture
+        evidence = requests_evidence(view, self.shared.clock.monotonic(), bodies=cap.requests == "bodies", redact=cap.redact)
         failed = self.door.fail_in_flight("the server is hung (mlxwatch verdict); retry later")
         log.warning("%s: front door: %d request(s) in flight failed loudly", self.name, failed)
         if self.inst.restart.method != "none":
