@@ -137,18 +137,15 @@ def test_livelock_capture_with_defaults_is_fast_and_not_fooled_by_admissions(lab
         assert handed_back
 
 
-def test_healthy_server_is_classified_healthy(lab, tmp_path):
-    """A working server's bundle says healthy, with the probe's tokens as the evidence."""
-    bundle, _ = capture(lab, tmp_path)
-    assert bundle.classification.kind == "healthy"
-    assert "_generate" in stacks_text(bundle)
-
-
-def test_bundle_files_are_private_and_hashed(lab, tmp_path):
-    """0700 dirs, 0600 files, every file in the manifest with its size and sha256."""
+def test_healthy_server_is_classified_healthy_in_a_private_hashed_bundle(lab, tmp_path):
+    """A working server's bundle says healthy, with the probe's tokens as the evidence; 0700
+    dirs, 0600 files, every file in the manifest with its size and sha256. (One capture: both
+    were checked on the same healthy server.)"""
     import hashlib
 
     bundle, _ = capture(lab, tmp_path)
+    assert bundle.classification.kind == "healthy"
+    assert "_generate" in stacks_text(bundle)
     assert (bundle.path.stat().st_mode & 0o777) == 0o700
     for relname, meta in bundle.manifest["files"].items():
         if relname == "manifest.json":
