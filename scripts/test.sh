@@ -66,4 +66,20 @@ export MLXWATCH_SERVER_PYTHONS="$VENVS/mlx-lm-$OLD_MLX_LM/bin/python,$VENVS/test
 export MLXWATCH_REQUIRE_REAL_SERVER=1
 export PATH="$VENVS/test/bin:$PATH"   # py-spy and mlxwatch as a user would have them
 "$VENVS/test/bin/python" -c 'import importlib.metadata as m; print("mlxwatch", m.version("mlxwatch"), "| mlx-lm", m.version("mlx-lm"), "| py-spy", m.version("py-spy"))'
+
+# Lint and types first (pyproject.toml: [tool.ruff], [tool.mypy]; both from the test extra):
+# a failure ends the run before the tests, non-zero, naming the step that failed.
+check() {
+    local name=$1 rc=0
+    shift
+    echo "== $name: $*"
+    "$@" || rc=$?
+    if [ "$rc" != 0 ]; then
+        echo "scripts/test.sh: $name failed (exit $rc); no tests were run" >&2
+        exit "$rc"
+    fi
+}
+check lint "$VENVS/test/bin/ruff" check mlxwatch tests bench
+check types "$VENVS/test/bin/python" -m mypy
+echo "== tests: pytest $*"
 exec "$VENVS/test/bin/python" -m pytest "$@"
