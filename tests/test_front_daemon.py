@@ -15,7 +15,15 @@ import pytest
 
 from mlxwatch.capture import Bundle, CaptureRequest, capture_bundle
 from mlxwatch.capture.classify import Classification
-from mlxwatch.config import CaptureConfig, Config, FrontConfig, InstanceConfig, ProbeConfig, RestartConfig
+from mlxwatch.config import (
+    CaptureConfig,
+    Config,
+    FrontConfig,
+    InstanceConfig,
+    MetricsConfig,
+    ProbeConfig,
+    RestartConfig,
+)
 from mlxwatch.daemon.frontwatch import FrontWatch, quiet_start, requests_evidence
 from mlxwatch.daemon.metrics import Metrics
 from mlxwatch.errors import FrontError
@@ -24,7 +32,7 @@ from mlxwatch.front.door import Gate
 from mlxwatch.restart.methods import OK, RestartOutcome
 from lab.ports import free_port
 
-from test_daemon_core import FAST, Running, standin  # noqa: F401 - the fixture
+from test_daemon_core import FAST, Running
 
 FRONT = FrontConfig(listen=("127.0.0.1", 1), stall_timeout=1.0)
 
@@ -44,6 +52,7 @@ class FakeDoor:
         self.in_flight: tuple[RequestView, ...] = ()
         self.last_token_mono: float | None = None
         self.tokens_total = 0
+        self.outcomes: dict[str, int] = {}
         self.flowing = FakeDoor.flowing_at_start  # tokens keep coming: every view shows more
         self.stalled: list[RequestView] = []
         FakeDoor.made.append(self)
@@ -60,7 +69,7 @@ class FakeDoor:
         if self.flowing:
             self.tokens_total += 1
             self.last_token_mono = self.clock.monotonic()
-        return DeliveryView(self.in_flight, self.last_token_mono, self.tokens_total, {})
+        return DeliveryView(self.in_flight, self.last_token_mono, self.tokens_total, self.outcomes)
 
     def set_gate(self, gate: Gate) -> None:
         self.gates.append(gate)
@@ -73,6 +82,9 @@ class FakeDoor:
     def take_stalled_requests(self) -> list[RequestView]:
         taken, self.stalled = self.stalled, []
         return taken
+
+    def take_observations(self) -> Observations:
+        return Observations((0.25,), ())
 
 
 @pytest.fixture(autouse=True)
@@ -350,3 +362,18 @@ async def test_the_bundle_holds_the_door_requests_as_passed(tmp_path):
     if bundle.lingering is not None:
         bundle.lingering.cancel()
     assert json.loads((bundle.path / "front" / "requests.json").read_text()) == evidence
+
+
+async def test_the_daemon_feeds_the_door_into_the_metrics(tmp_path):
+    """The daemon reads each door for the metrics (here its textfile) every few seconds."""
+    textfile = tmp_path / "m.prom"
+    cfg = replace(cfg_with(tmp_path / "state", f"http://127.0.0.1:{free_port()}", probe=replace(FAST, interval=30.0)),
+                  metrics=MetricsConfig(textfile=textfile))
+    async with FrontRunning(cfg) as run:
+        await run.until(lambda: FakeDoor.made and FakeDoor.made[0].started, what="the door to start")
+        FakeDoor.made[0].outcomes = {"ok": 2, "refused_restarting": 1}
+        want = ('mlxwatch_front_requests_total{outcome="ok",server="gone"} 2.0',
+                'mlxwatch_front_requests_total{outcome="refused_restarting",server="gone"} 1.0',
+                'mlxwatch_front_first_token_seconds_count{server="gone"}')
+        await run.until(lambda: textfile.exists() and all(w in textfile.read_text() for w in want), timeout=30,
+                        what="the door's series in the textfile")
