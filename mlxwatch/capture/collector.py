@@ -34,7 +34,6 @@ Usage::
 from __future__ import annotations
 
 import asyncio
-import inspect
 import json
 import os
 import platform
@@ -259,7 +258,7 @@ async def _stacks(req: CaptureRequest, process: ProcessResult, files: _Files, ru
                             error="capture.stacks is sample: no Python stacks (macOS sample is the stack source)")
     shim_error = None
     if req.stacks in ("shim", "auto"):
-        from_shim = await _shim_stacks(req, process, files, now, taken, required=req.stacks == "shim")
+        from_shim = await _shim_stacks(req, req.pid, process, files, now, taken, required=req.stacks == "shim")
         if taken or req.stacks == "shim":
             return from_shim
         shim_error = from_shim.error  # auto: py-spy is tried next; the shim's trouble stands unless py-spy has its own
@@ -310,12 +309,12 @@ async def _stacks(req: CaptureRequest, process: ProcessResult, files: _Files, ru
     return StacksResult(snapshots=tuple(taken), error=shim_error)
 
 
-async def _shim_stacks(req: CaptureRequest, process: ProcessResult, files: _Files, now: Callable[[], float],
+async def _shim_stacks(req: CaptureRequest, pid: int, process: ProcessResult, files: _Files, now: Callable[[], float],
                        taken: list[Snapshot], *, required: bool) -> StacksResult:
     """Stacks from the launch shim's faulthandler dumps, on py-spy's schedule (``stacks/shim-N.txt``
     and ``.json``). With ``required`` (``capture.stacks: shim``) a missing shim is the step's
     failure; in ``auto`` it is silence, and the caller goes on with py-spy."""
-    hb, problem = await asyncio.to_thread(shim_stacks.find_dumper, req.pid, process.create_time)
+    hb, problem = await asyncio.to_thread(shim_stacks.find_dumper, pid, process.create_time)
     if hb is None:
         return StacksResult(outcome="failed", error=f"shim stacks: {problem}") if required else StacksResult()
     errors: list[str] = []
@@ -326,7 +325,7 @@ async def _shim_stacks(req: CaptureRequest, process: ProcessResult, files: _File
             await asyncio.sleep(wait)
         at = now()
         try:
-            dump = await asyncio.to_thread(shim_stacks.request_dump, req.pid, process.create_time, hb)
+            dump = await asyncio.to_thread(shim_stacks.request_dump, pid, process.create_time, hb)
         except (ShimError, OSError) as exc:
             errors.append(f"snapshot {i}: {exc}")
             if shim_stacks.dumps_are_over(exc):
@@ -387,13 +386,10 @@ async def _probe(req: CaptureRequest, files: _Files, first_token_timeout: float)
         await files.write_json("front/requests.json", req.front_requests)
     if not req.url:
         return ProbeResult(outcome="skipped", error="no URL given (--url or --instance)")
-    extra: dict[str, float] = {}
-    if req.probe_linger > 0 and "linger" in inspect.signature(probes.run_check).parameters:
-        extra["linger"] = req.probe_linger
     client = probes.make_client()
     try:
         report = await probes.run_check(client, req.url, first_token_timeout=first_token_timeout,
-                                        timeout=req.probe_timeout, endpoint_timeout=5.0, **extra)
+                                        timeout=req.probe_timeout, endpoint_timeout=5.0, linger=req.probe_linger)
     except BaseException:
         await client.aclose()
         raise
@@ -429,6 +425,8 @@ async def _sample(req: CaptureRequest, files: _Files, runner: Runner) -> SampleR
     if not await asyncio.to_thread(macos.tool_available, "sample"):
         return SampleResult(outcome="skipped", error="sample: not found")
     out = await asyncio.to_thread(files.writer.tool_output, "native/sample.txt")
+    if req.pid is None:
+        return SampleResult(outcome="skipped", error="no process to inspect")
     result = await runner(macos.sample_command(req.pid, out), macos.SAMPLE_SECONDS + 15)
     ran = await _register_tool_output(files, "native/sample.txt", result)
     # sample's call graph, read: every thread's heaviest native path (MLX/Metal threads marked)
@@ -447,6 +445,8 @@ async def _spindump(req: CaptureRequest, files: _Files, runner: Runner) -> StepR
     if os.geteuid() != 0 and not req.sudo:
         return StepResult(outcome="skipped", error="spindump needs root: run as root or set capture.sudo")
     # The report comes on stdout and is written here: a file spindump wrote under sudo would be
+    if req.pid is None:
+        return StepResult(outcome="skipped", error="no process to inspect")
     # root's, neither private nor readable by this daemon.
     result = await runner(macos.spindump_command(req.pid, sudo=req.sudo and os.geteuid() != 0),
                           macos.SAMPLE_SECONDS + 30)
