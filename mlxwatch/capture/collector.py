@@ -422,11 +422,11 @@ async def _drain_then_close(lingering: Awaitable[object], client: httpx.AsyncCli
 async def _sample(req: CaptureRequest, files: _Files, runner: Runner) -> SampleResult:
     if not macos.is_macos():
         return SampleResult(outcome="skipped", error="sample: not available on this OS (macOS only)")
+    if req.pid is None:
+        return SampleResult(outcome="skipped", error="no process to inspect")
     if not await asyncio.to_thread(macos.tool_available, "sample"):
         return SampleResult(outcome="skipped", error="sample: not found")
     out = await asyncio.to_thread(files.writer.tool_output, "native/sample.txt")
-    if req.pid is None:
-        return SampleResult(outcome="skipped", error="no process to inspect")
     result = await runner(macos.sample_command(req.pid, out), macos.SAMPLE_SECONDS + 15)
     ran = await _register_tool_output(files, "native/sample.txt", result)
     # sample's call graph, read: every thread's heaviest native path (MLX/Metal threads marked)
@@ -442,11 +442,11 @@ async def _sample(req: CaptureRequest, files: _Files, runner: Runner) -> SampleR
 async def _spindump(req: CaptureRequest, files: _Files, runner: Runner) -> StepResult:
     if not macos.is_macos():
         return StepResult(outcome="skipped", error="spindump: not available on this OS (macOS only)")
+    if req.pid is None:
+        return StepResult(outcome="skipped", error="no process to inspect")
     if os.geteuid() != 0 and not req.sudo:
         return StepResult(outcome="skipped", error="spindump needs root: run as root or set capture.sudo")
     # The report comes on stdout and is written here: a file spindump wrote under sudo would be
-    if req.pid is None:
-        return StepResult(outcome="skipped", error="no process to inspect")
     # root's, neither private nor readable by this daemon.
     result = await runner(macos.spindump_command(req.pid, sudo=req.sudo and os.geteuid() != 0),
                           macos.SAMPLE_SECONDS + 30)
