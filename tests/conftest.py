@@ -117,16 +117,25 @@ def leaked_runtime_files(before: set[str], basetemp: Path) -> list[str]:
     return leaked
 
 
+_leaked_by_workers: list[str] = []
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error) -> None:
+    """pytest-xdist's controller: collect what each worker found left in the shared runtime dir."""
+    _leaked_by_workers.extend(getattr(node, "workeroutput", {}).get("leaked_runtime_files", []))
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     for server in _servers.values():
         server.stop()
     shutil.rmtree(RUN_RUNTIME_DIR, ignore_errors=True)
     before = session.config.stash.get(_SHARED_BEFORE, None)
     basetemp = session.config.stash.get(_BASETEMP, None)
-    if before is None or basetemp is None:
-        return  # no test ran
-    leaked = leaked_runtime_files(before, basetemp)
-    if leaked:
+    leaked = _leaked_by_workers if basetemp is None else leaked_runtime_files(before or set(), basetemp)
+    if hasattr(session.config, "workeroutput"):  # a pytest-xdist worker: its controller reports it
+        session.config.workeroutput["leaked_runtime_files"] = leaked
+    elif leaked:
         reporter = session.config.pluginmanager.get_plugin("terminalreporter")
         line = f"this run left {len(leaked)} file(s) in {SHARED_RUNTIME_DIR}: {', '.join(leaked[:10])}"
         if reporter is not None:
