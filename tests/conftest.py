@@ -11,13 +11,16 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 import pytest
 
+from lab.ports import free_port  # a loopback port free a moment ago
 from lab.server import LabServer, server_version
+from lab.standin import STANDIN  # the token-streaming stand-in's script
 from mlxwatch.shim import layout
 
 # Shim runtime files (heartbeats, stacks) of every server this run starts go to a directory of
@@ -82,6 +85,39 @@ def lab(server_python: str, lab_root: Path):
     elif server.fault_file.read_text().strip() or not server.owned_process_alive():
         server.relaunch()
     yield server
+
+
+# Fixtures more than one test module uses live here, never imported from one test file into another.
+@pytest.fixture
+def sleeper():
+    """A process of ours that is not an mlx-lm server (ended by its PID)."""
+    proc = subprocess.Popen(["sleep", "300"])
+    yield proc.pid
+    proc.kill()
+    proc.wait(10)
+
+
+@pytest.fixture
+def standin(tmp_path):
+    """Start the stand-in server on fresh ports; yields a function (mode) -> (url, set_mode)."""
+    started: list[subprocess.Popen] = []
+
+    def start(mode: str = "ok", ports: int = 1) -> tuple[list[str], Path, subprocess.Popen]:
+        first = free_port()
+        port_range = f"{first}-{first + ports - 1}"
+        mode_file = tmp_path / f"mode-{first}"
+        mode_file.write_text(mode)
+        proc = subprocess.Popen([sys.executable, STANDIN, "--ports", port_range,
+                                 "--mode-file", str(mode_file)], stdout=subprocess.PIPE, text=True)
+        started.append(proc)
+        assert proc.stdout.readline().strip() == "ready"
+        return [f"http://127.0.0.1:{p}" for p in range(first, first + ports)], mode_file, proc
+
+    yield start
+    for proc in started:  # only the PIDs we started
+        proc.kill()
+        proc.wait(10)
+        proc.stdout.close()
 
 
 def _shared_runtime_entries() -> set[str]:

@@ -38,15 +38,6 @@ def no_user_config(tmp_path, monkeypatch):
     monkeypatch.delenv(cli.DEBUG_ENV, raising=False)
 
 
-@pytest.fixture
-def sleeper():
-    """A process of ours that is not an mlx-lm server (ended by its PID)."""
-    proc = subprocess.Popen(["sleep", "300"])
-    yield proc.pid
-    proc.kill()
-    proc.wait(10)
-
-
 def make_bundle(root: Path, label: str = "lab", kind: str = "livelock") -> Path:
     writer = BundleWriter(root, label)
     writer.write("log-tail.txt", "Prompt processing progress: 1/2\n")
@@ -159,7 +150,8 @@ BAD_INPUTS = [
     (["run"], 2, "nothing to watch"),
     # check and status options
     (["check", "http://127.0.0.1:1", "--max-tokens", "0"], 2, "--max-tokens: must be a whole number from 1"),
-    (["check", "http://127.0.0.1:1", "--wait", "soon"], 2, "argument --wait: must be a duration such as 30, 30s, 5m or 1h (got 'soon')"),
+    (["check", "http://127.0.0.1:1", "--wait", "soon"], 2,
+     "argument --wait: must be a duration such as 30, 30s, 5m or 1h (got 'soon')"),
     (["check", "localhost"], 2, "check: must be a URL such as http://127.0.0.1:8080 (got 'localhost')"),
     (["status", "--count", "2"], 2, "status: --count needs --watch"),
     (["status", "--watch", "0"], 2, "must be a positive duration"),
@@ -728,7 +720,7 @@ def webhook():
     received: list[tuple[str, bytes, str]] = []
 
     class Handler(http.server.BaseHTTPRequestHandler):
-        def do_POST(self):  # noqa: N802
+        def do_POST(self):
             body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
             received.append((self.path, body, self.headers.get("Content-Type", "")))
             self.send_response(200)
@@ -778,7 +770,8 @@ async def test_readme_macos_notification_example_passes_the_text_as_an_argument(
 
     fake = tmp_path / "bin" / "osascript"
     fake.parent.mkdir()
-    fake.write_text(f"#!{sys.executable}\nimport json, sys\nopen({str(tmp_path / 'args.json')!r}, 'w').write(json.dumps(sys.argv[1:]))\n")
+    fake.write_text(f"#!{sys.executable}\nimport json, sys\n"
+                    f"open({str(tmp_path / 'args.json')!r}, 'w').write(json.dumps(sys.argv[1:]))\n")
     fake.chmod(0o755)
     monkeypatch.setenv("PATH", f"{fake.parent}:{os.environ['PATH']}")
     argv = _readme_notify_examples()["macOS notification"]

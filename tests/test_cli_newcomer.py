@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 from rich.console import Console
-from test_cli import make_bundle, no_user_config, one_line_error, sleeper  # noqa: F401 - fixtures
+from test_cli import make_bundle, no_user_config, one_line_error  # noqa: F401 - no_user_config: autouse fixture
 
 import mlxwatch.cli as cli
 from lab.ports import free_port

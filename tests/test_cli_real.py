@@ -86,14 +86,6 @@ def test_config_init_finds_the_real_server(lab, tmp_path, capsys):
     assert code == 0 and lab.url in printed
 
 
-@pytest.fixture
-def sleeper():
-    proc = subprocess.Popen(["sleep", "300"])
-    yield proc.pid
-    proc.kill()
-    proc.wait(10)
-
-
 def test_capture_refuses_what_is_not_the_server_then_bundles_browse(lab, tmp_path, sleeper, capsys):
     """A PID that is not the mlx-lm server at the URL is refused (exit 2, one line) unless --force;
     the server's own PID is captured (URL found from where it listens), listed, shown and exported."""

@@ -103,7 +103,8 @@ BAD = [
     ("instances: [oops]", "instances[0]: must be a mapping (got 'oops')"),
     ("- just\n- a list", "(top level): must be a mapping (got ['just', 'a list'])"),
     ("instances: [{name: a, url: 'http://127.0.0.1:1', restart: {launchd: x, systemd: y}}]",
-     "instances[0].restart: must name exactly one method of launchd, systemd, command, signal, none (got ['launchd', 'systemd'])"),
+     "instances[0].restart: must name exactly one method of launchd, systemd, command, signal, none"
+     " (got ['launchd', 'systemd'])"),
     ("instances: [{name: a, url: 'http://127.0.0.1:1', restart: {command: 'restart.sh now'}}]",
      "instances[0].restart.command: must be a non-empty list of strings (an argv, run without a shell) (got 'restart.sh now')"),
     ("instances: [{name: a, url: 'http://127.0.0.1:1', restart: {launchd: x, domain: root}}]",
@@ -247,7 +248,8 @@ def test_check_instance_unknown_name_is_config_error(config_file, capsys):
 @pytest.mark.parametrize("argv, message", [
     (["check"], "check: give a URL (e.g. http://127.0.0.1:8080) or --instance NAME"),
     (["check", "127.0.0.1:8080"], "check: must be a URL such as http://127.0.0.1:8080 (got '127.0.0.1:8080')"),
-    (["check", "http://127.0.0.1:1", "--timeout", "soon"], "argument --timeout: must be a duration such as 30, 30s, 5m or 1h (got 'soon')"),
+    (["check", "http://127.0.0.1:1", "--timeout", "soon"],
+     "argument --timeout: must be a duration such as 30, 30s, 5m or 1h (got 'soon')"),
     (["check", "http://127.0.0.1:1", "--timeout", "5", "--first-token-timeout", "10"],
      "check: --first-token-timeout (10s) exceeds --timeout (5s)"),
 ])

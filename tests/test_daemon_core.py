@@ -37,7 +37,6 @@ from mlxwatch.journal import incidents as journal_module
 from mlxwatch.journal.incidents import Journal
 from mlxwatch.journal.state import StateFile
 from lab.ports import free_port  # a loopback port free a moment ago
-from lab.standin import STANDIN  # the token-streaming stand-in's script
 from mlxwatch.restart.methods import RestartContext, restart
 
 FAST = ProbeConfig(interval=0.2, suspect_interval=0.1, first_token_timeout=0.5, timeout=1.0, failures=1,
@@ -83,29 +82,6 @@ class Running:
 
 async def never(*args, **kwargs):
     await asyncio.Event().wait()
-
-
-@pytest.fixture
-def standin(tmp_path):
-    """Start the stand-in server on fresh ports; yields a function (mode) -> (url, set_mode)."""
-    started: list[subprocess.Popen] = []
-
-    def start(mode: str = "ok", ports: int = 1) -> tuple[list[str], Path, subprocess.Popen]:
-        first = free_port()
-        port_range = f"{first}-{first + ports - 1}"
-        mode_file = tmp_path / f"mode-{first}"
-        mode_file.write_text(mode)
-        proc = subprocess.Popen([sys.executable, STANDIN, "--ports", port_range,
-                                 "--mode-file", str(mode_file)], stdout=subprocess.PIPE, text=True)
-        started.append(proc)
-        assert proc.stdout.readline().strip() == "ready"
-        return [f"http://127.0.0.1:{p}" for p in range(first, first + ports)], mode_file, proc
-
-    yield start
-    for proc in started:  # only the PIDs we started
-        proc.kill()
-        proc.wait(10)
-        proc.stdout.close()
 
 
 # --- lifecycle: every stop, in every state, leaves a journal the next start closes
@@ -358,7 +334,8 @@ def test_unreadable_state_is_rebuilt_from_the_journal_not_reset(tmp_path, caplog
     journal_module.append_record(journal.path, {"ts": now - 50, "event": "restart", "instance": "a", "id": "i1",
                                                 "restarts": [{"at": now - 60, "result": "ok"}]})
     journal_module.append_record(journal.path, {"ts": now - 10, "event": "gave_up", "instance": "a", "id": "i1",
-                                                "restarts": [{"at": now - 60, "result": "ok"}, {"at": now - 20, "result": "failed"}]})
+                                                "restarts": [{"at": now - 60, "result": "ok"},
+                                                             {"at": now - 20, "result": "failed"}]})
     (tmp_path / "state.json").write_text("{not json")
     with caplog.at_level(logging.WARNING, "mlxwatch"):
         state = StateFile(tmp_path, journal.path)

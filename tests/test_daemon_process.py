@@ -319,8 +319,9 @@ def test_an_instance_removed_while_it_stays_hung_is_dropped(tmp_path):
         wait_for(lambda: "awaiting_recovery" in events(tmp_path), 60, "the incident of the dead instance")
         config.write_text(f"state_dir: {tmp_path / 'state'}\ninstances:{ok}")
         proc.send_signal(signal.SIGHUP)
-        closed = lambda: [r for r in Journal(tmp_path / "state").records()
-                          if r["event"] == "closed" and r["instance"] == "gone"]
+        def closed():
+            return [r for r in Journal(tmp_path / "state").records()
+                    if r["event"] == "closed" and r["instance"] == "gone"]
         wait_for(closed, 30, "the removed instance's incident to be closed")
         wait_for(lambda: status_json(config)[0] == 0, 60, "status to report only the healthy instance")
         code, status = status_json(config)

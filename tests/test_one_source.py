@@ -163,7 +163,7 @@ def _doc_rows() -> dict[str, str]:
         defaults = [d.strip() for d in cells[1].split(" / ")]
         assert len(names) == len(defaults), f"configuration.md row {cells[0]}: {len(names)} keys, {len(defaults)} defaults"
         section = names[0].rsplit(".", 1)[0] + "." if "." in names[0] else ""
-        for name, default in zip(names, defaults):
+        for name, default in zip(names, defaults, strict=True):
             rows[name if "." in name else section + name] = default
     return rows
 

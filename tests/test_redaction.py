@@ -24,7 +24,7 @@ import mlxwatch.cli as cli
 from mlxwatch.shim import heartbeat, layout
 
 sys.path.insert(0, str(Path(__file__).parent))
-from shim_standin import write_standin  # noqa: E402
+from shim_standin import write_standin
 
 # Each planted secret is a unique string: none of it may appear in any byte of the export.
 SECRETS = {

@@ -27,7 +27,7 @@ from mlxwatch.shim.stacks import ShimFindings, ShimWindow, parse_dump
 from mlxwatch.shim.watch import ShimWatch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from shim_standin import write_standin  # noqa: E402
+from shim_standin import write_standin
 
 ROOT = Path(__file__).resolve().parent.parent
 SHIM_DIR = ROOT / "mlxwatch" / "shim"

@@ -15,7 +15,7 @@ from dataclasses import replace
 
 import psutil
 import pytest
-from test_daemon_core import FAST, Running, config, standin  # noqa: F401 - standin is a fixture
+from test_daemon_core import FAST, Running, config
 
 from mlxwatch.clock import Clock, Stamp, boot_id
 from mlxwatch.config import RestartConfig

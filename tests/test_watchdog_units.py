@@ -88,7 +88,8 @@ def test_restart_command_construction():
         ["launchctl", "kickstart", "-k", "system/com.x.mlx"]
     assert launchd_command(RestartConfig("launchd", "com.x.mlx", domain="user"), uid=501) == \
         ["launchctl", "kickstart", "-k", "user/501/com.x.mlx"]
-    assert systemd_command(RestartConfig("systemd", "mlx.service", user=True)) == ["systemctl", "--user", "restart", "mlx.service"]
+    assert systemd_command(RestartConfig("systemd", "mlx.service", user=True)) == \
+        ["systemctl", "--user", "restart", "mlx.service"]
     assert systemd_command(RestartConfig("systemd", "mlx.service")) == ["systemctl", "restart", "mlx.service"]
     cfg = RestartConfig("command", argv=("/bin/restart", "--name={name}", "{pid}", "{url}", "{bundle}", "{unknown}; rm -rf /"))
     ctx = RestartContext(inst(cfg), ProcessIdentity(4242, 1.0, ()), "/b/1")

@@ -15,7 +15,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: `lab` is tests/lab
 
-from lab.server import LabServer  # noqa: E402
+from lab.server import LabServer
 
 USAGE = "usage: python tests/lab/cli.py start PYTHON WORKDIR | relaunch WORKDIR"
 
