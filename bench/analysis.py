@@ -62,7 +62,7 @@ def detection_tables(det: dict[str, Any], capture: dict[str, Any] | None) -> dic
 
             def pairs(ft: float, to: float) -> list[tuple[float, float]]:
                 ps = []
-                for t, ff in zip(trials, fast_fail):
+                for t, ff in zip(trials, fast_fail, strict=True):  # noqa: B023  pairs() runs in this iteration
                     reasons = (t.get("failures") or [])[-2:]
                     while len(reasons) < 2:
                         reasons = [reasons[0] if reasons else ""] + reasons

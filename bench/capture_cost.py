@@ -17,6 +17,7 @@ spans it, minus the usual gap.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import statistics
 import time
@@ -135,7 +136,7 @@ async def pause_on_generation(server: LabServer, dumps_per_kind: int = 5) -> dic
     finished.set()
     task.cancel()
     await asyncio.gather(task, return_exceptions=True)
-    gaps = [(a, b) for arrivals in streams for a, b in zip(arrivals, arrivals[1:])]
+    gaps = [(a, b) for arrivals in streams for a, b in itertools.pairwise(arrivals)]
     arrivals = [t for s in streams for t in s]
     usual = statistics.median(b - a for a, b in gaps) if gaps else None
     out: dict[str, Any] = {"tokens": len(arrivals), "usual_gap_ms": usual * 1000 if usual else None, "dumps": []}
@@ -152,7 +153,7 @@ async def run_async(python: str, workdir: Path, reps: int, captures: bool = True
     server = LabServer.start(python, workdir / "server")
     res: dict[str, Any] = {"mlx_lm": version, "captures": [], "pause": None}
     try:
-        for rep in range(reps if captures else 0):
+        for _rep in range(reps if captures else 0):
             for fault in FAULTS:
                 r = await one_capture(server, fault, workdir / "bundles")
                 res["captures"].append(r)

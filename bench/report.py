@@ -106,7 +106,7 @@ def _detection(r: dict[str, Any], add) -> None:
         f"again, return once it generates). {det.get('trials_per_fault', '?')} trials per fault and version; each "
         "onset at a random moment of the probe schedule; `mlxwatch run` as its own process, times from its journal.")
     add("")
-    add("| mlx-lm | fault | n | onset → verdict | verdict → bundle | bundle → restart done | restart → healthy probe | onset → healthy | classified as |")
+    add("| mlx-lm | fault | n | onset → verdict | verdict → bundle | bundle → restart done | restart → healthy probe | onset → healthy | classified as |")  # noqa: E501  one Markdown table row
     add("|---|---|---|---|---|---|---|---|---|")
     for row in tables.values():
         mf = row["measured_fast"]
@@ -134,7 +134,7 @@ def _detection(r: dict[str, Any], add) -> None:
         "request was really sent to the faulted server, side by side with mlxwatch, and how it ended is used "
         "(below). Restored = verdict + the same measured restart; the cron never checks that the restart worked.")
     add("")
-    add("| mlx-lm | fault | mlxwatch defaults: onset → verdict | bundle | restart | healthy probe | onset → healthy | cron: onset → verdict | cron: onset → restarted | ratio verdict (median) | ratio restored (median) | ratio restored (worst case) |")
+    add("| mlx-lm | fault | mlxwatch defaults: onset → verdict | bundle | restart | healthy probe | onset → healthy | cron: onset → verdict | cron: onset → restarted | ratio verdict (median) | ratio restored (median) | ratio restored (worst case) |")  # noqa: E501  one Markdown table row
     add("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for row in tables.values():
         de, cr, ra = row["defaults"], row["cron"], row["ratio_median"]
@@ -228,7 +228,7 @@ def _scale(r: dict[str, Any], add) -> None:
         "from that answer to the next check's arrival (the daemon's jittered sleep, at most 1.1 × interval, plus "
         "what the daemon itself took).")
     add("")
-    add("| instances @ interval | window | daemon CPU | RSS | probes / instance / min: done (planned) | p50 gap | p99 gap (% of interval) | beyond jitter | max gap | skipped | server span p99 | turnaround p99 (× interval) | warm-up (CPU) |")
+    add("| instances @ interval | window | daemon CPU | RSS | probes / instance / min: done (planned) | p50 gap | p99 gap (% of interval) | beyond jitter | max gap | skipped | server span p99 | turnaround p99 (× interval) | warm-up (CPU) |")  # noqa: E501  one Markdown table row
     add("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for s in rows:
         g = s["gaps"]
@@ -280,11 +280,12 @@ def _capture(r: dict[str, Any], add) -> None:
     add("`capture_bundle` as the daemon calls it at the default settings (3 py-spy snapshots 2 s apart, "
         "ceiling 60 s, the capture's probe cut at the window's end + 1 s, at least 5 s) on a hung real server: "
         f"a fresh server, the fault switched on and bitten by one streaming request left in flight. "
-        f"{c['reps']} captures per fault and version, in phase A after the detection trials (beside the soak). Seconds, median (min–max); steps run side by side, so they "
+        f"{c['reps']} captures per fault and version, in phase A after the detection trials (beside the soak). "
+        "Seconds, median (min–max); steps run side by side, so they "
         "do not add up. Each `py-spy dump` is timed around its subprocess (a JSON dump for the classifier, then a "
         "`--native` text dump for people, per snapshot).")
     add("")
-    add("| mlx-lm / fault | capture wall time | stacks | CPU window | probe | log | bundle size | py-spy dump: JSON | py-spy dump: --native | classified as |")
+    add("| mlx-lm / fault | capture wall time | stacks | CPU window | probe | log | bundle size | py-spy dump: JSON | py-spy dump: --native | classified as |")  # noqa: E501  one Markdown table row
     add("|---|---|---|---|---|---|---|---|---|---|")
     for key, v in tables.items():
         st = v["steps"]
@@ -299,7 +300,7 @@ def _capture(r: dict[str, Any], add) -> None:
     add("")
     add("| mlx-lm | usual gap | JSON dump: pause (wall) | --native dump: pause (wall) |")
     add("|---|---|---|---|")
-    for key, v in c["versions"].items():
+    for v in c["versions"].values():
         p = v.get("pause") or {}
         dumps = p.get("dumps") or []
         js = [d for d in dumps if d["kind"] == "json"]

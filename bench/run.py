@@ -57,7 +57,8 @@ def snapshot_and_reexec(argv: list[str]) -> None:
     head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                           check=True).stdout.strip()
     snap = Path(tempfile.mkdtemp(prefix="mlxwatch-bench-src-"))
-    archive = subprocess.run(["git", "-C", str(ROOT), "archive", "HEAD", "mlxwatch", "tests/lab"], capture_output=True, check=True)
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", "HEAD", "mlxwatch", "tests/lab"],
+                             capture_output=True, check=True)
     subprocess.run(["tar", "-x", "-C", str(snap)], input=archive.stdout, check=True)
     shutil.copytree(ROOT / "bench", snap / "bench", ignore=shutil.ignore_patterns("results", "__pycache__", "*.md", "*.json"))
     env = {**os.environ, "MLXWATCH_BENCH_SRC": str(snap), "MLXWATCH_BENCH_REPO": str(ROOT),

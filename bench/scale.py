@@ -16,6 +16,7 @@ defaults except ``interval``. The daemon is started, every instance is let reach
 
 from __future__ import annotations
 
+import itertools
 import json
 import random
 import socket
@@ -154,12 +155,12 @@ def split_gaps(interval: float, requests: list, w0: float, w1: float) -> dict[st
         if not posts:
             continue
         checks: dict[float, list[tuple[float, float]]] = {p: [] for p in posts}
-        for kind, arrival, done in reqs:
+        for _kind, arrival, done in reqs:
             nearest = min(posts, key=lambda p: abs(p - arrival))
             if abs(nearest - arrival) < 0.45 * interval:
                 checks[nearest].append((arrival, done))
         ordered = sorted(checks.items())
-        for (p, rs), (p_next, _) in zip(ordered, ordered[1:]):
+        for (_, rs), (p_next, _) in itertools.pairwise(ordered):
             if not rs or not (w0 <= p_next <= w1):
                 continue
             start, end = min(a for a, _ in rs), max(d for _, d in rs)
@@ -193,7 +194,7 @@ def analyse(instances: int, interval: float, ports: list[int], posts: list, w0: 
             instances_without_probe += 1
         before = [t for t in times if t < w0]
         seq = ([before[-1]] if before else []) + inside
-        for a, b in zip(seq, seq[1:]):
+        for a, b in itertools.pairwise(seq):
             gaps.append(b - a)
             worst_instance_gap = max(worst_instance_gap, b - a)
             if b - a > SKIP_FACTOR * interval:

@@ -12,6 +12,7 @@ server's access log (``POST /v1/chat/completions`` lines, less the generation's 
 
 from __future__ import annotations
 
+import itertools
 import random
 import time
 from pathlib import Path
@@ -35,7 +36,7 @@ def generate(url: str) -> dict[str, Any]:
             for line in r.iter_lines():
                 if line.startswith("data:") and '"content"' in line:
                     arrivals.append(time.monotonic())
-    gaps = [b - a for a, b in zip(arrivals, arrivals[1:])]
+    gaps = [b - a for a, b in itertools.pairwise(arrivals)]
     span = arrivals[-1] - arrivals[0] if len(arrivals) > 1 else None
     return {"tokens": len(arrivals), "ttft_s": arrivals[0] - t0 if arrivals else None,
             "tokens_per_s": (len(arrivals) - 1) / span if span else None,
@@ -69,7 +70,8 @@ def run(python: str, workdir: Path, reps: int) -> dict[str, Any]:
                     "probe": {"interval": cond}, "restart": "none"}], d / "state")
                 daemon = DaemonProcess(cfg, d / "state", d / "daemon.log")
                 daemon.start()
-                daemon.wait_until(lambda: daemon.instance_state("tax").get("state") == "healthy", 60, "tax healthy")
+                daemon.wait_until(lambda: daemon.instance_state("tax").get("state") == "healthy",  # noqa: B023  called here
+                                  60, "tax healthy")
                 time.sleep(random.uniform(0, interval))
             else:
                 time.sleep(1.0)
