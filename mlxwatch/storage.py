@@ -17,6 +17,7 @@ ELOOP instead of redirecting a root daemon's write to any file it names).
 from __future__ import annotations
 
 import errno
+import io
 import json
 import logging
 import os
@@ -162,7 +163,7 @@ def append_record(path: Path, record: dict[str, Any]) -> None:
         os.close(fd)
 
 
-def open_regular(path: Path):
+def open_regular(path: Path) -> io.BufferedReader:
     """``path`` opened for reading as a binary file object, never through a link and never a
     FIFO or device (OSError: ELOOP for a link, EINVAL for anything but a regular file)."""
     fd = os.open(path, os.O_RDONLY | NOFOLLOW | getattr(os, "O_NONBLOCK", 0))

@@ -114,8 +114,8 @@ class Event(StrEnum):
 
 
 CLOSING_EVENTS = (Event.RECOVERED, Event.GAVE_UP, Event.CLOSED)
-RECORD_FIELDS = ("ts", "event")
-MAX_BACKLOG = 1000  # records kept in memory while the journal cannot be written  # set by the journal itself, never copied from an older record
+RECORD_FIELDS = ("ts", "event")  # set by the journal itself, never copied from an older record
+MAX_BACKLOG = 1000  # records kept in memory while the journal cannot be written
 
 
 @dataclass
@@ -397,7 +397,8 @@ class Journal:
             size = 0
         if size >= self.segment_bytes:
             segments = segment_paths(self.dir)
-            last = int(_SEGMENT.fullmatch(segments[-1].name).group(1)) if segments else 0
+            newest = _SEGMENT.fullmatch(segments[-1].name) if segments else None  # segment_paths: all match
+            last = int(newest.group(1)) if newest else 0
             target = self.dir / f"incidents-{last + 1:06d}.jsonl"
             if os.path.lexists(target):  # numbers only grow; this would be a bug, and we never overwrite
                 raise FileExistsError(target)

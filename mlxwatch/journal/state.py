@@ -62,7 +62,8 @@ class StateFile:
         self._tell(None, fields)
 
     def instance(self, name: str) -> dict[str, Any]:
-        return self.data["instances"].setdefault(name, {})
+        instances: dict[str, dict[str, Any]] = self.data["instances"]
+        return instances.setdefault(name, {})
 
     def update(self, name: str, *, quiet: bool = False, **fields: Any) -> None:
         """Change an instance's record; ``quiet`` changes (probe times) ride on the next write."""

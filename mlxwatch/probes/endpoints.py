@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import httpx
 
@@ -37,7 +38,7 @@ class EndpointResult:
             return f"no answer ({self.error})"
         return f"{self.status} {' '.join(self.body.split())[:60]}".strip()
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "summary": self.summary}
 
 

@@ -333,7 +333,7 @@ async def _read(client: httpx.AsyncClient, url: str, body: dict[str, Any], run: 
     except asyncio.CancelledError:
         run.end_linger(False, "cancelled")
         raise
-    except Exception as exc:  # noqa: BLE001 - the last-resort guard: never raise for a server's behaviour
+    except Exception as exc:  # the last-resort guard: never raise for a server's behaviour
         if not run.gave_up:
             _judge_exception(run, exc)
         elif isinstance(exc, TimeoutError):  # httpx's own timeouts are off: this is the cutoff

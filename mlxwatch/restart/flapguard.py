@@ -15,7 +15,7 @@ budget and the cooldown survive a daemon restart and a clock step alike.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Mapping, TypeGuard
 
 from mlxwatch.clock import Clock, Stamp
 
@@ -41,7 +41,7 @@ class FlapGuard:
         recent = self._recent(now)
         if not recent:
             return 0.0
-        delay = min(self.max_backoff, self.backoff * 2 ** (len(recent) - 1))
+        delay = min(self.max_backoff, self.backoff * 2.0 ** (len(recent) - 1))
         return max(0.0, recent[-1].mono + delay - now)
 
     def record_restart(self, at: Stamp) -> None:
@@ -79,7 +79,8 @@ class FlapGuard:
         stepped back, or a bad file, can hold a restart in the window for at most ``window`` and
         the instance given up for at most ``cooldown``. Returns what is worth a warning."""
         walls = [float(t) for t in saved.get("restarts") or [] if _number(t)]
-        mono = saved.get("monotonic") if isinstance(saved.get("monotonic"), Mapping) else {}
+        saved_mono = saved.get("monotonic")
+        mono: Mapping[str, Any] = saved_mono if isinstance(saved_mono, Mapping) else {}
         boot = mono.get("boot") if isinstance(mono.get("boot"), str) else None
         monos = [float(t) for t in mono.get("restarts") or [] if _number(t)]
         if len(monos) != len(walls):
@@ -99,5 +100,5 @@ class FlapGuard:
         return notes
 
 
-def _number(value: Any) -> bool:
+def _number(value: Any) -> TypeGuard[int | float]:
     return isinstance(value, (int, float)) and not isinstance(value, bool)

@@ -44,12 +44,12 @@ def decide(verdict_server: ProcessIdentity | None, *, answered: bool, alive: boo
     ``answered``: the probe just made was healthy; ``alive``: ``verdict_server`` is still that
     very process (PID and create time); ``now_server``: the instance's server found now (proven,
     or an mlx-lm server for this port still loading), or None."""
-    newcomer = now_server is not None and not same_process(now_server, verdict_server)
+    newcomer = now_server if now_server is not None and not same_process(now_server, verdict_server) else None
     if answered:
-        who = f"new server PID {now_server.pid}" if newcomer else (
+        who = f"new server PID {newcomer.pid}" if newcomer is not None else (
             f"same server PID {verdict_server.pid}" if verdict_server is not None and alive else "server unproven")
         return LookAgain(recovered=f"recovered before restart: the instance answers again ({who})", answered=True)
-    if newcomer:
-        return LookAgain(recovered=f"recovered before restart: new server PID {now_server.pid} "
+    if newcomer is not None:
+        return LookAgain(recovered=f"recovered before restart: new server PID {newcomer.pid} "
                                    "(someone else restarted it)")
     return LookAgain(act_on=verdict_server if alive else None)

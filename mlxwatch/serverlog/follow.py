@@ -68,10 +68,13 @@ class _Open:
         self.partial = b""
         self.seen_size = 0  # its size when it became the current file: has it grown since?
 
-    def size(self) -> int:
+    def stat(self) -> os.stat_result:
         if self.fd is None:
             raise OSError("log file already let go")
-        return os.fstat(self.fd).st_size
+        return os.fstat(self.fd)
+
+    def size(self) -> int:
+        return self.stat().st_size
 
     def pread(self, n: int, at: int) -> bytes:
         if self.fd is None:
@@ -176,7 +179,7 @@ class LogFollower:
                 return
             if self.current is None:
                 pass  # the first file (or one that appeared): read from its start; prime puts it at its end
-            elif relinked and not _new_since(os.fstat(new.fd), previous_look):
+            elif relinked and not _new_since(new.stat(), previous_look):
                 new.offset = new.size()  # an older file swapped in: what it holds is history
                 chunk.event, chunk.detail = "relinked", f"{target} existed before: its lines are history, read from its end"
             else:

@@ -7,11 +7,13 @@ log is "no evidence", never an error.
 
 from __future__ import annotations
 
+import io
 import os
 import re
 import stat
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 RECENT_BYTES = 4 * 1024 * 1024
 
@@ -56,11 +58,11 @@ class LogMarkers:
     def generation_thread_exception(self) -> bool:
         return any("_generate" in line for line in self.thread_exceptions) or bool(self.generation_thread_died)
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
-def open_regular(path: Path):
+def open_regular(path: Path) -> io.BufferedReader:
     """Open a log for reading, refusing anything but a regular file: opening a FIFO without
     O_NONBLOCK waits for a writer forever (measured: it hung the daemon)."""
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)

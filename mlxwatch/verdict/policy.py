@@ -30,7 +30,7 @@ with a bug goes on watching::
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Sequence
 
 STARTING, HEALTHY, SUSPECT, SLOW, HUNG, CAPTURING, RESTARTING, RECOVERING, GAVE_UP = (
     "starting", "healthy", "suspect", "slow", "hung", "capturing", "restarting", "recovering", "gave_up",
@@ -99,7 +99,7 @@ class Detection:
             self._reset(HEALTHY)
         return self._state
 
-    def failure(self, now: float, progress: list[str], delivered: list[str] = ()) -> bool:
+    def failure(self, now: float, progress: list[str], delivered: Sequence[str] = ()) -> bool:
         """Record a failed probe; True when it makes a verdict (the state is then ``hung``).
 
         ``delivered``: tokens delivered since the previous probe (late on its own stream, or to
