@@ -11,9 +11,11 @@ already understands, exactly as it does the launch shim's heartbeat (``mlxwatch.
   flight and no token delivered to anyone for ``front.stall_timeout``. One stall episode (the
   same quiet start) triggers one early probe.
 
-Readings are taken when a probe ends and when a stall is seen, so "since the previous reading"
-is the window of the probe being judged: tokens delivered before a stall was seen do not excuse
-the probe that confirms it.
+Readings are taken when a probe starts and when it ends, so "since the previous reading" is the
+probe's own wait: tokens delivered to others while the probe got none prove the server works
+(busy, slow); tokens delivered before the probe started, say before a livelock began, do not
+excuse it. While clients' requests are in flight, the probe's first-token deadline is at most
+``front.stall_timeout`` (the door watches delivery meanwhile).
 """
 
 from __future__ import annotations
@@ -51,7 +53,8 @@ class FrontWatch:
         quiet_since = quiet_start(view)
         if quiet_since is None or now - quiet_since < self.stall_timeout:
             return None
-        return FrontStall(f"front door: {sum(r.generation for r in view.in_flight)} request(s) in flight and no token delivered to anyone "
+        return FrontStall(f"front door: {sum(r.generation for r in view.in_flight)} request(s) in flight"
+                          " and no token delivered to anyone "
                           f"for {now - quiet_since:.0f}s (front.stall_timeout {self.stall_timeout:g}s)", quiet_since)
 
     def first_time(self, stall: FrontStall | None) -> bool:

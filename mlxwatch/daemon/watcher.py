@@ -237,7 +237,7 @@ class InstanceWatcher:
                 self._say(await asyncio.to_thread(self.tracker.prime))
             p = self.inst.probe
             assert self.client is not None
-            report = await run_check(self.client, self.inst.url, first_token_timeout=self._first_token_timeout(),
+            report = await run_check(self.client, self.inst.url, first_token_timeout=self._front_probe_starts(),
                                      timeout=p.timeout, max_tokens=p.max_tokens, endpoint_timeout=p.endpoint_timeout,
                                      linger=p.interval)
         finally:
@@ -256,11 +256,9 @@ class InstanceWatcher:
         elif self.detect.state == policy.GAVE_UP and self.guard.cooled_down(now):
             self._resume(f"cool-down of {self.inst.restart.cooldown:g}s passed")
         previous = self.last_probe  # its stream is read until this probe has its answer: then its late tokens are final
-        if self.door is not None and self.frontwatch is None:
-            self._front_reading()  # a new door: its first reading is the baseline of this probe's window
         report = await self.probe()
         now = self.shared.clock.monotonic()
-        front_delivered = self._front_reading()  # every probe ends one reading window of the door's deliveries
+        front_delivered = self._front_reading()  # the door's deliveries while this probe waited
         self.shared.state.update(self.name, quiet=True, last_probe=_probe_summary(report, self.shared.clock.wall()))
         if report.healthy:
             await self._healthy(report, now)
@@ -629,7 +627,9 @@ class InstanceWatcher:
         return self.frontwatch
 
     def _front_reading(self) -> list[str]:
-        """Tokens the door delivered since the last reading (a line, or none); starts the next window."""
+        """Tokens the door delivered since the last reading (a line, or none): taken when a probe
+        starts and when it ends, so the window is the probe's own wait. Tokens delivered before
+        it started say the server worked then, not that it works now."""
         if self.door is None or self.inst.front is None:
             return []
         return self._front().delivered(self.door.view())
@@ -642,12 +642,19 @@ class InstanceWatcher:
         stall = self._front().stall(self.door.view(), self.shared.clock.monotonic())
         return stall.reason if stall else None
 
-    def _first_token_timeout(self) -> float:
-        """The probe's first-token deadline: ``probe.first_token_timeout``, but no longer than
-        ``front.stall_timeout`` while the door shows a stall. The door has then seen that long
-        with no token to any client; the confirming probe needs only as long again."""
+    def _front_probe_starts(self) -> float:
+        """A probe starts: the door's reading window opens (tokens it delivers while this probe
+        waits are what count), and the probe's first-token deadline is returned:
+        ``probe.first_token_timeout``, but no longer than ``front.stall_timeout`` while clients'
+        generation requests are in flight through the door. Then the door itself watches
+        delivery: while their tokens flow a failed probe is only ``slow``, and when nobody gets
+        a token, waiting longer than the stall limit only delays the verdict."""
         p = self.inst.probe
-        if self._front_stalled() is None:
+        if self.door is None or self.inst.front is None:
+            return p.first_token_timeout
+        view = self.door.view()
+        self._front().delivered(view)
+        if self.incident is not None or not any(r.generation for r in view.in_flight):
             return p.first_token_timeout
         return min(p.first_token_timeout, self.inst.front.stall_timeout)
 
@@ -683,7 +690,6 @@ class InstanceWatcher:
         log.warning("%s: %s: suspect, probing now", self.name, stall.reason)
         self.shared.journal.note(Event.FRONT_STALL, instance=self.name, reason=stall.reason,
                                  in_flight=len(view.in_flight))
-        watch.delivered(view)  # the confirming probe's window starts now: older tokens do not excuse it
         if self.detect.state == policy.HEALTHY:
             if self.tracker.follower is not None:  # as probe() does for a healthy server:
                 self._say(await asyncio.to_thread(self.tracker.prime))  # older lines are history
