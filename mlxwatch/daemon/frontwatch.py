@@ -14,8 +14,8 @@ already understands, exactly as it does the launch shim's heartbeat (``mlxwatch.
 Readings are taken when a probe starts and when it ends, so "since the previous reading" is the
 probe's own wait: tokens delivered to others while the probe got none prove the server works
 (busy, slow); tokens delivered before the probe started, say before a livelock began, do not
-excuse it. While clients' requests are in flight, the probe's first-token deadline is at most
-``front.stall_timeout`` (the door watches delivery meanwhile).
+excuse it. Once clients' requests have had no token for half ``front.stall_timeout``, the probe's
+first-token deadline is at most ``front.stall_timeout`` (the door watches delivery meanwhile).
 """
 
 from __future__ import annotations

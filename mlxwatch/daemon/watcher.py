@@ -20,7 +20,7 @@ import logging
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Awaitable, Callable
+from typing import Any, Awaitable, Callable
 
 import httpx
 
@@ -28,7 +28,7 @@ from mlxwatch.capture import Bundle, CaptureRequest, capture_bundle, capture_pro
 from mlxwatch.clock import Clock, Stamp
 from mlxwatch.config import CaptureConfig, InstanceConfig
 from mlxwatch.daemon.notify import Notifier
-from mlxwatch.daemon.frontwatch import FrontWatch, requests_evidence
+from mlxwatch.daemon.frontwatch import FrontWatch, quiet_start, requests_evidence
 from mlxwatch.errors import MlxwatchError
 from mlxwatch.front.door import FrontDoor, Gate
 from mlxwatch.host.process import ProcessIdentity, ServerLookup, lookup_instance, lookup_server
@@ -645,16 +645,17 @@ class InstanceWatcher:
     def _front_probe_starts(self) -> float:
         """A probe starts: the door's reading window opens (tokens it delivers while this probe
         waits are what count), and the probe's first-token deadline is returned:
-        ``probe.first_token_timeout``, but no longer than ``front.stall_timeout`` while clients'
-        generation requests are in flight through the door. Then the door itself watches
-        delivery: while their tokens flow a failed probe is only ``slow``, and when nobody gets
-        a token, waiting longer than the stall limit only delays the verdict."""
+        ``probe.first_token_timeout``, but no longer than ``front.stall_timeout`` once clients'
+        requests in flight through the door have had no token for half that (a stall under way:
+        waiting longer only delays the verdict). While tokens flow the deadline is the full one,
+        so a busy server's probe is not called late (``slow``) for waiting its turn."""
         p = self.inst.probe
         if self.door is None or self.inst.front is None:
             return p.first_token_timeout
-        view = self.door.view()
+        view, now = self.door.view(), self.shared.clock.monotonic()
         self._front().delivered(view)
-        if self.incident is not None or not any(r.generation for r in view.in_flight):
+        quiet_since = quiet_start(view)
+        if self.incident is not None or quiet_since is None or now - quiet_since < self.inst.front.stall_timeout / 2:
             return p.first_token_timeout
         return min(p.first_token_timeout, self.inst.front.stall_timeout)
 
@@ -751,7 +752,7 @@ class InstanceWatcher:
             self.said.add(note)
             log.warning("%s: %s", self.name, note)
 
-    def _save(self, **fields: object) -> None:
+    def _save(self, **fields: Any) -> None:
         now = self.shared.clock.monotonic()
         self.shared.state.update(
             self.name, state=self.detect.state, url=self.inst.url, failures=self.detect.failures,
