@@ -25,6 +25,10 @@ the loop wakes on them or on its heartbeat, and does the work:
   at once when idle and when their incident ends otherwise, removed instances are dropped at
   once (their incident closed as ``removed``), and the outcome is recorded (a log line, a
   ``config_reload`` journal note, ``last_reload`` in the state file). See docs/deciding.md.
+- **Front doors** (``instances[].front``): each is served beside its instance's watcher,
+  started before it, replaced when its ``url`` or ``front`` settings change (when the watcher
+  takes the change), stopped when the instance goes and at shutdown; read for the metrics
+  every few seconds. See docs/front-door.md.
 """
 
 from __future__ import annotations
