@@ -87,7 +87,7 @@ def install(fault_file: str) -> None:
                 time.sleep(arg if arg is not None else 0.5)
             return super().next(*args, **kwargs)
 
-    server.BatchGenerator = FaultyBatchGenerator
+    server.BatchGenerator = FaultyBatchGenerator  # type: ignore[misc]  # the fault, patched in place
 
 
 def main(argv: list[str]) -> None:

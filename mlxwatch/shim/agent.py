@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import faulthandler
 import functools
+import io
 import json
 import os
 import signal
@@ -52,6 +53,7 @@ import time
 import traceback
 import weakref
 from collections import deque
+from typing import Any
 
 from . import layout
 
@@ -116,15 +118,15 @@ class Agent:
         self.rate: deque = deque(maxlen=11)  # (time, tokens) per heartbeat: tokens/s over ~10 s
         # the generation thread
         self.gen_thread: threading.Thread | None = None
-        self.responder = None  # weakref to the ResponseGenerator, when found
+        self.responder: weakref.ref[Any] | None = None  # weakref to the ResponseGenerator, when found
         self.death: dict | None = None  # its exception, when it raised one
         self.gen_ended_at: float | None = None
         self.gen_end: str | None = None  # "died" | "stopped"
         # stacks
         self.stack_signum: int | None = None
-        self.stacks_file = None
+        self.stacks_file: io.FileIO | None = None
         self.stacks_ino: int | None = None
-        self.fatal_file = None
+        self.fatal_file: io.FileIO | None = None
 
     # --- files
 
@@ -484,7 +486,7 @@ def _find_responder():
 
 def _wrap_next(agent: Agent, original):
     @functools.wraps(original)
-    def next(self, *args, **kwargs):  # noqa: A001 - the seam's own name
+    def next(self, *args, **kwargs):  # the seam's own name
         counted = agent.step_begin()
         try:
             result = original(self, *args, **kwargs)
@@ -597,7 +599,7 @@ def patch_module(agent: Agent, module) -> None:
         stream = getattr(module, "stream_generate", None)
         if callable(stream) and not getattr(stream, _MARK, False) \
                 and getattr(getattr(stream, "__code__", None), "co_flags", 0) & _CO_GENERATOR:
-            setattr(module, "stream_generate", _wrap_stream_generate(agent, stream))
+            module.stream_generate = _wrap_stream_generate(agent, stream)
         responder = getattr(module, "ResponseGenerator", None)
         if isinstance(responder, type):
             _patch_method(responder, "_generate", lambda f: _wrap_generate(agent, f))

@@ -164,7 +164,7 @@ class Heartbeat:
     @property
     def thread_died(self) -> bool:
         t = self.thread
-        return bool(t) and t.get("end") == "died"
+        return t is not None and t.get("end") == "died"
 
     @property
     def thread_exception(self) -> dict[str, Any] | None:

@@ -12,7 +12,7 @@ _fault_file = os.environ.get("MLXWATCH_FAULT_FILE")
 if _fault_file:
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     try:
-        import fault_server
+        import fault_server  # type: ignore[import-not-found]  # from the directory put on sys.path above
 
         fault_server.install(_fault_file)
     except Exception as exc:  # a lab without its fault is a broken lab: say so loudly

@@ -52,7 +52,7 @@ def _chain() -> None:
     for i in reversed(positions):
         del sys.path[i]
     try:
-        import sitecustomize  # noqa: F401  (the next one, if any)
+        import sitecustomize  # type: ignore[import-not-found]  # noqa: F401  (the next one, if any)
     except ImportError as exc:
         if getattr(exc, "name", None) != "sitecustomize":
             sys.stderr.write(f"Error in sitecustomize; set PYTHONVERBOSE for traceback:\n{type(exc).__name__}: {exc}\n")
@@ -74,10 +74,12 @@ def _start(settings: dict) -> None:
     package_dir = os.path.dirname(_here)
     spec = importlib.util.spec_from_file_location(
         "_mlxwatch_shim", os.path.join(package_dir, "__init__.py"), submodule_search_locations=[package_dir])
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot load the shim package from {package_dir}")
     package = importlib.util.module_from_spec(spec)
     sys.modules["_mlxwatch_shim"] = package
     spec.loader.exec_module(package)
-    from _mlxwatch_shim import agent
+    from _mlxwatch_shim import agent  # type: ignore[import-not-found]  # the package just loaded
 
     agent.start(_started_at, env=settings)
 
