@@ -244,8 +244,10 @@ def bundle_entries(root: Path) -> list[dict[str, Any]]:
                 entry["state"] = "complete"
             except BundleError:
                 manifest, entry["state"] = {}, "unreadable"
-            target = manifest.get("target") if isinstance(manifest.get("target"), dict) else {}
-            c = manifest.get("classification") if isinstance(manifest.get("classification"), dict) else {}
+            target = manifest.get("target")
+            target = target if isinstance(target, dict) else {}
+            c = manifest.get("classification")
+            c = c if isinstance(c, dict) else {}
             entry.update(pid=target.get("pid"), kind=c.get("kind"), confidence=c.get("confidence"),
                          watchdog=manifest.get("verdict") is not None if manifest else None)
             entry["instance"] = target.get("label") or (f"pid-{target['pid']}" if target.get("pid") else None)
@@ -372,7 +374,7 @@ def adopt_partials(root: Path, older_than: float = 300.0) -> list[Path]:
     is adopted whatever its age; one whose writer is alive is another capture in progress and is
     left alone. Without a usable ``.writer`` file, a partial is adopted once it is ``older_than``
     seconds old."""
-    adopted = []
+    adopted: list[Path] = []
     if not root.is_dir():
         return adopted
     for partial in root.glob(".*.partial"):

@@ -44,6 +44,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Any, TypedDict
 
 import httpx
 
@@ -130,11 +131,19 @@ class CaptureRequest:
     min_free_bytes: int = CaptureConfig.min_free_bytes  # below it: LowDiskSpace, no bundle
     verdict: str | None = None  # the watchdog's reason for judging the server hung; None: manual capture
     probe_linger: float = PROBE_LINGER  # 0: a given-up probe closes its stream at once
-    stacks: str = CaptureConfig.stacks  # Python stacks from: auto (the launch shim if present, else py-spy) | pyspy | shim | sample
+    # Python stacks from: auto (the launch shim if present, else py-spy) | pyspy | shim | sample
+    stacks: str = CaptureConfig.stacks
     redact: bool = CaptureConfig.redact  # the raw bundle's redaction (redact.PRIVATE); False: complete (NONE)
 
 
-def capture_probe_timeouts(probe: ProbeConfig) -> dict[str, float]:
+class ProbeTimeouts(TypedDict):
+    """The CaptureRequest fields ``capture_probe_timeouts`` fills (typed, for ``**`` into it)."""
+
+    probe_first_token_timeout: float
+    probe_timeout: float
+
+
+def capture_probe_timeouts(probe: ProbeConfig) -> ProbeTimeouts:
     """A CaptureRequest's probe limits for an instance probed with ``probe``: its own, capped."""
     return {"probe_first_token_timeout": min(probe.first_token_timeout, PROBE_FIRST_TOKEN_CAP),
             "probe_timeout": min(probe.timeout, PROBE_TIMEOUT_CAP)}
@@ -144,7 +153,7 @@ def capture_probe_timeouts(probe: ProbeConfig) -> dict[str, float]:
 class Bundle:
     path: Path
     classification: Classification
-    manifest: dict[str, object]
+    manifest: dict[str, Any]
     # The capture probe's background drain (see the module docstring), or None. The caller owns
     # it: await it or cancel it before its event loop ends.
     lingering: asyncio.Task | None = None
@@ -284,7 +293,8 @@ async def _stacks(req: CaptureRequest, process: ProcessResult, files: _Files, ru
             # A SIGSTOPped target cannot be suspended again ("Failed to suspend process" or
             # "Failed to get stack traces"); --nonblocking reads it anyway.
             nonblocking = True
-            result = await runner(pyspy.dump_command(exe, req.pid, as_json=True, native=False, nonblocking=True, sudo=req.sudo), DUMP_TIMEOUT)
+            result = await runner(pyspy.dump_command(exe, req.pid, as_json=True, native=False, nonblocking=True, sudo=req.sudo),
+                                  DUMP_TIMEOUT)
         if not result.ok:
             output = result.stderr.decode("utf-8", "replace")
             meaning = pyspy.explain(output)
@@ -303,7 +313,8 @@ async def _stacks(req: CaptureRequest, process: ProcessResult, files: _Files, ru
                                                nonblocking=nonblocking, sudo=req.sudo), DUMP_TIMEOUT)
         header = f"# py-spy dump {i} at +{at:.2f}s ({datetime.now(timezone.utc).isoformat()})" \
                  f"{' --native' if native and not nonblocking else ''}{' --nonblocking' if nonblocking else ''}\n"
-        await files.write(f"stacks/pyspy-{i}.txt", header + (text.stdout.decode("utf-8", "replace") if text.ok else f"# failed: {text.error}\n"))
+        body = text.stdout.decode("utf-8", "replace") if text.ok else f"# failed: {text.error}\n"
+        await files.write(f"stacks/pyspy-{i}.txt", header + body)
     if errors:
         return StacksResult(snapshots=tuple(taken), outcome="ok" if taken else "failed", error="; ".join(errors))
     return StacksResult(snapshots=tuple(taken), error=shim_error)

@@ -50,6 +50,7 @@ _KEEP_LOG_LINE = [
     re.compile(r"generation thread died"),
     re.compile(r"UserWarning: mlx_lm.server is not recommended"),
 ]
+MARKERS = "log-markers.json"
 _TRANSCRIPT_TEXT_KINDS = {"token", "data", "body", "error", "other", "fail"}
 REDACTED_FILES_NOTE = ("redacted by mlxwatch bundle export (the default; --no-redact exports the raw bundle): "
                        "log lines of unknown shape, probe texts, verdict details, environment values, secrets "
@@ -75,7 +76,7 @@ def _redact_transcript(report: Any) -> Any:
         return [_redact_transcript(r) for r in report]
     if not isinstance(report, dict):
         return report
-    out = {}
+    out: dict[str, Any] = {}
     for key, value in report.items():
         if key == "transcript" and isinstance(value, list):
             out[key] = [
@@ -116,7 +117,7 @@ def _replace_strings(value: Any, old: str, new: str) -> Any:
 
 
 def _redact_markers(markers: dict) -> dict:
-    out = {}
+    out: dict[str, Any] = {}
     for key, value in markers.items():
         if isinstance(value, str):
             out[key] = redact_log_line(value)
@@ -127,9 +128,58 @@ def _redact_markers(markers: dict) -> dict:
     return out
 
 
-def redact_file(relname: str, data: bytes, verdict: str | None = None) -> bytes:
+_SUMMARY_MARKER = re.compile(r"^(- [a-z ]+: `)(.*)(`)$")
+
+
+def _redact_summary(text: str) -> str:
+    """``summary.md`` by the log files' rule: the log lines its "Log markers" section quotes
+    (``- insufficient memory: `<line>` ``) and its last traceback become what ``log-tail.txt``
+    keeps of them."""
+    out, in_markers, in_traceback = [], False, False
+    for line in text.split("\n"):
+        if line.startswith("## "):
+            in_markers, in_traceback = line == "## Log markers", False
+        elif in_markers and line == "```":
+            in_traceback = not in_traceback
+        elif in_traceback:
+            line = redact_log_line(line)
+        elif in_markers and (m := _SUMMARY_MARKER.match(line)):
+            line = m.group(1) + redact_log_line(m.group(2)) + m.group(3)
+        out.append(line)
+    return "\n".join(out)
+
+
+def quoted_log_lines(markers_json: bytes | None) -> dict[str, str]:
+    """The bundle's marker lines (``log-markers.json``, raw) that the export's line rule changes,
+    each with its redacted form: the summary's and the classification's quotes of them are cut
+    the same way (``log: <line>`` in the evidence)."""
+    try:
+        markers = json.loads(markers_json) if markers_json else None
+    except ValueError:
+        return {}
+    lines: list[str] = []
+    for value in (markers.values() if isinstance(markers, dict) else ()):
+        lines += [value] if isinstance(value, str) else [v for v in value if isinstance(v, str)] if isinstance(value, list) else []
+    found = {}
+    for line in lines:
+        for form in (line, line.strip()):
+            if form.strip() and redact_log_line(form) != form:
+                found[form] = redact_log_line(form)
+    return found
+
+
+def _replace_all(text: str, quoted: dict[str, str]) -> str:
+    for line in sorted(quoted, key=len, reverse=True):  # a longer line before a line it contains
+        text = text.replace(line, quoted[line])
+        text = text.replace(json.dumps(line)[1:-1], json.dumps(quoted[line])[1:-1])  # as a JSON string holds it
+    return text
+
+
+def redact_file(relname: str, data: bytes, verdict: str | None = None, quoted: dict[str, str] | None = None) -> bytes:
     """The redacted form of one bundle file (``verdict``: the manifest's, to be cut where it is
-    quoted): what the export keeps of it, then the PUBLIC secret pass."""
+    quoted; ``quoted``: the marker lines the summary and the manifest quote, from
+    ``quoted_log_lines``): what the export keeps of it, then the PUBLIC secret pass."""
+    quoted = quoted or {}
     text = data.decode("utf-8", errors="replace")
     if verdict:
         text = text.replace(verdict, redact_verdict(verdict))
@@ -141,8 +191,9 @@ def redact_file(relname: str, data: bytes, verdict: str | None = None) -> bytes:
     elif name == "log-markers.json":
         text = json.dumps(_redact_markers(json.loads(text)), indent=2, sort_keys=True)
     elif name == "summary.md":
-        text = "\n".join(redact_log_line(l) if l.startswith("- last") or l.startswith("- thread") else l
-                         for l in text.split("\n"))
+        text = _redact_summary(_replace_all(text, quoted))
+    elif relname == MANIFEST:
+        text = _replace_all(text, quoted)
     elif relname.startswith("stacks/") and name.endswith(".json"):
         threads = json.loads(text)
         for thread in threads:
@@ -188,6 +239,7 @@ def export_bundle(bundle: Path, out: Path | None = None, redact: bool = True,
         raise FileExistsError(f"{target} exists; not overwriting")
     files: dict[str, dict] = {}
     members: list[tuple[str, bytes]] = []
+    quoted = quoted_log_lines(_member(bundle, MARKERS)) if redact and MARKERS in listed else {}
     for relname in sorted(listed):
         if relname == MANIFEST:
             continue
@@ -197,12 +249,13 @@ def export_bundle(bundle: Path, out: Path | None = None, redact: bool = True,
                 on_skip(relname)
             continue
         if redact:
-            data = redact_file(relname, data, manifest.get("verdict"))
+            data = redact_file(relname, data, manifest.get("verdict"), quoted)
         files[relname] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
         members.append((relname, data))
     if redact:
         if manifest.get("verdict"):
             manifest = _replace_strings(manifest, manifest["verdict"], redact_verdict(manifest["verdict"]))
+        manifest = json.loads(_replace_all(json.dumps(manifest), quoted))  # the classification quotes log lines
         manifest = redact_json({k: v for k, v in manifest.items() if k != "files"}, PUBLIC)
         manifest.update(files=files, redacted=True, redaction=REDACTED_FILES_NOTE)
     else:

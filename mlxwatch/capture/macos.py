@@ -206,7 +206,8 @@ def parse_crash_report(text: str) -> CrashReport | None:
         except ValueError:
             data = None
         if isinstance(data, dict):
-            exc = data.get("exception") if isinstance(data.get("exception"), dict) else {}
+            exc = data.get("exception")
+            exc = exc if isinstance(exc, dict) else {}
             pid = data.get("pid")
             exception = f"{exc.get('type')} ({exc.get('signal')})" if exc.get("type") else None
             return CrashReport(pid if isinstance(pid, int) else None, _str(data.get("procName")),

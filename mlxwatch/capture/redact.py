@@ -165,7 +165,7 @@ def redact_json(value: Any, level: str) -> Any:
     if level == NONE:
         return value
     if isinstance(value, dict):
-        out = {}
+        out: dict[Any, Any] = {}
         for key, item in value.items():
             if key == "environment" and isinstance(item, dict):
                 out[key] = redact_environment({k: str(v) for k, v in item.items()}, level)

@@ -84,7 +84,8 @@ def render_summary(manifest: dict[str, Any], snapshots: list[tuple[float, list[T
             out += ["", "Last traceback:", "```"] + markers["last_traceback"][-15:] + ["```"]
     failed = [s for s in manifest["steps"] if s["outcome"] != "ok"]
     out += ["", "## Not captured", ""]
-    out += [f"- {s['name']}: {s['outcome']}: {s.get('error') or ''}".rstrip(": ") for s in failed] or ["- nothing: every step succeeded"]
+    out += ([f"- {s['name']}: {s['outcome']}: {s.get('error') or ''}".rstrip(": ") for s in failed]
+            or ["- nothing: every step succeeded"])
     return "\n".join(out) + "\n"
 
 
