@@ -169,6 +169,7 @@ async def probe_generation(
     max_tokens: int = ProbeConfig.max_tokens,
     prompt: str = PROBE_PROMPT,
     linger: float = 0.0,
+    read_until: float | None = None,
 ) -> GenerationProbeResult:
     """Send one streaming generation request and judge it by delivery. Never raises for the server.
 
@@ -179,10 +180,12 @@ async def probe_generation(
     ends it (``late_finished`` True) or ``linger`` seconds pass (False); so a struggling server
     finishes the probe's reply cleanly instead of serving an orphan and hitting a broken pipe.
     That task is ``result.lingering``: it never raises, and cancelling it closes the stream.
+    ``read_until`` (seconds after sending; the daemon passes its ``timeout``) replaces ``linger``:
+    the stream is read until then, so a token within it is a delivery; past it, nothing is.
     """
     loop = asyncio.get_running_loop()
     run = _Run(url, loop, first_token_timeout=first_token_timeout, timeout=timeout, linger=linger,
-               max_body=body_limit(max_tokens))
+               max_body=body_limit(max_tokens), read_until=read_until)
     body = {
         "messages": [{"role": "user", "content": prompt}],
         "max_tokens": max_tokens,
@@ -222,7 +225,7 @@ class _Run:
 
     def __init__(
         self, url: str, loop: asyncio.AbstractEventLoop, *, first_token_timeout: float, timeout: float, linger: float,
-        max_body: int = MAX_BODY_BYTES,
+        max_body: int = MAX_BODY_BYTES, read_until: float | None = None,
     ) -> None:
         self.loop = loop
         self.max_body = max_body
@@ -231,6 +234,7 @@ class _Run:
         self.first_token_timeout = first_token_timeout
         self.timeout = timeout
         self.linger = linger
+        self.read_until = read_until  # seconds after sending: the lingering bound instead of ``linger``
         self.last_delivery: float | None = None
         self.done = False  # [DONE] seen
         self.judged = False  # the verdict is in
@@ -297,8 +301,9 @@ class _Run:
             self.fail(Failure.STALLED, f"{res.tokens} tokens, then nothing; stream unfinished after {self.timeout:g}s")
         res.total = round(self.now(), 4)
         self.gave_up = True
-        self.lingering = self.linger > 0
-        self.cut_off(after=self.linger)
+        after = self.linger if self.read_until is None else max(0.0, self.t0 + self.read_until - self.loop.time())
+        self.lingering = after > 0
+        self.cut_off(after=after)
         self.ready.set()
 
     def cut_off(self, after: float) -> None:
@@ -337,7 +342,8 @@ async def _read(client: httpx.AsyncClient, url: str, body: dict[str, Any], run: 
         if not run.gave_up:
             _judge_exception(run, exc)
         elif isinstance(exc, TimeoutError):  # httpx's own timeouts are off: this is the cutoff
-            run.end_linger(False, f"{run.linger:g}s of lingering passed")
+            run.end_linger(False, f"{run.linger:g}s of lingering passed" if run.read_until is None
+                           else f"{run.read_until:g}s since it was sent passed")
         else:
             run.end_linger(False, _describe(exc))
     finally:
