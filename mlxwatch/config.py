@@ -864,7 +864,8 @@ def _instance(sec: _Section, base: Path) -> InstanceConfig:
     sec.done()
     if front is not None and same_address(url, f"http://{_hostport(front.listen)}"):
         raise ConfigError(sec.file, f"{sec.path}.front.listen",
-                          f"is the server's own address; the front door needs a port of its own (got {_hostport(front.listen)!r})")
+                          "is the server's own address; the front door needs a port of its own"
+                          f" (got {_hostport(front.listen)!r})")
     return InstanceConfig(name, url, log, pid_file, probe, restart, shim, front)
 
 

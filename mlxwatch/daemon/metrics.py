@@ -225,7 +225,8 @@ class Metrics:
             if isinstance(ts, (int, float)) and track.capturing_at is not None:
                 self.capture_seconds.labels(name).set(round(ts - track.capturing_at, 3))
             self._count(name, track, entry.get("kind") if event == "captured" else None)
-        restarts = entry.get("restarts") if isinstance(entry.get("restarts"), list) else []
+        restarts = entry.get("restarts")
+        restarts = restarts if isinstance(restarts, list) else []
         for restart in restarts[track.restarts_counted:]:
             result = restart.get("result") if isinstance(restart, dict) else None
             if result == "running":  # journaled as it starts; counted once its result is known
@@ -315,7 +316,7 @@ class Metrics:
                                    (self.probe_ttft, ()), (self.probe_duration, ()), (self.capture_seconds, ()),
                                    (self.last_recovery, ()), (self.front_requests, OUTCOMES),
                                    (self.front_in_flight, ()), (self.front_first_token, ()), (self.front_rate, ())):
-                for labels in [(name, o) for o in others] or [(name,)]:
+                for labels in [(name, o) for o in others] if others else [(name,)]:
                     try:
                         metric.remove(*labels)
                     except KeyError:

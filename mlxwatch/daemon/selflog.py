@@ -49,7 +49,7 @@ class RotatingStderr(logging.StreamHandler):
     """A stderr handler that rotates stderr when it is a regular file (see the module docstring)."""
 
     def __init__(self, max_bytes: int = MAX_BYTES, keep: int = KEEP, fd: int = 2) -> None:
-        super().__init__(sys.stderr if fd == 2 else open(fd, "w", closefd=False))  # noqa: SIM115
+        super().__init__(sys.stderr if fd == 2 else open(fd, "w", closefd=False))
         self.max_bytes, self.keep, self.fd = max_bytes, keep, fd
         self.rotations = 0
 

@@ -78,7 +78,7 @@ def collect_status(config: Config, state_dir: Path) -> dict[str, Any]:
         })
     return {"state_dir": str(state_dir), "state_problem": problem,
             "config": str(config.path) if config.path else None,
-            "daemon": {**daemon, "running": running, "pid": holder if running and holder > 0 else daemon.get("pid"),
+            "daemon": {**daemon, "running": running, "pid": holder if holder is not None and holder > 0 else daemon.get("pid"),
                        "stalled": stalled},
             "instances": instances}
 
@@ -87,7 +87,7 @@ def _shim_status(s: dict) -> dict | None:
     """The launch shim's heartbeat of the recorded server (started by `mlxwatch launch`), if any."""
     from mlxwatch.shim import heartbeat
 
-    server = s.get("server") if isinstance(s.get("server"), dict) else {}
+    server = _dict(s.get("server"))
     pid, created = server.get("pid"), server.get("create_time")
     if not isinstance(pid, int) or isinstance(pid, bool):
         return None
@@ -110,7 +110,8 @@ def _incidents(journal: Journal) -> tuple[dict[str, dict], dict[str, dict]]:
 
 def _restarts_in_window(s: dict, config: Config, name: str) -> int:
     window = next((i.restart.window for i in config.instances if i.name == name), 1800.0)
-    restarts = s.get("restarts") if isinstance(s.get("restarts"), list) else []
+    restarts = s.get("restarts")
+    restarts = restarts if isinstance(restarts, list) else []
     return sum(1 for t in restarts if _number(t) is not None and time.time() - t < window)
 
 

@@ -176,7 +176,8 @@ class Daemon:
     def _resume_restart_in_flight(self, rec: dict) -> None:
         """A daemon stopped while a restart ran: its hook may still be bringing the server up,
         so the watcher gives it ``startup_timeout`` even before a process appears."""
-        watcher = self.watchers.get(rec.get("instance"))
+        name = rec.get("instance")
+        watcher = self.watchers.get(name) if isinstance(name, str) else None
         at = rec.get("ts")  # the restart was running at this record (its own time is journaled only once it ends)
         if watcher is not None and rec.get("state") in ("restarting", "recovering") and isinstance(at, (int, float)):
             # A wall time from another run: its age, clamped at zero, on this run's monotonic clock.
@@ -188,7 +189,8 @@ class Daemon:
         for task in [*self.tasks.values(), *self.retired]:
             task.cancel()
         await asyncio.gather(*self.retired, return_exceptions=True)
-        for name, result in zip(list(self.tasks), await asyncio.gather(*self.tasks.values(), return_exceptions=True)):
+        results = await asyncio.gather(*self.tasks.values(), return_exceptions=True)
+        for name, result in zip(list(self.tasks), results, strict=True):
             if isinstance(result, Exception):
                 log.error("%s: watcher ended with %r during shutdown", name, result)
         for watcher in self.watchers.values():

@@ -498,6 +498,8 @@ class _Handler(web.RequestHandler):
     """aiohttp's connection handler, answering a request it cannot parse in JSON: 431 for a
     header line or header count over the limit (aiohttp's own answer is a plain-text 400)."""
 
+    door: FrontDoor  # set by _Server as it makes the handler
+
     def handle_error(self, request: web.BaseRequest, status: int = 500, exc: BaseException | None = None,
                      message: str | None = None) -> web.StreamResponse:
         if status != 400 or request.writer.output_size > 0:
