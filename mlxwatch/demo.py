@@ -31,6 +31,7 @@ from mlxwatch.config import (
     InstanceConfig,
     ProbeConfig,
     RestartConfig,
+    state_dir_for,
 )
 from mlxwatch.daemon.supervisor import Daemon
 from mlxwatch.errors import UsageError
@@ -99,9 +100,9 @@ async def _watch(progress: DemoProgress, config: Config, server) -> bool:
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
     stop = asyncio.Event()
-    daemon = Daemon(config, config.state_dir)
+    daemon = Daemon(config, state_dir_for(config))
     runner = asyncio.create_task(daemon.run(stop))
-    journal = Journal(config.state_dir)
+    journal = Journal(state_dir_for(config))
     try:
         if not await _until(lambda: _state(daemon) == "healthy" and _last_ok(daemon), HEALTHY_WAIT):
             progress.never_healthy()

@@ -79,12 +79,9 @@ class Env:
     check: Callable[[InstanceConfig], Awaitable[Any]] = _check_url
     job_status: Callable[..., launchctl.JobStatus] = launchctl.job_status  # blocking
     launchctl_available: Callable[[], bool] = launchctl.available
-    open_files: Callable[[int], dict[tuple[int, int], str] | None] = None  # type: ignore[assignment]
-    ptrace_scope: Callable[[], int | None] = None  # type: ignore[assignment]
-
-    def __post_init__(self) -> None:
-        self.open_files = self.open_files or files_written_by
-        self.ptrace_scope = self.ptrace_scope or read_ptrace_scope
+    # Defined further down: looked up when an Env is made.
+    open_files: Callable[[int], dict[tuple[int, int], str] | None] = field(default_factory=lambda: files_written_by)
+    ptrace_scope: Callable[[], int | None] = field(default_factory=lambda: read_ptrace_scope)
 
     @property
     def macos(self) -> bool:

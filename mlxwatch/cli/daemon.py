@@ -70,12 +70,12 @@ def _run_daemon(args: argparse.Namespace, held: _HeldSignals) -> int:
         for signum in held.SIGNALS:  # the loop takes them from here on
             loop.add_signal_handler(signum, (reload if signum == signal.SIGHUP else stop).set)
         log = logging.getLogger("mlxwatch.watchdog")
-        for signum in dict.fromkeys(held.arrived):
-            if signum == signal.SIGHUP:
+        for arrived in dict.fromkeys(held.arrived):
+            if arrived == signal.SIGHUP:
                 log.info("SIGHUP arrived while starting: the config is read again once the daemon is ready")
                 reload.set()
             else:
-                log.info("%s arrived while starting: stopping before the daemon starts", signal.Signals(signum).name)
+                log.info("%s arrived while starting: stopping before the daemon starts", signal.Signals(arrived).name)
                 stop.set()
         if stop.is_set():
             return
@@ -131,7 +131,7 @@ def cmd_status(args: argparse.Namespace, out: Console) -> int:
             while True:
                 status, code = once()
                 shown += 1
-                if args.json:
+                if view is None:  # --json
                     print(json.dumps({**status, "exit_code": code}, default=str), flush=True)
                 else:
                     view.show(status)

@@ -10,7 +10,7 @@ Defaults shown by ``--help`` are read from the config dataclasses (``ProbeConfig
 from __future__ import annotations
 
 import argparse
-from typing import Any, Sequence
+from typing import Any, NoReturn, Sequence
 
 from mlxwatch import __version__
 from mlxwatch.config import MAX_COUNT, STACK_SOURCES, CaptureConfig, ProbeConfig
@@ -57,7 +57,7 @@ def _pid_arg(text: str) -> int:
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one line, exit 2, like every other bad input
+    def error(self, message: str) -> NoReturn:  # one line, exit 2, like every other bad input
         where = self.prog.removeprefix("mlxwatch").strip()
         sub = next((a for a in self._actions if isinstance(a, argparse._SubParsersAction)), None)
         if sub is not None and "the following arguments are required" in message:
@@ -223,7 +223,7 @@ def _leaf_parser(parser: argparse.ArgumentParser, args: argparse.Namespace) -> a
     while True:
         sub = next((a for a in parser._actions if isinstance(a, argparse._SubParsersAction)), None)
         chosen = getattr(args, sub.dest, None) if sub is not None else None
-        if chosen not in (sub.choices if sub is not None else {}):
+        if sub is None or chosen not in sub.choices:
             return parser
         parser = sub.choices[chosen]
 
@@ -243,7 +243,8 @@ def _attach_negative_values(parser: argparse.ArgumentParser, argv: Sequence[str]
     """``--timeout -5s`` read as ``--timeout=-5s``: argparse takes a word that starts with ``-``
     (other than a plain negative number) for an option and would say "expected one argument"
     instead of why -5s is refused. Nothing after ``--`` or ``launch`` (a server's command) changes."""
-    takes_value, words, out = _options_with_values(parser), list(argv), []
+    takes_value, words = _options_with_values(parser), list(argv)
+    out: list[str] = []
     while words:
         word = words.pop(0)
         if word in ("--", "launch"):

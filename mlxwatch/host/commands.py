@@ -15,7 +15,7 @@ import os
 import signal
 import time
 from dataclasses import dataclass, field
-from typing import Awaitable, Callable, Sequence
+from typing import Any, Awaitable, Callable, Sequence
 
 MAX_OUTPUT = 8 * 1024 * 1024
 _CHUNK = 64 * 1024
@@ -136,7 +136,8 @@ async def communicate_bounded(proc: asyncio.subprocess.Process, cap: int, *, std
         feed(), read_bounded(proc.stdout, cap, tail=tail), read_bounded(proc.stderr, cap, tail=tail)))
     exited = asyncio.ensure_future(_exited(proc))
     try:
-        await asyncio.wait({reading, exited}, return_when=asyncio.FIRST_COMPLETED)
+        either: set[asyncio.Future[Any]] = {reading, exited}
+        await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
         if not reading.done():
             # The child exited, but a process it started (a hook's `server &`) holds its pipes:
             # take what is buffered for a moment, then close them so the reads end with it.

@@ -159,7 +159,7 @@ def url_ips(url: str) -> frozenset[str]:
         infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
     except OSError:
         return frozenset()
-    return frozenset(str(ipaddress.ip_address(info[4][0].split("%")[0])) for info in infos)
+    return frozenset(str(ipaddress.ip_address(str(info[4][0]).split("%")[0])) for info in infos)
 
 
 def serves(listeners: list[tuple[str, int]], url: str) -> bool:

@@ -15,7 +15,7 @@ from mlxwatch.output.text import PIPED_WIDTH, cut, say
 HEADER = ("time", "instance", "kind", "conf.", "size", "bundle")
 
 
-def size_text(n: int | None) -> str:
+def size_text(n: float | None) -> str:
     if n is None:
         return "-"
     for unit in ("B", "KB", "MB", "GB"):

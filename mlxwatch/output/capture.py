@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from rich.console import Console
 from rich.live import Live
@@ -89,7 +90,7 @@ class CaptureProgress:
         self.live.__enter__()
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, *exc: Any) -> None:
         self.live.__exit__(*exc)
         if exc[0] is None:  # the final states stay on screen (whole lines when piped)
             print_rows(self.console, self._rows(), indent=1, label_width=self._name_width(), gap=2)

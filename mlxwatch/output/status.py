@@ -88,7 +88,7 @@ def status_lines(status: dict[str, Any], width: int = 80) -> list[Text]:
         rows.append((i["name"], state_label(i), probe, ttft, restarts))
     widths = [min(max(len(r[c]) for r in [header, *rows]), cap) for c, cap in enumerate((20, 24, 16, 8, 8))]
     lines.append(Text(_row(header, widths), style="bold"))
-    for i, row in zip(instances, rows):
+    for i, row in zip(instances, rows, strict=True):
         lines.append(Text(_row(row, widths), style=STATE_STYLES.get(i["state"], "red")))
         p = i["last_probe"]
         if p and not p["ok"] and p.get("reason"):
@@ -126,7 +126,7 @@ def render_status(status: dict[str, Any], console: Console, fit: bool | None = N
 
 
 def _row(cells: tuple[str, ...], widths: list[int]) -> str:
-    return "  ".join(cut(c, w).ljust(w) for c, w in zip(cells, widths)).rstrip()
+    return "  ".join(cut(c, w).ljust(w) for c, w in zip(cells, widths, strict=True)).rstrip()
 
 
 def _number(value: Any) -> float | None:
