@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import openai
-import pytest
 
 from mlxwatch.config import CaptureConfig, Config, FrontConfig, InstanceConfig, ProbeConfig, RestartConfig
 from mlxwatch.daemon.supervisor import Daemon
@@ -138,10 +137,10 @@ async def test_through_every_fault_clients_get_errors_never_empty_answers(lab, t
                 os.kill(lab.pid, signal.SIGKILL)
             else:
                 lab.set_fault(fault)
-            await until(lambda: len([r for r in events(journal) if r["event"] == "recovered"]) > seen,
+            await until(lambda: len([r for r in events(journal) if r["event"] == "recovered"]) > seen,  # noqa: B023  awaited here
                         PER_FAULT, f"{fault}: recovered")
             recovered_at = time.monotonic()
-            await until(lambda: any(o.kind == "ok" and o.sent > recovered_at for o in loop_client.outcomes),
+            await until(lambda: any(o.kind == "ok" and o.sent > recovered_at for o in loop_client.outcomes),  # noqa: B023  awaited here
                         30, f"{fault}: a correct answer after recovery")
             during = [o for o in loop_client.outcomes if o.ended > switched and o.sent < recovered_at]
             report.append(f"{fault}: {time.monotonic() - switched:.0f}s, "
