@@ -53,6 +53,7 @@ from mlxwatch.verdict.progress import ProgressTracker
 log = logging.getLogger("mlxwatch.watchdog")
 
 RECOVERY_PROBE_EVERY = 5.0
+FIRST_PROBE_SPREAD = 5.0  # each instance's first probe comes within min(interval, this): spread out
 KEPT_FAILED_REPORTS = 20
 
 
@@ -187,7 +188,7 @@ class InstanceWatcher:
             try:
                 self._say(await asyncio.to_thread(self.tracker.prime))
                 self._save()
-                await self._sleep(random.uniform(0, min(self.inst.probe.interval, 5.0)))  # spread instances out
+                await self._sleep(random.uniform(0, min(self.inst.probe.interval, FIRST_PROBE_SPREAD)))
                 loop = asyncio.get_running_loop()
                 while not self.stop.is_set():
                     started, was_healthy = loop.time(), self.detect.state == policy.HEALTHY
