@@ -469,6 +469,29 @@ def test_redacted_export_cuts_the_verdict_details(tmp_path):
     assert b"diary" not in data and b"2 failed probes: HTTP error [details redacted]" in data
 
 
+def test_redacted_export_cuts_quoted_marker_lines(tmp_path):
+    """The summary and the classification quote marker lines: the redacted export cuts those
+    quotes by the log files' line rule, with or without log-markers.json in the bundle (without
+    it every ``log: …`` quote is cut whole); a kept shape (a traceback's exception line) stays."""
+    oom = "[METAL] Insufficient Memory while serving alice prompt: my diary says hello"
+    kept = "RuntimeError: generation thread died"
+    markers = {"insufficient_memory": [oom], "last_traceback": ["Traceback (most recent call last):", kept,
+                                                                 "note: my diary again"]}
+    summary = render_summary({"classification": {"kind": "crashed", "confidence": "high", "evidence": [f"log: {oom}"]},
+                              "target": {"pid": 1}, "created_at": "t", "host": "h", "steps": []}, [], markers)
+    assert "my diary says hello" in summary and "my diary again" in summary
+    for name, with_markers in (("a", True), ("b", False)):
+        writer = BundleWriter(tmp_path, name)
+        if with_markers:
+            writer.write_json("log-markers.json", markers)
+        bundle = writer.finish({"classification": {"evidence": [f"log: {oom} (Metal aborts)"]}, "target": {}}, summary)
+        with tarfile.open(export_bundle(bundle, redact=True)) as tar:
+            files = {m.name.split("/", 1)[1]: tar.extractfile(m).read().decode() for m in tar.getmembers()}
+        assert [n for n, text in files.items() if "diary" in text] == []
+        assert f"- insufficient memory: `[redacted {len(oom)} chars]`" in files["summary.md"]
+        assert kept in files["summary.md"]
+
+
 # --- capture_bundle offline: a real (sleeping) process, fake py-spy output, a fake probe
 
 

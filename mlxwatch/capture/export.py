@@ -4,7 +4,9 @@ Two layers. What the export keeps of each file is by allowlist where content can
 line is kept only if it has a known server shape (progress, prompt-cache stats, HTTP access
 lines, traceback frames and exception lines, startup); any other line becomes
 ``[redacted N chars]``. Probe transcripts keep event kinds and timings but not texts. The
-watchdog's verdict keeps its known failure phrase only (its details can quote the server). Then
+watchdog's verdict keeps its known failure phrase only (its details can quote the server). The
+summary and the manifest's classification quote marker lines: those quotes are cut by the same
+line rule as the log files. Then
 every file and the manifest go through ``redact``'s PUBLIC pass (the one capture uses at its
 own level): secrets in command lines, URLs, headers, exception messages and stacks, every
 environment value, home-directory paths. The manifest lists the files' new hashes and says
@@ -49,6 +51,7 @@ _KEEP_LOG_LINE = [
     re.compile(r"^[A-Za-z_][\w.]*(Error|Exception)(: .*)?$"),
     re.compile(r"generation thread died"),
     re.compile(r"UserWarning: mlx_lm.server is not recommended"),
+    re.compile(r"^\[redacted \d+ chars\]$"),  # already cut: the rule is idempotent
 ]
 MARKERS = "log-markers.json"
 _TRANSCRIPT_TEXT_KINDS = {"token", "data", "body", "error", "other", "fail"}
@@ -149,17 +152,23 @@ def _redact_summary(text: str) -> str:
     return "\n".join(out)
 
 
-def quoted_log_lines(markers_json: bytes | None) -> dict[str, str]:
+def quoted_log_lines(markers_json: bytes | None) -> dict[str, str] | None:
     """The bundle's marker lines (``log-markers.json``, raw) that the export's line rule changes,
     each with its redacted form: the summary's and the classification's quotes of them are cut
-    the same way (``log: <line>`` in the evidence)."""
+    the same way (``log: <line>`` in the evidence). None when the bundle has no readable
+    markers: then every ``log: …`` quote is cut whole (``_cut_log_quote``)."""
     try:
         markers = json.loads(markers_json) if markers_json else None
     except ValueError:
-        return {}
+        return None
+    if not isinstance(markers, dict):
+        return None
     lines: list[str] = []
-    for value in (markers.values() if isinstance(markers, dict) else ()):
-        lines += [value] if isinstance(value, str) else [v for v in value if isinstance(v, str)] if isinstance(value, list) else []
+    for value in markers.values():
+        if isinstance(value, str):
+            lines.append(value)
+        elif isinstance(value, list):
+            lines += [v for v in value if isinstance(v, str)]
     found = {}
     for line in lines:
         for form in (line, line.strip()):
@@ -168,18 +177,39 @@ def quoted_log_lines(markers_json: bytes | None) -> dict[str, str]:
     return found
 
 
-def _replace_all(text: str, quoted: dict[str, str]) -> str:
+def _cut_log_quote(text: str) -> str:
+    """``log: <a log line> (why it matters)`` with no markers to tell its line: all of it after
+    ``log: `` goes by the line rule."""
+    return "log: " + redact_log_line(text[5:]) if text.startswith("log: ") else text
+
+
+def _replace_all(text: str, quoted: dict[str, str] | None) -> str:
+    if quoted is None:
+        return "\n".join("- " + _cut_log_quote(line[2:]) if line.startswith("- log: ") else line
+                         for line in text.split("\n"))
     for line in sorted(quoted, key=len, reverse=True):  # a longer line before a line it contains
         text = text.replace(line, quoted[line])
-        text = text.replace(json.dumps(line)[1:-1], json.dumps(quoted[line])[1:-1])  # as a JSON string holds it
     return text
+
+
+def _cut_manifest_quotes(value: Any, quoted: dict[str, str] | None) -> Any:
+    if quoted is None:
+        if isinstance(value, str):
+            return _cut_log_quote(value)
+        if isinstance(value, list):
+            return [_cut_manifest_quotes(v, quoted) for v in value]
+        if isinstance(value, dict):
+            return {k: _cut_manifest_quotes(v, quoted) for k, v in value.items()}
+        return value
+    for line in sorted(quoted, key=len, reverse=True):
+        value = _replace_strings(value, line, quoted[line])
+    return value
 
 
 def redact_file(relname: str, data: bytes, verdict: str | None = None, quoted: dict[str, str] | None = None) -> bytes:
     """The redacted form of one bundle file (``verdict``: the manifest's, to be cut where it is
-    quoted; ``quoted``: the marker lines the summary and the manifest quote, from
-    ``quoted_log_lines``): what the export keeps of it, then the PUBLIC secret pass."""
-    quoted = quoted or {}
+    quoted; ``quoted``: the marker lines the summary quotes, from ``quoted_log_lines``, None
+    when unknown): what the export keeps of it, then the PUBLIC secret pass."""
     text = data.decode("utf-8", errors="replace")
     if verdict:
         text = text.replace(verdict, redact_verdict(verdict))
@@ -192,8 +222,6 @@ def redact_file(relname: str, data: bytes, verdict: str | None = None, quoted: d
         text = json.dumps(_redact_markers(json.loads(text)), indent=2, sort_keys=True)
     elif name == "summary.md":
         text = _redact_summary(_replace_all(text, quoted))
-    elif relname == MANIFEST:
-        text = _replace_all(text, quoted)
     elif relname.startswith("stacks/") and name.endswith(".json"):
         threads = json.loads(text)
         for thread in threads:
@@ -239,7 +267,7 @@ def export_bundle(bundle: Path, out: Path | None = None, redact: bool = True,
         raise FileExistsError(f"{target} exists; not overwriting")
     files: dict[str, dict] = {}
     members: list[tuple[str, bytes]] = []
-    quoted = quoted_log_lines(_member(bundle, MARKERS)) if redact and MARKERS in listed else {}
+    quoted = quoted_log_lines(_member(bundle, MARKERS) if MARKERS in listed else None)
     for relname in sorted(listed):
         if relname == MANIFEST:
             continue
@@ -255,7 +283,7 @@ def export_bundle(bundle: Path, out: Path | None = None, redact: bool = True,
     if redact:
         if manifest.get("verdict"):
             manifest = _replace_strings(manifest, manifest["verdict"], redact_verdict(manifest["verdict"]))
-        manifest = json.loads(_replace_all(json.dumps(manifest), quoted))  # the classification quotes log lines
+        manifest = _cut_manifest_quotes(manifest, quoted)  # the classification's evidence quotes log lines
         manifest = redact_json({k: v for k, v in manifest.items() if k != "files"}, PUBLIC)
         manifest.update(files=files, redacted=True, redaction=REDACTED_FILES_NOTE)
     else:
