@@ -46,6 +46,10 @@ SECRETS = {
     "probe_body": "sk-Pl4ntedInAProbeBody0123456789",
     "verdict": "ghp_Pl4ntedInTheVerdict0123456789ab",
     "prior": "hf_Pl4ntedInAPriorProbe0123456789",
+    "marker_private": "my diary Pl4ntedDiarySentence is here",  # a private sentence in a marker line
+    "marker_params": "Pl4ntedParamsCaller",
+    "env_hex": "0123456789abcdef0123456789abcdef01234567",  # a 40-hex token (GitHub classic PAT shape)
+    "env_pass": "Pl4ntedConnPass",
 }
 S = SECRETS
 ARGV_SECRETS = ["--api-key", S["api_key"], "--token", S["flag_token"], f"--client-secret={S['flag_eq']}",
@@ -53,11 +57,14 @@ ARGV_SECRETS = ["--api-key", S["api_key"], "--token", S["flag_token"], f"--clien
                 "--max-tokens", "4"]
 ENV_SECRETS = {"DATABASE_URL": f"postgres://app:{S['db_password']}@db.example.invalid/prod",
                "BACKUP_PASSPHRASE": S["passphrase"], "OPENAI_API_KEY": S["env_api_key"], "HF_TOKEN": S["hf"],
+               "GH_PAT": S["env_hex"], "MYAPP_CONN": f"user=app pass={S['env_pass']} host=db",
                "MLXWATCH_TEST_KEEP": "kept-plain-value"}
 LOG_LINES = [
     f'127.0.0.1 - - [05/Jul/2026 08:19:41] "GET /v1/models?api_key={S["api_key"]} HTTP/1.1" 200 -',
     f'127.0.0.1 - - [05/Jul/2026 08:19:42] "GET /v1/models?token={S["query_token"]}&max_tokens=4 HTTP/1.1" 200 -',
     f"2026-07-05 08:19:43,000 - INFO - headers: Authorization: Bearer {S['bearer']}; Cookie: sid={S['cookie']}",
+    f"[METAL] Insufficient Memory while serving alice prompt: {S['marker_private']}",
+    f"Missing 3 parameters in the request of {S['marker_params']}",
     "Traceback (most recent call last):",
     '  File "/opt/srv/upstream.py", line 12, in connect',
     f"ValueError: cannot reach https://{S['url_user']}:{S['url_password']}@db.example.invalid with {S['gh']} "
@@ -160,6 +167,7 @@ def test_no_planted_secret_reaches_the_export(secret_server, tmp_path, stacks, c
     assert S["api_key"].encode() in raw["process.json"]  # planted where the issue measured them...
     assert any(S["gh"].encode() in data for name, data in raw.items() if name.startswith("stacks/"))
     assert S["hex"].encode() in raw["log-tail.txt"] and S["probe_body"].encode() in raw["probe.json"]
+    assert S["marker_private"].encode() in raw["summary.md"] and S["marker_params"].encode() in raw["summary.md"]
     assert cli.run(["bundle", "export", str(bundle.path), "--out", str(tmp_path)]) == 0  # the default is redacted
     captured = capsys.readouterr()
     archive = Path(captured.out.strip())
@@ -189,9 +197,11 @@ def test_raw_bundle_drops_environment_and_url_passwords_unless_asked(secret_serv
     ``capture.redact: false`` it is complete, and the raw export (`--no-redact`) says so."""
     pid, log = secret_server
     private = _raw(_capture(pid, log, tmp_path / "private", "shim").path)
-    gone = [S["db_password"], S["passphrase"], S["env_api_key"], S["hf"], S["url_password"]]
+    gone = [S["db_password"], S["passphrase"], S["env_api_key"], S["hf"], S["url_password"], S["env_hex"],
+            S["env_pass"]]
     assert _found(private, gone) == []
     process = json.loads(private["process.json"])
+    assert process["environment"]["MYAPP_CONN"] == "user=app pass=[redacted] host=db"
     assert process["environment"]["DATABASE_URL"] == "postgres://app:[redacted]@db.example.invalid/prod"
     assert process["environment"]["MLXWATCH_TEST_KEEP"] == "kept-plain-value"
     assert S["api_key"] in process["cmdline"] and S["flag_token"] in process["cmdline"]

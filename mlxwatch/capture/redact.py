@@ -3,8 +3,9 @@
     NONE     ``capture.redact: false``: the raw bundle keeps everything it read (files 0600 in
              0700 directories)
     PRIVATE  the raw bundle by default: values of secret-looking environment variables, token-
-             shaped environment values, and passwords in URLs (anywhere: command line,
-             environment, logs) are removed
+             shaped environment values (40-hex included), secret-named pairs inside environment
+             values (``pass=x``), and passwords in URLs (anywhere: command line, environment,
+             logs) are removed; command-line flag values and log headers are not (PUBLIC)
     PUBLIC   the export: PRIVATE, plus every environment value; the value after a secret-looking
              flag (``--api-key X``, ``--token=X``, ``--*secret*``, ``--*key*``, ``--*password*``);
              URL user info and secret-looking query parameters; ``Authorization``/``Cookie``
@@ -147,15 +148,32 @@ def redact_argv(argv: list[str], level: str) -> list[str]:
     return out
 
 
+def token_shaped(value: str) -> bool:
+    """An environment value that is a secret by its look: a known token (``hf_…``, ``sk-…``,
+    ``ghp_…``, a JWT…), a hex run of 32 or more (a GitHub classic token has 40), or one
+    random-looking base64 run; not a path, a model name or a count."""
+    value = value.strip().strip("\"'")
+    return bool(_TOKEN_PREFIX.match(value) or _TOKENS.search(value) or _LONG_HEX.search(value)
+                or (_LONG_B64.fullmatch(value) and _random_looking(value)))
+
+
+def _env_value(value: str) -> str:
+    """PRIVATE, one environment value: URL passwords and secret-named pairs inside it
+    (``MYAPP_CONN='user=app pass=[redacted]'``, ``password: x``) cut."""
+    value = redact_text(value, PRIVATE)
+    value = _PAIR.sub(lambda m: _if_secret_name(m, 1, (1, 2)), value)
+    return _COLON_PAIR.sub(lambda m: f"{m.group(1)}{m.group(2)}{MARK}", value)
+
+
 def redact_environment(env: dict[str, str], level: str) -> dict[str, str]:
-    """PRIVATE: secret-looking names and token-shaped values removed, URL passwords cut from the
-    rest (``DATABASE_URL=postgres://app:[redacted]@db/x``). PUBLIC: every value removed."""
+    """PRIVATE: secret-looking names and token-shaped values removed, URL passwords and
+    ``pass=``-like pairs cut from the rest (``DATABASE_URL=postgres://app:[redacted]@db/x``).
+    PUBLIC: every value removed."""
     if level == NONE:
         return dict(env)
     if level == PUBLIC:
         return {k: REMOVED for k in env}
-    return {k: REMOVED if secret_name(k) or _TOKEN_PREFIX.match(v or "") or _TOKENS.search(v or "")
-            else redact_text(v, level)
+    return {k: REMOVED if secret_name(k) or token_shaped(v or "") else _env_value(v)
             for k, v in env.items()}
 
 
