@@ -165,6 +165,19 @@ def _env_value(value: str) -> str:
     return _COLON_PAIR.sub(lambda m: f"{m.group(1)}{m.group(2)}{MARK}", value)
 
 
+def redact_command_text(text: str) -> str:
+    """The command-line rule on free text (a log line quoting a command line, such as the
+    daemon's ``server is PID N: mlx_lm.server --api-key …``): secret-looking flags' values
+    (``--api-key X``, ``--token=X``), URL user info and token-shaped strings; the rest of the
+    line (paths, counts, other flags) as it is."""
+    if not text:
+        return text
+    text = _URL_USERINFO.sub(_url_userinfo(PUBLIC), text)
+    text = _PAIR.sub(lambda m: _if_secret_name(m, 1, (1, 2)), text)
+    text = _FLAG.sub(lambda m: _if_secret_name(m, 1, (1, 2)), text)
+    return _TOKENS.sub(MARK, text)
+
+
 def redact_environment(env: dict[str, str], level: str) -> dict[str, str]:
     """PRIVATE: secret-looking names and token-shaped values removed, URL passwords and
     ``pass=``-like pairs cut from the rest (``DATABASE_URL=postgres://app:[redacted]@db/x``).

@@ -12,7 +12,8 @@ lands in the new file. A terminal, a pipe or journald's socket is never touched:
 
 The file's path is read from the descriptor itself (``/proc/self/fd/2`` on Linux,
 ``F_GETPATH`` on macOS) and checked to still be the same file (device and inode) before
-anything is renamed: a file someone else already rotated is left alone.
+anything is renamed: a file someone else already rotated is left alone. Every line goes through
+the redaction's command-line rule first (secret flags' values, URL user info, tokens).
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ import os
 import stat
 import sys
 from pathlib import Path
+
+from mlxwatch.capture.redact import redact_command_text
 
 MAX_BYTES = 10 * 1024 * 1024
 KEEP = 3
@@ -52,6 +55,11 @@ class RotatingStderr(logging.StreamHandler):
         super().__init__(sys.stderr if fd == 2 else open(fd, "w", closefd=False))
         self.max_bytes, self.keep, self.fd = max_bytes, keep, fd
         self.rotations = 0
+
+    def format(self, record: logging.LogRecord) -> str:
+        """The line with the command-line rule applied: the daemon logs its servers' command
+        lines (``server is PID N: … --api-key …``) and this log is kept and shared."""
+        return redact_command_text(super().format(record))
 
     def emit(self, record: logging.LogRecord) -> None:
         super().emit(record)
