@@ -22,6 +22,7 @@ from mlxwatch.capture import CaptureRequest, capture_bundle, collector, procstat
 from mlxwatch.capture.bundle import (
     WRITER,
     BundleWriter,
+    LowDiskSpace,
     adopt_partials,
     list_bundles,
     prune,
@@ -467,6 +468,19 @@ def test_redacted_export_cuts_the_verdict_details(tmp_path):
     with tarfile.open(export_bundle(bundle, redact=True)) as tar:
         data = b"".join(tar.extractfile(m).read() for m in tar.getmembers())
     assert b"diary" not in data and b"2 failed probes: HTTP error [details redacted]" in data
+
+
+@pytest.mark.parametrize(("free", "floor", "says"), [
+    (int(1.53 * 1024**2), 2_000_000, "1.53 MiB free, below capture.min_free_bytes (1.91 MiB)"),
+    (1_999_999, 2_000_000, "1,999,999 bytes free, below capture.min_free_bytes (2,000,000 bytes)"),
+    (300 * 1024**2, 400 * 1024**2, "300 MiB free, below capture.min_free_bytes (400 MiB)"),
+])
+def test_low_disk_message_shows_the_difference(tmp_path, free, floor, says):
+    """Measured: 1.53 MiB free under a 2 MB floor printed '2 MiB free, below … (2 MiB)'. The
+    figures now differ whenever the amounts do."""
+    with pytest.raises(LowDiskSpace) as refused:
+        BundleWriter(tmp_path / "b", "a", floor, free_space=lambda path: free)
+    assert says in str(refused.value)
 
 
 def test_redacted_export_cuts_quoted_marker_lines(tmp_path):

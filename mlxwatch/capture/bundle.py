@@ -61,8 +61,17 @@ class LowDiskSpace(BundleError):
     """Less free disk than ``capture.min_free_bytes`` where the bundle would go."""
 
 
-def _gib(n: int) -> str:
-    return f"{n / 1024**3:.2f} GiB" if n >= 1024**3 else f"{n / 1024**2:.0f} MiB"
+def _amount(n: int) -> str:
+    if n >= 1024**3:
+        return f"{n / 1024**3:.2f} GiB"
+    return f"{n / 1024**2:.0f} MiB" if n >= 10 * 1024**2 else f"{n / 1024**2:.2f} MiB"
+
+
+def _sizes(free: int, floor: int) -> tuple[str, str]:
+    """Free space and the floor as figures that differ when the amounts do (bytes when rounding
+    would print the same figure twice: '2 MiB free, below … (2 MiB)' was measured)."""
+    shown = _amount(free), _amount(floor)
+    return shown if shown[0] != shown[1] or free == floor else (f"{free:,} bytes", f"{floor:,} bytes")
 
 
 def bundle_name(label: str, now: float | None = None) -> str:
@@ -94,8 +103,10 @@ class BundleWriter:
             return
         free = self.free_space(self.root)
         if free - size < self.min_free_bytes:
-            raise LowDiskSpace(f"{self.root}: {_gib(free)} free, below capture.min_free_bytes "
-                               f"({_gib(self.min_free_bytes)}); {what}: free some space or lower the floor")
+            left, floor = _sizes(free - size, self.min_free_bytes)
+            after = f" after {size:,} bytes" if size else ""
+            raise LowDiskSpace(f"{self.root}: {left} free{after}, below capture.min_free_bytes "
+                               f"({floor}); {what}: free some space or lower the floor")
 
     def _begin(self, relname: str) -> None:
         with self._lock:
