@@ -332,3 +332,93 @@ def _hang_after_healthy(server: StandIn, cfg: Config, then):
             hung.append(True)
         return then(j)
     return predicate
+
+
+# --- a token within `timeout` of a probe's sending is a delivery (docs/deciding.md)
+
+
+async def test_first_tokens_later_than_deadline_plus_interval_but_within_timeout_are_slow_not_hung(tmp_path):
+    """Measured with the real lab server (`slow 2.5`, interval 3 s, first_token_timeout 3 s,
+    timeout 6 s): each probe's first token came later than `interval` past its deadline, the
+    stream was no longer read, and a `hung` verdict and a restart followed. Now a failed
+    probe's stream is read until `timeout` after sending and the verdict waits for it: slow."""
+    server = StandIn()
+    probe = ProbeConfig(interval=0.4, suspect_interval=0.3, first_token_timeout=0.4, timeout=2.5, failures=2,
+                        endpoint_timeout=0.5, startup_timeout=30.0)
+    late = probe.first_token_timeout + probe.interval + 0.6  # past the old reading bound, well within timeout
+    assert late < probe.timeout - 0.5
+    restarts: list = []
+
+    async def fake_restart(ctx):
+        restarts.append(ctx)
+        return RestartOutcome(OK, "ran hook")
+
+    cfg = _config(tmp_path, probe, RestartConfig("command", argv=("hook", "{pid}"), backoff=0.1))
+    daemon = Daemon(cfg, cfg.state_dir, shared_overrides={
+        "make_client": server.client, "capture_fn": _capture_nothing, "restart_fn": fake_restart,
+        "lookup_fn": lambda *a, **k: ServerLookup()})
+    journal, state, seen = Journal(cfg.state_dir), cfg.state_dir / "state.json", {}
+
+    def slow_for_a_while(j: Journal) -> bool:
+        if "late_from" not in seen:
+            if _last_probe_ok(state):
+                server.delay, seen["late_from"] = late, time.time()
+            return False
+        return "verdict" in _events(j) or time.time() - seen["late_from"] > 10 * late
+
+    await _run_until(daemon, journal, slow_for_a_while, timeout=60)
+    events = _events(journal)
+    assert "verdict" not in events and restarts == [], events
+    assert "slow" in events
+
+
+async def test_a_truly_hung_server_still_gets_its_verdict_within_the_stated_bound(tmp_path):
+    """The verdict waits for the failed probes' streams, but only until `timeout` after each was
+    sent: worst case interval + first_token_timeout + suspect_interval (each +10 % jitter) +
+    timeout from the hang (docs/deciding.md), never longer."""
+    server = StandIn()
+    probe = ProbeConfig(interval=0.5, suspect_interval=0.3, first_token_timeout=0.3, timeout=2.0, failures=2,
+                        endpoint_timeout=0.5, startup_timeout=30.0)
+    bound = 1.1 * probe.interval + probe.first_token_timeout + 1.1 * probe.suspect_interval + probe.timeout
+    cfg = _config(tmp_path, probe)
+    daemon = Daemon(cfg, cfg.state_dir, shared_overrides={
+        "make_client": server.client, "capture_fn": _capture_nothing, "lookup_fn": lambda *a, **k: ServerLookup()})
+    journal, state, seen = Journal(cfg.state_dir), cfg.state_dir / "state.json", {}
+
+    def hang(j: Journal) -> bool:
+        if "hang_from" not in seen and _last_probe_ok(state):
+            server.delay, seen["hang_from"] = None, time.time()
+        return "verdict" in _events(j)
+
+    await _run_until(daemon, journal, hang, timeout=60)
+    verdict = next(r for r in journal.records() if r["event"] == "verdict")
+    took = verdict["detected_at"] - seen["hang_from"]
+    assert took < bound + 3.0, (took, bound)  # slack for a loaded machine, far below another timeout
+    assert "slow" not in _events(journal)
+
+
+async def test_the_look_again_counts_a_token_between_first_token_timeout_and_timeout(tmp_path):
+    """Before a restart the look-again probe waits up to `timeout` for delivery: a first token
+    after `first_token_timeout` but within `timeout` means it delivers; nothing is restarted."""
+    server, restarts = StandIn(), []
+    probe = ProbeConfig(interval=0.5, suspect_interval=0.2, first_token_timeout=0.3, timeout=2.0, failures=2,
+                        endpoint_timeout=0.5, startup_timeout=30.0)
+    cfg = _config(tmp_path, probe, RestartConfig("command", argv=("hook", "{pid}"), backoff=0.1, budget=1))
+
+    async def fake_restart(ctx):
+        restarts.append(ctx)
+        return RestartOutcome(OK, "ran hook")
+
+    async def capture_then_slow(request):
+        server.delay = 1.0  # from now on: late, but within timeout
+        return Bundle(tmp_path / "bundle", Classification("unknown", "low", []), {})
+
+    daemon = Daemon(cfg, cfg.state_dir, shared_overrides={
+        "make_client": server.client, "capture_fn": capture_then_slow, "restart_fn": fake_restart,
+        "lookup_fn": lambda *a, **k: ServerLookup()})
+    journal = Journal(cfg.state_dir)
+    await _run_until(daemon, journal, _hang_after_healthy(
+        server, cfg, lambda j: any(e in _events(j) for e in ("recovered", "restarting"))))
+    assert restarts == [] and "restarting" not in _events(journal)
+    recovered = next(r for r in journal.records() if r["event"] == "recovered")
+    assert recovered["how"].startswith("recovered before restart: the instance answers again")

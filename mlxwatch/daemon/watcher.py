@@ -3,8 +3,9 @@
 Each instance runs in its own task with its own HTTP connections, so a slow, refused or wedged
 instance never delays another's probes or takes its connections. At most one probe per
 instance is in flight: a probe that failed at its first-token deadline keeps its stream open
-and read until the server ends it or the next probe is due (mlx-lm notices a closed stream only
-when it next writes, so an abandoned probe would stay in its batch and queue the next one).
+and read until the server ends it or ``probe.timeout`` after sending (mlx-lm notices a closed
+stream only when it next writes, so an abandoned probe would stay in its batch and queue the next
+one); a token within that time is a delivery, and a verdict waits for those streams.
 
 Blocking work (log reads, process lookups) runs in threads and only when the state changes:
 a healthy probe costs one HTTP exchange and nothing else. Every state change is logged (one
@@ -48,7 +49,7 @@ from mlxwatch.shim import heartbeat
 from mlxwatch.shim.watch import POLL as SHIM_POLL
 from mlxwatch.shim.watch import ShimWatch
 from mlxwatch.verdict import policy
-from mlxwatch.verdict.progress import ProgressTracker
+from mlxwatch.verdict.progress import ProgressTracker, late_delivery
 
 log = logging.getLogger("mlxwatch.watchdog")
 
@@ -93,8 +94,10 @@ class InstanceWatcher:
     incident_began: float | None = None  # the open incident's first failure (monotonic)
     loading_seen: tuple[tuple[int, float], float] | None = None  # a loading process and when first seen (monotonic)
     restart_in_flight: bool = False  # a stopped daemon left a restart running: its hook may still be at work
-    lingering: asyncio.Task | None = None  # the last failed probe's stream, still being read
-    last_probe: CheckReport | None = None  # the last probe made (its late tokens count once the next one has its answer)
+    lingering: asyncio.Task | None = None  # the capture probe's stream, still being read
+    open_probes: list[CheckReport] = field(default_factory=list)  # failed probes whose late tokens are not counted yet
+    draining: list[asyncio.Task] = field(default_factory=list)  # streams counted already, read on to their bound
+    door_cut: bool = False  # the last probe's first-token deadline was cut by a stall at the front door
     slow_said: bool = False  # this slow episode was journaled and notified (once, until healthy or a verdict)
     client: httpx.AsyncClient | None = None
     said: set[str] = field(default_factory=set)  # notes already logged once
@@ -227,28 +230,72 @@ class InstanceWatcher:
             pass
 
     async def probe(self) -> CheckReport:
-        """One check. The previous probe's stream, if it is still being read, is read on until
-        this one has its answer, then ended: the server serves that reply anyway (mlx-lm
-        notices a closed stream only when it writes), and tokens it delivers late, even while
-        this probe waits, prove the server works (``progress.late_delivery``)."""
-        earlier, self.lingering = self.lingering, None
+        """One check. A failed probe's stream is read on until the server ends it or
+        ``probe.timeout`` after it was sent (``read_until``), whatever probes come meanwhile:
+        the server serves that reply anyway (mlx-lm notices a closed stream only when it
+        writes), and a token within ``timeout`` of sending is a delivery (``_late_deliveries``).
+        A healthy answer ends the streams still open: nothing they say matters any more."""
         try:
             if self.detect.state == policy.HEALTHY and self.tracker.follower is not None:
                 # Progress is judged from here on: lines written while it was healthy are history.
                 self._say(await asyncio.to_thread(self.tracker.prime))
             p = self.inst.probe
             assert self.client is not None
-            report = await run_check(self.client, self.inst.url, first_token_timeout=self._front_probe_starts(),
+            first_token_timeout = self._front_probe_starts()
+            self.door_cut = first_token_timeout < p.first_token_timeout
+            report = await run_check(self.client, self.inst.url, first_token_timeout=first_token_timeout,
                                      timeout=p.timeout, max_tokens=p.max_tokens, endpoint_timeout=p.endpoint_timeout,
-                                     linger=p.interval)
-        finally:
-            await _end(earlier)
-        self.lingering, self.last_probe = report.lingering, report
+                                     read_until=p.timeout)
+        except BaseException:
+            await self._end_linger()
+            raise
+        if report.healthy:
+            await self._end_linger()
+        elif report.lingering is not None:
+            self.open_probes.append(report)
         return report
 
+    def _late_deliveries(self) -> list[str]:
+        """Tokens that arrived on failed probes' streams after their deadlines (within their
+        ``timeout``: the stream is not read longer), each probe counted once. Streams that ended
+        with nothing are let go; counted ones are read on to their bound."""
+        lines, still_open = [], []
+        for report in self.open_probes:
+            line = late_delivery(report)
+            if line:
+                lines.append(line)
+                if report.lingering is not None and not report.lingering.done():
+                    self.draining.append(report.lingering)
+            elif report.lingering is not None and not report.lingering.done():
+                still_open.append(report)
+        self.open_probes = still_open
+        self.draining = [t for t in self.draining if not t.done()]
+        return lines
+
+    async def _await_late_delivery(self) -> list[str]:
+        """Before a verdict: wait for the failed probes' streams still open (each at most until
+        ``timeout`` after its probe was sent), until one delivers, all end, or stop. Returns the
+        late deliveries (none: the verdict stands)."""
+        loop = asyncio.get_running_loop()
+        while not self.stop.is_set():
+            if lines := self._late_deliveries():
+                return lines
+            tasks = {r.lingering for r in self.open_probes if r.lingering is not None}
+            if not tasks:
+                return []
+            self.promise(self.inst.probe.timeout)  # a bounded step: each stream ends by its read_until
+            waiting = loop.create_task(self.stop.wait())
+            try:
+                await asyncio.wait({*tasks, waiting}, timeout=0.25, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                waiting.cancel()
+        return []
+
     async def _end_linger(self) -> None:
-        task, self.lingering = self.lingering, None
-        await _end(task)
+        tasks = [self.lingering, *(r.lingering for r in self.open_probes), *self.draining]
+        self.lingering, self.open_probes, self.draining = None, [], []
+        for task in tasks:
+            await _end(task)
 
     async def cycle(self) -> None:
         now = self.shared.clock.monotonic()
@@ -256,7 +303,6 @@ class InstanceWatcher:
             self._resume("resumed by `mlxwatch resume`")
         elif self.detect.state == policy.GAVE_UP and self.guard.cooled_down(now):
             self._resume(f"cool-down of {self.inst.restart.cooldown:g}s passed")
-        previous = self.last_probe  # its stream is read until this probe has its answer: then its late tokens are final
         report = await self.probe()
         now = self.shared.clock.monotonic()
         front_delivered = self._front_reading()  # the door's deliveries while this probe waited
@@ -265,16 +311,27 @@ class InstanceWatcher:
             await self._healthy(report, now)
             return
         log.info("%s: probe failed: %s", self.name, _one_line(report.reason))
+        late = self._late_deliveries()  # the earlier failed probes' tokens that came after their deadlines
         if self.detect.state == policy.GAVE_UP or self.incident is not None:
             return  # gave up, or waiting for a server we may not restart to come back by itself
         if not self.seen_healthy and await self._starting(now):
             return
-        progress = await asyncio.to_thread(self.tracker.observe, report, previous)
+        progress = await asyncio.to_thread(self.tracker.observe, report)
         for note in progress.notes:
             self._say(note)
         self.failed_reports = [*self.failed_reports[-(KEPT_FAILED_REPORTS - 1):], report]
         busy, delivered = await self._shim_on_failure(report)
         delivered += self._front_on_failure(front_delivered)
+        delivered += late
+        signals = list(progress.signals) + busy
+        if not delivered and not progress.delivered and not self.door_cut and self.detect.would_judge(now, signals):
+            # A verdict waits for the window's failed probes' streams: a token within `timeout` of
+            # a probe's sending is a delivery (slow, never hung), so it must not be cut off. Not
+            # when the door cut this probe's deadline: it saw no token to anyone for that long.
+            delivered += await self._await_late_delivery()
+            if self.stop.is_set():
+                return
+            now = self.shared.clock.monotonic()
         was = self.detect.state
         if not self.detect.failure(now, list(progress.signals) + busy, list(progress.delivered) + delivered):
             if self.detect.state == policy.SLOW:
@@ -418,6 +475,8 @@ class InstanceWatcher:
                 if self.stop.is_set():
                     return
             looked = await self._look_again(server)
+            if self.stop.is_set():
+                return
             if looked.recovered:
                 await self._recovered(self.shared.clock.monotonic(), looked.recovered, answered=looked.answered)
                 return
@@ -431,9 +490,17 @@ class InstanceWatcher:
         (``mlxwatch.restart.lookagain``). Someone else may have fixed it meanwhile."""
         report = await self.probe()
         self.shared.state.update(self.name, quiet=True, last_probe=_probe_summary(report, self.shared.clock.wall()))
+        answered = report.healthy
+        if not answered:  # a token within `timeout` of sending is a delivery: wait for it before acting
+            late = await self._await_late_delivery()
+            if self.stop.is_set():
+                return lookagain.LookAgain()
+            for line in late:
+                log.info("%s: looked again before restarting: %s", self.name, line)
+            answered = bool(late)
         alive = server is not None and await asyncio.to_thread(server.alive)
         found = await asyncio.to_thread(self._lookup)
-        looked = lookagain.decide(server, answered=report.healthy, alive=alive, now_server=found.identity or found.loading)
+        looked = lookagain.decide(server, answered=answered, alive=alive, now_server=found.identity or found.loading)
         if not looked.recovered:
             log.info("%s: looked again before restarting: %s; %s", self.name, _one_line(report.reason),
                      looked.act_on.describe() if looked.act_on else f"no server process to name ({found.detail or 'none'})")
@@ -495,6 +562,7 @@ class InstanceWatcher:
             if report.healthy:
                 await self._recovered(self.shared.clock.monotonic(), "recovery verified by a probe")
                 return True
+            self._late_deliveries()  # lets go of the failed probes' streams that ended
             await self._sleep(min(RECOVERY_PROBE_EVERY, self.inst.probe.interval))
         if not self.stop.is_set():
             log.error("%s: not healthy %.0fs after the restart", self.name, self.inst.probe.startup_timeout)

@@ -128,6 +128,15 @@ class Detection:
         self._state = SUSPECT
         return False
 
+    def would_judge(self, now: float, progress: Sequence[str]) -> bool:
+        """Would a failed probe with nothing delivered make a verdict now? Changes nothing: the
+        watcher asks before a verdict so that it can first wait for failed probes' streams that
+        may still deliver (a token within ``probe.timeout`` of sending is a delivery)."""
+        if self._state not in ALLOWED_FROM["failure"] or self.failures + 1 < self.failures_needed:
+            return False
+        first = self.first_failure_at if self.first_failure_at is not None else now
+        return not (progress and now - first < self.grace_ceiling)
+
     def suspect(self) -> str:
         """Suspect without a failed probe (the launch shim saw a stall): probed again at once."""
         if self._may("suspect"):
