@@ -422,3 +422,48 @@ async def test_the_look_again_counts_a_token_between_first_token_timeout_and_tim
     assert restarts == [] and "restarting" not in _events(journal)
     recovered = next(r for r in journal.records() if r["event"] == "recovered")
     assert recovered["how"].startswith("recovered before restart: the instance answers again")
+
+
+async def test_a_server_restarted_by_someone_else_that_binds_a_second_later_is_not_restarted_again(tmp_path):
+    """Measured: someone else restarted the server between capture and hook; the look-again saw
+    the old PID gone and no new one yet, and the hook ran 0.33 s later with an empty `{pid}`
+    while the new server was starting (a `kickstart -k` hook restarts that one again). Now a
+    server gone since the verdict, with no other yet, is watched for a settle time first."""
+    old_proc = _sleeper()
+    restarts: list = []
+    try:
+        old = ProcessIdentity.of(old_proc.pid)
+        new = ProcessIdentity.of(psutil.Process().pid)
+        server, found = StandIn(), {"now": ServerLookup(identity=old)}
+        probe = ProbeConfig(interval=0.5, suspect_interval=1.0, first_token_timeout=0.3, timeout=0.6, failures=2,
+                            endpoint_timeout=0.5, startup_timeout=30.0)
+        cfg = _config(tmp_path, probe, RestartConfig("command", argv=("hook", "{pid}"), backoff=0.1, budget=1))
+        pending: list[asyncio.Task] = []
+
+        async def new_server_binds():
+            await asyncio.sleep(1.0)
+            found["now"] = ServerLookup(identity=new)  # it does not answer yet: loading
+
+        async def someone_restarts_it(request):
+            _end(old_proc)  # the old server exits ...
+            found["now"] = ServerLookup()  # ... and nothing listens for a second
+            pending.append(asyncio.create_task(new_server_binds()))
+            return Bundle(tmp_path / "bundle", Classification("unknown", "low", []), {})
+
+        async def fake_restart(ctx):
+            restarts.append(ctx)
+            return RestartOutcome(OK, "ran hook")
+
+        daemon = Daemon(cfg, cfg.state_dir, shared_overrides={
+            "make_client": server.client, "lookup_fn": lambda *a, **k: found["now"],
+            "capture_fn": someone_restarts_it, "restart_fn": fake_restart})
+        journal = Journal(cfg.state_dir)
+        await _run_until(daemon, journal, _hang_after_healthy(
+            server, cfg, lambda j: any(e in _events(j) for e in ("recovered", "restarting"))))
+        for task in pending:
+            task.cancel()
+    finally:
+        _end(old_proc)
+    assert restarts == [] and "restarting" not in _events(journal), _events(journal)
+    recovered = next(r for r in journal.records() if r["event"] == "recovered")
+    assert recovered["how"] == f"recovered before restart: new server PID {new.pid} (someone else restarted it)"

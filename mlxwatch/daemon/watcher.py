@@ -54,6 +54,7 @@ from mlxwatch.verdict.progress import ProgressTracker, late_delivery
 log = logging.getLogger("mlxwatch.watchdog")
 
 RECOVERY_PROBE_EVERY = 5.0
+SETTLE_POLL = 0.5  # how often the look-again looks for a new server after the old one went
 FIRST_PROBE_SPREAD = 5.0  # each instance's first probe comes within min(interval, this): spread out
 KEPT_FAILED_REPORTS = 20
 
@@ -500,11 +501,32 @@ class InstanceWatcher:
             answered = bool(late)
         alive = server is not None and await asyncio.to_thread(server.alive)
         found = await asyncio.to_thread(self._lookup)
+        if not answered and lookagain.gone_unreplaced(server, alive=alive, now_server=found.identity or found.loading):
+            found = await self._settle(found)  # someone else's restart may be under way
+            if self.stop.is_set():
+                return lookagain.LookAgain()
         looked = lookagain.decide(server, answered=answered, alive=alive, now_server=found.identity or found.loading)
         if not looked.recovered:
             log.info("%s: looked again before restarting: %s; %s", self.name, _one_line(report.reason),
                      looked.act_on.describe() if looked.act_on else f"no server process to name ({found.detail or 'none'})")
         return looked
+
+    async def _settle(self, found: ServerLookup) -> ServerLookup:
+        """The verdict's server is gone and none other is there: watch the instance's address for
+        ``lookagain.settle_time`` (stop ends it) for a new server process, as after someone
+        else's restart. Returns the last lookup (a new server in it, or none found)."""
+        wait = lookagain.settle_time(self.inst.probe.suspect_interval)
+        log.info("%s: the server is gone and none other is there yet: watching %.1fs for someone else's restart",
+                 self.name, wait)
+        self.promise(wait)
+        loop = asyncio.get_running_loop()
+        end = loop.time() + wait
+        while not self.stop.is_set() and (left := end - loop.time()) > 0:
+            await self._sleep(min(SETTLE_POLL, left))
+            found = await asyncio.to_thread(self._lookup)
+            if found.identity is not None or found.loading is not None:
+                break
+        return found
 
     async def _capture(self, inc: Incident, server: ProcessIdentity | None,
                        front_requests: list[dict] | None = None) -> None:

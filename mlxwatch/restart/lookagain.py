@@ -14,6 +14,11 @@ server's identity again, and this module decides::
 
 ``act_on`` is never a dead process or another one than the verdict was about: a restart hook
 gets an empty ``{pid}`` when there is none (documented in docs/deciding.md).
+
+A server that was alive at the verdict and is gone now, with no other one there yet, may be
+in the middle of someone else's restart (measured: the hook ran 0.33 s after the old server
+exited, with an empty ``{pid}``, while the new one was starting; a ``kickstart -k`` hook would
+restart it again). The watcher then looks for a new server for ``settle_time`` before acting.
 """
 
 from __future__ import annotations
@@ -30,6 +35,21 @@ class LookAgain:
     recovered: str | None = None  # "recovered before restart: ..." (None: go on with the restart)
     answered: bool = False  # the probe just made was healthy
     act_on: ProcessIdentity | None = None  # the verdict's server, alive now; None: no process to name
+
+
+SETTLE_CAP = 60.0  # the longest wait for someone else's restart to show its new server
+
+
+def settle_time(suspect_interval: float) -> float:
+    """How long to watch for a new server when the verdict's one is gone and none took its place:
+    two suspect intervals (a restart by launchd or a script binds within seconds), capped."""
+    return min(2 * suspect_interval, SETTLE_CAP)
+
+
+def gone_unreplaced(verdict_server: ProcessIdentity | None, *, alive: bool,
+                    now_server: ProcessIdentity | None) -> bool:
+    """The server the verdict was about is gone and no server is there yet: wait before acting."""
+    return verdict_server is not None and not alive and now_server is None
 
 
 def same_process(a: ProcessIdentity | None, b: ProcessIdentity | None) -> bool:
