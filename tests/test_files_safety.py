@@ -35,9 +35,9 @@ def victim(tmp_path) -> Path:
     return path
 
 
-def _run(state_dir: Path, tmp_path: Path, *command: str) -> subprocess.CompletedProcess:
+def _run(state_dir: Path, tmp_path: Path, *command: str, extra: str = "") -> subprocess.CompletedProcess:
     config = tmp_path / "c.yaml"
-    config.write_text(f"state_dir: {state_dir}\ninstances: [{{name: x, url: 'http://127.0.0.1:1'}}]\n")
+    config.write_text(f"state_dir: {state_dir}\ninstances: [{{name: x, url: 'http://127.0.0.1:1'}}]\n{extra}")
     return subprocess.run([sys.executable, "-m", "mlxwatch", "--config", str(config), *command],
                           capture_output=True, text=True, timeout=60)
 
@@ -181,3 +181,64 @@ async def test_the_daemon_refuses_a_world_writable_state_dir_before_writing(tmp_
         await Daemon(Config(instances=(InstanceConfig("x", "http://127.0.0.1:1"),), state_dir=state),
                      state).run(asyncio.Event())
     assert list(state.iterdir()) == []
+
+
+@pytest.mark.parametrize("how", ["capture.dir", "bundles link"])
+def test_run_refuses_a_bundles_dir_others_can_write(tmp_path, how):
+    """Measured: `run` started with a 0777 bundles dir (set as capture.dir, or `<state>/bundles`
+    a link to one) and the first incident's capture failed ("writable by others"), its evidence
+    lost. Now `run` checks the bundles dir at start as it does the state dir: exit 2, one line
+    naming the fix, nothing written in it."""
+    state = tmp_path / "state"
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o777)
+    if how == "capture.dir":
+        bundles, extra = shared, f"capture: {{dir: {shared}}}\n"
+    else:
+        bundles, extra = private_dir(state) / "bundles", ""
+        bundles.symlink_to(shared)
+    line = _refusal(_run(state, tmp_path, "run", extra=extra))
+    assert str(bundles) in line and "writable by others" in line and f"chmod 700 {bundles}" in line
+    assert list(shared.iterdir()) == []
+
+
+async def test_a_reload_to_a_bundles_dir_others_can_write_is_refused(tmp_path, caplog):
+    """A reload is held to what `run` refuses: a config whose bundles dir others can write is
+    refused with one WARNING line, and the old config (and its bundles dir) is kept."""
+    from dataclasses import replace
+
+    from mlxwatch.config import Config, InstanceConfig
+    from mlxwatch.daemon.supervisor import Daemon
+
+    state = tmp_path / "state"
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o777)
+    old = Config(instances=(InstanceConfig("x", "http://127.0.0.1:1"),), state_dir=state)
+    new = replace(old, capture=replace(old.capture, dir=shared))
+    daemon = Daemon(old, state, heartbeat=3600.0)
+    stop, reload = asyncio.Event(), asyncio.Event()
+    task = asyncio.create_task(daemon.run(stop, reload, load_config=lambda: new))
+    try:
+        async def until(predicate) -> None:
+            for _ in range(600):
+                if task.done():
+                    task.result()
+                if predicate():
+                    return
+                await asyncio.sleep(0.05)
+            raise AssertionError("timed out")
+
+        await until(lambda: hasattr(daemon, "shared"))
+        reload.set()
+        await until(lambda: daemon.state.data["daemon"].get("last_reload") is not None)
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 30)
+    outcome = daemon.state.data["daemon"]["last_reload"]
+    assert outcome["ok"] is False and f"chmod 700 {shared}" in outcome["message"]
+    assert daemon.config is old and daemon.shared.bundles_dir == state / "bundles"
+    refused = [r for r in caplog.records if "config reload failed" in r.getMessage()]
+    assert [r.levelname for r in refused] == ["WARNING"] and str(shared) in refused[0].getMessage()
+    assert list(shared.iterdir()) == []

@@ -20,7 +20,7 @@ the loop wakes on them or on its heartbeat, and does the work:
   is gone are kept as ``-incomplete``, restart budgets come back from the state file (or, if
   it is unreadable, from the journal).
 - **Reload is a swap** (SIGHUP): the new config is built whole in a thread; if ``run`` would
-  refuse it (``check_runnable``), or it moves ``state_dir``, it is refused and the old one
+  refuse it (``check_runnable``, a bundles dir others can write), or it moves ``state_dir``, it is refused and the old one
   kept. Otherwise top-level settings apply at once, changed instances restart their watchers
   at once when idle and when their incident ends otherwise, removed instances are dropped at
   once (their incident closed as ``removed``), and the outcome is recorded (a log line, a
@@ -56,6 +56,7 @@ from mlxwatch.front.door import FrontDoor
 from mlxwatch.journal.incidents import Event, Journal
 from mlxwatch.journal.lock import StateDirLock
 from mlxwatch.journal.state import StateFile
+from mlxwatch.storage import private_dir
 
 log = logging.getLogger("mlxwatch.watchdog")
 
@@ -95,7 +96,8 @@ class Daemon:
     async def run(self, stop: asyncio.Event, reload: asyncio.Event | None = None,
                   load_config: Callable[[], Config] | None = None) -> None:
         """Run until ``stop`` is set. Raises ``StateError`` if another daemon holds the state dir
-        or it cannot be used (read-only, not a directory, ...), ``ConfigError`` if the config is
+        or it or the bundles dir cannot be used (read-only, not a directory, writable by others,
+        ...), ``ConfigError`` if the config is
         not runnable (``check_runnable``: the rule a reload is held to as well)."""
         check_runnable(self.config)
         try:
@@ -103,6 +105,7 @@ class Daemon:
         except OSError as exc:
             raise StateError(f"cannot use the state dir {self.state_dir}: {exc.strerror or exc}") from None
         try:
+            usable_bundles_dir(self.config, self.state_dir)  # after the state dir: it may hold the bundles dir
             await self._run(stop, reload or asyncio.Event(), load_config)
         finally:
             self.lock.release()
@@ -351,10 +354,15 @@ class Daemon:
                                   f"state_dir changed from {self.config.state_dir} to {new.state_dir} "
                                   "(restart the daemon to move its state)")
             return
+        try:
+            bundles = await asyncio.to_thread(usable_bundles_dir, new, self.state_dir)
+        except StateError as exc:
+            self._reloaded(False, f"config reload failed, keeping the old config: {exc}")
+            return
         self.config = new
         self.shared.notifier = Notifier(new.notify)
         self.shared.capture = new.capture
-        self.shared.bundles_dir = bundles_dir_for(new, self.state_dir)
+        self.shared.bundles_dir = bundles
         wanted = {i.name: i for i in new.instances}
         for name, watcher in self.watchers.items():
             if wanted.get(name) != watcher.inst:
@@ -432,6 +440,17 @@ class Daemon:
             log.info("%s: removed from the config: no longer watched", name)
         self.state.data["instances"].pop(name, None)
         self.state.dirty.set()
+
+
+def usable_bundles_dir(config: Config, state_dir: Path) -> Path:
+    """The config's bundles dir, made or checked as ``private_dir`` does (ours, not writable by
+    others): a capture there would fail and lose its evidence, so ``run`` and a reload refuse it
+    up front. Raises ``StateError`` (one line naming the dir and the fix)."""
+    bundles = bundles_dir_for(config, state_dir)
+    try:
+        return private_dir(bundles)
+    except OSError as exc:
+        raise StateError(f"cannot use the bundles dir {bundles}: {exc.strerror or exc}") from None
 
 
 def _address(listen: tuple[str, int]) -> str:
