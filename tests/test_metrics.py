@@ -16,6 +16,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from mlxwatch.clock import Clock
 from mlxwatch.config import (
     CaptureConfig,
     Config,
@@ -184,7 +185,7 @@ def test_buckets_run_from_50ms_to_the_configured_timeout():
 def test_budget_remaining_is_read_at_scrape_time_from_restart_times():
     """Restarts older than the window no longer count, without any new update."""
     now = {"t": 10_000.0}
-    metrics = Metrics(lambda: cfg("gemma", "qwen", budget=3, window=1800.0), clock=lambda: now["t"])
+    metrics = Metrics(lambda: cfg("gemma", "qwen", budget=3, window=1800.0), clock=Clock(wall=lambda: now["t"]))
     metrics.on_state("gemma", {"restarts": [now["t"] - 4000, now["t"] - 100, now["t"] - 10]})
     text = metrics.exposition()
     assert value(text, "mlxwatch_restart_budget_remaining", server="gemma") == 1

@@ -188,3 +188,38 @@ def test_a_wall_clock_step_after_the_shim_published_does_not_make_its_heartbeat_
     assert problem is None
     assert not hb.stale and hb.age < 60
     assert 10.0 <= hb.stalled_for < 70  # 10 s quiet before publishing, then the age
+
+
+@pytest.mark.parametrize("step_between, reader_step", [(-HOUR, 0.0), (0.0, 3 * HOUR), (0.0, HOUR), (0.0, -HOUR),
+                                                       (HOUR, HOUR), (-HOUR, -HOUR)])
+def test_status_and_the_budget_metric_count_restarts_as_the_guard_does(tmp_path, step_between, reader_step):
+    """Measured: after a -1 h wall-clock step the daemon gave up after 2 restarts (the guard
+    counts by the monotonic clock), but `status` showed "RESTARTS 1 of 2", and "0 of 2" under a
+    clock 3 h ahead: it counted the state file's wall times against its own wall clock. Status
+    and the restart-budget gauge now read the saved times by the guard's rule."""
+    from test_metrics import value
+
+    from mlxwatch.daemon.metrics import Metrics
+    from mlxwatch.daemon.status import collect_status
+    from mlxwatch.journal.incidents import Journal
+    from mlxwatch.journal.state import StateFile
+
+    restart = RestartConfig("command", argv=("true",), budget=2, window=1800.0)
+    cfg = config(tmp_path / "state", "http://127.0.0.1:1", restart, name="gemma")
+    daemon_clock = SteppedClock()
+    guard = FlapGuard(budget=2, window=1800.0, backoff=1.0, max_backoff=1.0, cooldown=3600.0)
+    guard.record_restart(daemon_clock.now())
+    daemon_clock.step = step_between  # the wall clock steps between the two restarts
+    guard.record_restart(daemon_clock.now())
+    guard.give_up(daemon_clock.now())
+    assert guard.exhausted(daemon_clock.monotonic()) and guard.restarts_in_window(daemon_clock.monotonic()) == 2
+    state = StateFile(cfg.state_dir, Journal(cfg.state_dir).path)
+    state.update("gemma", state="gave_up", **guard.saved(daemon_clock))
+    state.flush()
+
+    reader = SteppedClock(step=reader_step)  # the wall clock when status or a scrape reads it
+    (inst,) = collect_status(cfg, cfg.state_dir, clock=reader)["instances"]
+    assert (inst["restarts_in_window"], inst["budget"]) == (2, 2)
+    metrics = Metrics(lambda: cfg, clock=reader)
+    metrics.on_state("gemma", dict(state.data["instances"]["gemma"]))
+    assert value(metrics.exposition(), "mlxwatch_restart_budget_remaining", server="gemma") == 0

@@ -63,7 +63,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import platform
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -81,10 +80,12 @@ from prometheus_client.exposition import start_http_server
 
 from mlxwatch import __version__
 from mlxwatch.capture.classify import KINDS
+from mlxwatch.clock import Clock
 from mlxwatch.config import Config, MetricsConfig, ProbeConfig
 from mlxwatch.front.delivery import OUTCOMES, DeliveryView, Observations
 from mlxwatch.journal.incidents import Journal
 from mlxwatch.journal.state import StateFile
+from mlxwatch.restart.flapguard import restarts_in_window
 from mlxwatch.restart.methods import NOTHING_TO_RESTART, OK
 from mlxwatch.storage import replace_atomically
 from mlxwatch.verdict.policy import STATES
@@ -108,6 +109,12 @@ def buckets_up_to(limit: float) -> tuple[float, ...]:
     return (*[b for b in _LADDER if b < limit], float(limit))
 
 
+def restart_record(fields: dict[str, Any]) -> dict[str, Any]:
+    """What the budget is counted from: the saved restart times, wall and monotonic
+    (``FlapGuard.saved``), a copy the event loop never changes under a scrape."""
+    return {"restarts": list(fields["restarts"]), "monotonic": fields.get("monotonic")}
+
+
 def _label(value: Any, allowed: tuple[str, ...]) -> str:
     return value if isinstance(value, str) and value in allowed else OTHER
 
@@ -128,11 +135,11 @@ class Metrics:
     threads (prometheus_client's series are thread-safe; the budget is computed from a copy)."""
 
     def __init__(self, config_fn: Callable[[], Config], state: StateFile | None = None,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Clock | None = None) -> None:
         disable_created_metrics()  # `_created` series double the output and no rule here needs them
         self.config_fn = config_fn
         self.state = state
-        self.clock = clock
+        self.clock = clock or Clock()  # wall readings for times; the budget counts by the flap guard's rule
         self.on_change: Callable[[], None] | None = None
         config = config_fn()
         self.settings = config.metrics  # as started: a reload that changes them is only logged
@@ -181,12 +188,12 @@ class Metrics:
         r.register(_BudgetCollector(self))
         r.register(_ShimCollector(self))
         self.reload_ok.set(1)  # the config the daemon started with loaded, or it would not be running
-        self.reload_time.set(clock())
+        self.reload_time.set(self.clock.wall())
         self.running.set(1)
         self.instances: set[str] = set()
         self.tracks: dict[str, _Track] = {}
         self.probe_at: dict[str, Any] = {}
-        self.restart_times: dict[str, list[float]] = {}  # replaced whole, never mutated: safe to read from a scrape
+        self.restart_records: dict[str, dict[str, Any]] = {}  # replaced whole, never mutated: safe to read from a scrape
         self.errors_seen = 0
         self._said: set[str] = set()
 
@@ -260,7 +267,7 @@ class Metrics:
                 if isinstance(probe.get("total"), (int, float)):
                     self.probe_duration.labels(name).observe(probe["total"])
             if isinstance(fields.get("restarts"), list):
-                self.restart_times[name] = [float(t) for t in fields["restarts"] if isinstance(t, (int, float))]
+                self.restart_records[name] = restart_record(fields)
         self._changed()
 
     def _on_daemon(self, fields: dict[str, Any]) -> None:
@@ -277,7 +284,7 @@ class Metrics:
         if isinstance(reload, dict):
             if reload.get("ok"):
                 self.reload_ok.set(1)
-                self.reload_time.set(reload.get("at") or self.clock())
+                self.reload_time.set(reload.get("at") or self.clock.wall())
                 self._check_settings()
             else:
                 self.reload_ok.set(0)
@@ -309,7 +316,7 @@ class Metrics:
             self.instances.discard(name)
             self.probe_at.pop(name, None)
             self.front_outcomes.pop(name, None)
-            self.restart_times.pop(name, None)
+            self.restart_records.pop(name, None)
             for metric, others in ((self.instance_state, STATES), (self.incidents, (*KINDS, OTHER)),
                                    (self.restarts, (*RESTART_RESULTS, OTHER)), (self.probe_success, ()),
                                    (self.last_probe_time, ()),
@@ -334,11 +341,11 @@ class Metrics:
             self.on_change()
 
     def budget_remaining(self) -> Iterator[tuple[str, int, int]]:
-        """(name, restarts left, budget) of each configured instance, as ``status`` counts them."""
-        now = self.clock()
-        times = dict(self.restart_times)
+        """(name, restarts left, budget) of each configured instance, counted as the flap guard
+        and ``status`` count them (``flapguard.restarts_in_window``)."""
+        records = dict(self.restart_records)
         for inst in self.config_fn().instances:
-            recent = sum(1 for t in times.get(inst.name, ()) if now - t < inst.restart.window)
+            recent = restarts_in_window(records.get(inst.name, {}), inst.restart.window, self.clock)
             yield inst.name, max(0, inst.restart.budget - recent), inst.restart.budget
 
     def exposition(self) -> bytes:
@@ -529,7 +536,7 @@ async def start_metrics(settings: MetricsConfig, journal: Journal, state: StateF
         metrics = Metrics(config_fn, state)
         for name, record in list(state.data.get("instances", {}).items()):  # budgets survive daemon restarts
             if isinstance(record, dict) and isinstance(record.get("restarts"), list):
-                metrics.restart_times[name] = [float(t) for t in record["restarts"] if isinstance(t, (int, float))]
+                metrics.restart_records[name] = restart_record(record)
         daemon = state.data.get("daemon", {})
         metrics.on_state(None, {k: daemon[k] for k in ("last_tick", "watcher_errors") if k in daemon})
     exporter = MetricsExporter(settings, metrics, journal, state)

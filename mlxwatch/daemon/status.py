@@ -19,10 +19,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from mlxwatch.config import Config
+from mlxwatch.clock import Clock
+from mlxwatch.config import Config, RestartConfig
 from mlxwatch.journal.incidents import CLOSING_EVENTS, Journal
 from mlxwatch.journal.lock import lock_holder
 from mlxwatch.journal.state import load_state
+from mlxwatch.restart.flapguard import restarts_in_window
 
 STALLED_AFTER = 120.0  # seconds without a daemon heartbeat (written every 30 s) before "stalled"
 
@@ -39,7 +41,9 @@ def _text(value: Any) -> str | None:
     return value if isinstance(value, str) else None if value is None else str(value)
 
 
-def collect_status(config: Config, state_dir: Path) -> dict[str, Any]:
+def collect_status(config: Config, state_dir: Path, clock: Clock | None = None) -> dict[str, Any]:
+    """``clock`` (tests inject one) counts the restarts in the window as the flap guard does."""
+    clock = clock or Clock()
     state, problem = load_state(state_dir)
     journal = Journal(state_dir)
     daemon = _dict(state.get("daemon"))
@@ -68,7 +72,7 @@ def collect_status(config: Config, state_dir: Path) -> dict[str, Any]:
                            "total": _number(probe.get("total")), "tokens": _number(probe.get("tokens"))}
             if probe else None,
             "failures": int(_number(s.get("failures")) or 0),
-            "restarts_in_window": _restarts_in_window(s, config, name),
+            "restarts_in_window": _restarts_in_window(s, config, name, clock),
             "budget": next((i.restart.budget for i in config.instances if i.name == name), None),
             "last_incident": inc and {k: inc.get(k) for k in ("id", "event", "kind", "confidence", "detected_at",
                                                               "bundle", "recovered_at", "seconds_to_recovery")},
@@ -108,11 +112,11 @@ def _incidents(journal: Journal) -> tuple[dict[str, dict], dict[str, dict]]:
     return latest, opened
 
 
-def _restarts_in_window(s: dict, config: Config, name: str) -> int:
-    window = next((i.restart.window for i in config.instances if i.name == name), 1800.0)
-    restarts = s.get("restarts")
-    restarts = restarts if isinstance(restarts, list) else []
-    return sum(1 for t in restarts if _number(t) is not None and time.time() - t < window)
+def _restarts_in_window(s: dict, config: Config, name: str, clock: Clock) -> int:
+    """By the guard's own rule (``flapguard.restarts_in_window``): the saved monotonic readings
+    on this boot, so a wall-clock step changes nothing the guard would not count."""
+    window = next((i.restart.window for i in config.instances if i.name == name), RestartConfig.window)
+    return restarts_in_window(s, window, clock)
 
 
 def status_exit_code(status: dict[str, Any]) -> int:

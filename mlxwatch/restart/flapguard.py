@@ -78,11 +78,11 @@ class FlapGuard:
         counts from now minus its age, the age clamped at zero (``Clock.restore``): a clock
         stepped back, or a bad file, can hold a restart in the window for at most ``window`` and
         the instance given up for at most ``cooldown``. Returns what is worth a warning."""
-        walls = [float(t) for t in saved.get("restarts") or [] if _number(t)]
+        walls = _numbers(saved.get("restarts"))
         saved_mono = saved.get("monotonic")
         mono: Mapping[str, Any] = saved_mono if isinstance(saved_mono, Mapping) else {}
         boot = mono.get("boot") if isinstance(mono.get("boot"), str) else None
-        monos = [float(t) for t in mono.get("restarts") or [] if _number(t)]
+        monos = _numbers(mono.get("restarts"))
         if len(monos) != len(walls):
             monos, boot = [], None  # not one list for the other: trust neither pairing
         notes = []
@@ -98,6 +98,21 @@ class FlapGuard:
         else:
             self.gave_up_at = None
         return notes
+
+
+def restarts_in_window(saved: Mapping[str, Any], window: float, clock: Clock) -> int:
+    """How many of a saved record's restarts (``FlapGuard.saved``, as in the state file) are in
+    the window now, counted as the guard counts them (``restore``, then the window on the
+    monotonic clock): ``status`` and the metrics read the state file with this, so after a
+    wall-clock step they show the count the guard acts on, not one by wall-clock ages."""
+    guard = FlapGuard(budget=0, window=window, backoff=0.0, max_backoff=0.0, cooldown=0.0)  # only the window counts here
+    guard.restore(saved, clock)
+    return guard.restarts_in_window(clock.monotonic())
+
+
+def _numbers(value: Any) -> list[float]:
+    """The numbers of a saved list (a hand-edited file may hold anything there)."""
+    return [float(t) for t in value if _number(t)] if isinstance(value, (list, tuple)) else []
 
 
 def _number(value: Any) -> TypeGuard[int | float]:
