@@ -698,11 +698,7 @@ class InstanceWatcher:
                 log.warning("%s: %s: suspect, probing now", self.name, judged.stall)
                 self.shared.journal.note(Event.SHIM_STALL, instance=self.name, pid=hb.pid, reason=judged.stall,
                                          evidence=judged.evidence, heartbeat=hb.summary())
-                if self.detect.state == policy.HEALTHY:
-                    if self.tracker.follower is not None:  # as probe() does for a healthy server:
-                        self._say(await asyncio.to_thread(self.tracker.prime))  # older lines are history
-                    self.detect.suspect()
-                    self._save()
+                await self._suspect_now()
                 return True
             await self._sleep(min(left, SHIM_POLL))
         return False
@@ -782,12 +778,18 @@ class InstanceWatcher:
         log.warning("%s: %s: suspect, probing now", self.name, stall.reason)
         self.shared.journal.note(Event.FRONT_STALL, instance=self.name, reason=stall.reason,
                                  in_flight=len(view.in_flight))
+        await self._suspect_now()
+        return True
+
+    async def _suspect_now(self) -> None:
+        """A stall seen from inside (the shim) or at the front door makes a healthy server suspect
+        at once, so the next probe runs now. The log is primed first, as ``probe`` does for a
+        healthy server: prompt progress logged while it was healthy is history, not progress."""
         if self.detect.state == policy.HEALTHY:
-            if self.tracker.follower is not None:  # as probe() does for a healthy server:
-                self._say(await asyncio.to_thread(self.tracker.prime))  # older lines are history
+            if self.tracker.follower is not None:
+                self._say(await asyncio.to_thread(self.tracker.prime))
             self.detect.suspect()
             self._save()
-        return True
 
     async def _sleep_watching(self, seconds: float) -> None:
         """The wait before the next probe, watching the front door (every ``SHIM_POLL`` s) and the
