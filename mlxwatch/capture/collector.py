@@ -40,7 +40,7 @@ import platform
 import socket
 import sys
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -279,13 +279,7 @@ async def _stacks(req: CaptureRequest, process: ProcessResult, files: _Files, ru
                             error="py-spy needs root on macOS: run as root or set capture.sudo (see README)")
     native = pyspy.native_supported()
     errors = []
-    started = time.monotonic()
-    for i in range(1, req.snapshots + 1):
-        # Snapshots on a fixed schedule (0, spacing, 2*spacing...): a slow dump does not push
-        # the next ones, and the window ends when the CPU window does.
-        wait = started + (i - 1) * req.spacing - time.monotonic()
-        if wait > 0:
-            await asyncio.sleep(wait)
+    async for i in _snapshot_schedule(req.snapshots, req.spacing):
         at = now()
         result = await runner(pyspy.dump_command(exe, req.pid, as_json=True, native=False, sudo=req.sudo), DUMP_TIMEOUT)
         nonblocking = False
@@ -329,11 +323,7 @@ async def _shim_stacks(req: CaptureRequest, pid: int, process: ProcessResult, fi
     if hb is None:
         return StacksResult(outcome="failed", error=f"shim stacks: {problem}") if required else StacksResult()
     errors: list[str] = []
-    started = time.monotonic()
-    for i in range(1, req.snapshots + 1):
-        wait = started + (i - 1) * req.spacing - time.monotonic()
-        if wait > 0:
-            await asyncio.sleep(wait)
+    async for i in _snapshot_schedule(req.snapshots, req.spacing):
         at = now()
         try:
             dump = await asyncio.to_thread(shim_stacks.request_dump, pid, process.create_time, hb)
@@ -667,3 +657,15 @@ def _finish(req: CaptureRequest, steps: StepRunner, files: _Files, found: Captur
     path = files.writer.finish(manifest, summary)
     prune(req.out_dir, req.keep, req.max_bytes, protect=path, keep_days=req.keep_days)
     return Bundle(path, classification, files.writer.manifest)
+
+
+async def _snapshot_schedule(snapshots: int, spacing: float) -> AsyncIterator[int]:
+    """Snapshot numbers 1..snapshots on a fixed schedule (0, spacing, 2*spacing...), for py-spy
+    and shim stacks alike: a slow dump does not push the next ones, and the window ends when
+    the CPU window does."""
+    started = time.monotonic()
+    for i in range(1, snapshots + 1):
+        wait = started + (i - 1) * spacing - time.monotonic()
+        if wait > 0:
+            await asyncio.sleep(wait)
+        yield i
