@@ -377,3 +377,31 @@ async def test_the_daemon_feeds_the_door_into_the_metrics(tmp_path):
                 'mlxwatch_front_first_token_seconds_count{server="gone"}')
         await run.until(lambda: textfile.exists() and all(w in textfile.read_text() for w in want), timeout=30,
                         what="the door's series in the textfile")
+
+
+async def test_with_a_door_the_look_again_does_not_hold_clients_for_the_probe_timeout(tmp_path, standin):
+    """Measured: with a door, the look-again before the restart waited up to `probe.timeout`
+    for a late token (90 s at the defaults) while every client got 503. The door failed its
+    requests at the verdict and is the witness: the look-again probe is cut to
+    front.stall_timeout and does not wait on. Here timeout is 30 s; the restart comes well
+    before that."""
+    [url], _, _ = standin("hang")
+    probe = replace(FAST, interval=60.0, suspect_interval=60.0, first_token_timeout=4.0, timeout=30.0, failures=1)
+    cfg = cfg_with(tmp_path / "state", url, probe=probe,
+                   restart=RestartConfig("command", argv=("true",), backoff=0.1))
+    restarted = asyncio.Event()
+
+    async def restart_fn(ctx):
+        restarted.set()
+        return RestartOutcome(OK, "restarted")
+
+    async with FrontRunning(cfg, capture_fn=fake_capture, restart_fn=restart_fn) as run:
+        await run.until(lambda: FakeDoor.made and FakeDoor.made[0].started, what="the door to start")
+        door = FakeDoor.made[0]
+        now = run.daemon.shared.clock.monotonic()
+        door.in_flight, door.last_token_mono = (request(now - 5.0),), None
+        await run.until(lambda: "verdict" in run.events(), timeout=20, what="the verdict")
+        loop = asyncio.get_running_loop()
+        verdict_at = loop.time()
+        await asyncio.wait_for(restarted.wait(), timeout=60)
+        assert loop.time() - verdict_at < 20.0, "the look-again held the restart for the probe timeout"

@@ -99,6 +99,7 @@ class InstanceWatcher:
     open_probes: list[CheckReport] = field(default_factory=list)  # failed probes whose late tokens are not counted yet
     draining: list[asyncio.Task] = field(default_factory=list)  # streams counted already, read on to their bound
     door_cut: bool = False  # the last probe's first-token deadline was cut by a stall at the front door
+    looking_again: bool = False  # the probe right before a restart is under way
     slow_said: bool = False  # this slow episode was journaled and notified (once, until healthy or a verdict)
     client: httpx.AsyncClient | None = None
     said: set[str] = field(default_factory=set)  # notes already logged once
@@ -489,10 +490,17 @@ class InstanceWatcher:
     async def _look_again(self, server: ProcessIdentity | None) -> lookagain.LookAgain:
         """Right before a restart: probe once more and prove the server's identity again
         (``mlxwatch.restart.lookagain``). Someone else may have fixed it meanwhile."""
-        report = await self.probe()
+        self.looking_again = True
+        try:
+            report = await self.probe()
+        finally:
+            self.looking_again = False
         self.shared.state.update(self.name, quiet=True, last_probe=_probe_summary(report, self.shared.clock.wall()))
         answered = report.healthy
-        if not answered:  # a token within `timeout` of sending is a delivery: wait for it before acting
+        if not answered and not self.door_cut:  # a token within `timeout` of sending is a delivery:
+            # wait for it before acting. Not with a front door: its clients' requests were failed
+            # at the verdict and a probe cut to front.stall_timeout saw no token to anyone either,
+            # so waiting would only hold every client at 503 for up to `timeout`.
             late = await self._await_late_delivery()
             if self.stop.is_set():
                 return lookagain.LookAgain()
@@ -742,6 +750,8 @@ class InstanceWatcher:
         view, now = self.door.view(), self.shared.clock.monotonic()
         self._front().delivered(view)
         quiet_since = quiet_start(view)
+        if self.looking_again:  # the door failed every request at the verdict: it is the witness
+            return min(p.first_token_timeout, self.inst.front.stall_timeout)
         if self.incident is not None or quiet_since is None or now - quiet_since < self.inst.front.stall_timeout / 2:
             return p.first_token_timeout
         return min(p.first_token_timeout, self.inst.front.stall_timeout)
