@@ -128,15 +128,15 @@ def detection(python: str, workdir: Path, trials: int) -> dict[str, Any]:
         for trial in range(trials):
             for fault in FAULTS:
                 ready = time.time()
-                daemon.wait_until(lambda: daemon.instance_state("lab").get("state") == "healthy"
+                daemon.wait_until(lambda ready=ready: daemon.instance_state("lab").get("state") == "healthy"
                                   and client.answered_since(ready), RECOVERY_WAIT, "healthy and answering")
                 time.sleep(random.uniform(0, FrontConfig.stall_timeout))
                 server.refresh()
                 onset = time.time()
                 server.set_fault(fault)
-                daemon.wait_until(lambda: events(daemon, "verdict", onset), VERDICT_WAIT, f"{fault}: verdict")
+                daemon.wait_until(lambda onset=onset: events(daemon, "verdict", onset), VERDICT_WAIT, f"{fault}: verdict")
                 verdict = events(daemon, "verdict", onset)[0]
-                daemon.wait_until(lambda: events(daemon, "recovered", onset), RECOVERY_WAIT, f"{fault}: recovered")
+                daemon.wait_until(lambda onset=onset: events(daemon, "recovered", onset), RECOVERY_WAIT, f"{fault}: recovered")
                 seconds = round(verdict["detected_at"] - onset, 1)
                 out[fault].append({"trial": trial, "onset_to_verdict_s": seconds,
                                    "failures": verdict.get("failures")})
