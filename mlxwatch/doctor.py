@@ -39,7 +39,7 @@ from mlxwatch.errors import StateError
 from mlxwatch.host import launchctl
 from mlxwatch.host.commands import CommandResult, Runner, run_command
 from mlxwatch.host.process import ProcessIdentity, ServerLookup, lookup_instance
-from mlxwatch.serverlog.markers import open_regular
+from mlxwatch.serverlog.markers import open_log
 
 OK, WARN, FAIL, SKIP = "ok", "warn", "FAIL", "skip"
 DUMP_TIMEOUT = 10.0
@@ -363,7 +363,7 @@ def log_finding(inst: InstanceConfig, server: ProcessIdentity | None, launchd_lo
     if not stat.S_ISREG(st.st_mode):
         return f(FAIL, f"{path} is not a regular file", "point log: at the file the server writes")
     try:
-        with open_regular(path) as fh:
+        with open_log(path) as fh:
             fh.read(1)
     except OSError as exc:
         return f(FAIL, f"{path}: cannot read: {exc.strerror or exc}", f"make it readable by this user (uid {os.getuid()})")

@@ -163,17 +163,26 @@ def append_record(path: Path, record: dict[str, Any]) -> None:
         os.close(fd)
 
 
-def open_regular(path: Path) -> io.BufferedReader:
-    """``path`` opened for reading as a binary file object, never through a link and never a
-    FIFO or device (OSError: ELOOP for a link, EINVAL for anything but a regular file)."""
-    fd = os.open(path, os.O_RDONLY | NOFOLLOW | getattr(os, "O_NONBLOCK", 0))
+def open_regular_fd(path: Path, *, follow_links: bool = False) -> tuple[int, os.stat_result]:
+    """A read-only descriptor of ``path`` and its stat, refusing anything but a regular file
+    (OSError EINVAL): opened with O_NONBLOCK, since opening a FIFO without it waits for a writer
+    forever (measured: it hung the daemon). Links are refused (ELOOP) unless ``follow_links``: our
+    own files never come through one; a server's log often does."""
+    fd = os.open(path, os.O_RDONLY | (0 if follow_links else NOFOLLOW) | getattr(os, "O_NONBLOCK", 0))
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
             raise OSError(errno.EINVAL, f"{path} is not a regular file")
-        return os.fdopen(fd, "rb")
+        return fd, st
     except BaseException:
         os.close(fd)
         raise
+
+
+def open_regular(path: Path, *, follow_links: bool = False) -> io.BufferedReader:
+    """``path`` opened for reading as a binary file object (see ``open_regular_fd``)."""
+    fd, _ = open_regular_fd(path, follow_links=follow_links)
+    return os.fdopen(fd, "rb")
 
 
 MAX_LINE = 1024 * 1024  # longer journal lines are garbage: only their tail is kept, to recover a record

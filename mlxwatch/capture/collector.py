@@ -84,7 +84,7 @@ from mlxwatch.serverlog.markers import (
     RECENT_BYTES,
     LogMarkers,
     completions_ok,
-    open_regular,
+    open_log,
     progress_lines,
     read_recent_across,
     rotated_from,
@@ -494,7 +494,7 @@ def _follow_log(path: Path) -> list[LogFollower] | None:
 def _read_range(path: Path, start: int, end: int) -> str:
     """Bytes ``start`` to ``end`` of the log as text, beginning at a whole line; "" if unreadable."""
     try:
-        with open_regular(path) as fh:
+        with open_log(path) as fh:
             fh.seek(max(0, start - 1))
             data = fh.read(max(0, end - max(0, start - 1)))
     except OSError:

@@ -31,6 +31,7 @@ Reads block (disk I/O): the daemon calls ``prime`` and ``read_new`` through ``as
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 import time
@@ -39,6 +40,8 @@ from pathlib import Path
 from typing import Callable
 
 import psutil
+
+from mlxwatch.storage import open_regular_fd
 
 MAX_READ = 1024 * 1024  # per read and file: far more than a probe interval's worth of a busy server's log
 MAX_PARTIAL = 64 * 1024  # an unfinished line longer than this is dropped
@@ -295,11 +298,12 @@ def open_by(pid: int) -> set[FileId] | None:
 
 
 def _open(path: Path) -> _Open:
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # never blocks, even if swapped for a FIFO
-    st = os.fstat(fd)
-    if not stat.S_ISREG(st.st_mode):
-        os.close(fd)
-        raise OSError(f"{path} is not a regular file (a FIFO, device or directory cannot be followed)")
+    try:
+        fd, st = open_regular_fd(path, follow_links=True)  # never blocks, even if swapped for a FIFO
+    except OSError as exc:
+        if exc.errno == errno.EINVAL:
+            raise OSError(f"{path} is not a regular file (a FIFO, device or directory cannot be followed)") from None
+        raise
     return _Open(fd, (st.st_dev, st.st_ino))
 
 

@@ -15,6 +15,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from mlxwatch.storage import open_regular
+
 RECENT_BYTES = 4 * 1024 * 1024
 
 PROGRESS = re.compile(r"Prompt processing progress: (\d+)/(\d+)")
@@ -62,14 +64,9 @@ class LogMarkers:
         return asdict(self)
 
 
-def open_regular(path: Path) -> io.BufferedReader:
-    """Open a log for reading, refusing anything but a regular file: opening a FIFO without
-    O_NONBLOCK waits for a writer forever (measured: it hung the daemon)."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise OSError(f"{path} is not a regular file")
-    return os.fdopen(fd, "rb")
+def open_log(path: Path) -> io.BufferedReader:
+    """A server log opened for reading: a regular file only (never a FIFO), links followed."""
+    return open_regular(path, follow_links=True)
 
 
 def read_recent(path: Path | None, max_bytes: int = RECENT_BYTES) -> str:
@@ -77,7 +74,7 @@ def read_recent(path: Path | None, max_bytes: int = RECENT_BYTES) -> str:
     if path is None:
         return ""
     try:
-        with open_regular(path) as fh:
+        with open_log(path) as fh:
             fh.seek(0, 2)
             size = fh.tell()
             fh.seek(max(0, size - max_bytes))
