@@ -43,6 +43,7 @@ class FakeDoor:
     made: list["FakeDoor"] = []
     refuse: str | None = None  # start() raises FrontError with this
     flowing_at_start = False
+    at_start = None  # called with the new door, to set its view before any probe can run
 
     def __init__(self, name: str, upstream: str, cfg: FrontConfig, *, clock) -> None:
         self.name, self.upstream, self.cfg, self.clock = name, upstream, cfg, clock
@@ -56,6 +57,8 @@ class FakeDoor:
         self.flowing = FakeDoor.flowing_at_start  # tokens keep coming: every view shows more
         self.stalled: list[RequestView] = []
         FakeDoor.made.append(self)
+        if FakeDoor.at_start:
+            FakeDoor.at_start(self)
 
     async def start(self) -> None:
         if FakeDoor.refuse:
@@ -89,7 +92,7 @@ class FakeDoor:
 
 @pytest.fixture(autouse=True)
 def fresh_doors():
-    FakeDoor.made, FakeDoor.refuse, FakeDoor.flowing_at_start = [], None, False
+    FakeDoor.made, FakeDoor.refuse, FakeDoor.flowing_at_start, FakeDoor.at_start = [], None, False, None
     yield
 
 
@@ -197,13 +200,17 @@ async def test_verdict_fails_requests_loudly_gates_the_restart_and_keeps_the_evi
         state["restarted"] = True
         return RestartOutcome(OK, "restarted")
 
-    async with FrontRunning(cfg, capture_fn=fake_capture, restart_fn=restart_fn) as run:
-        await run.until(lambda: FakeDoor.made and FakeDoor.made[0].started, what="the door to start")
-        door = FakeDoor.made[0]
-        now = run.daemon.shared.clock.monotonic()
+    def one_request_in_flight(door):
+        # Set as the door is made: nothing listens at the URL, so the first probe is a verdict,
+        # and a view set after start() could come too late for it (seen once in a full run).
+        now = door.clock.monotonic()
         door.in_flight = (request(now - 3.0, tokens=2, last=now - 2.5),)
         door.last_token_mono = now - 2.5
+
+    FakeDoor.at_start = one_request_in_flight
+    async with FrontRunning(cfg, capture_fn=fake_capture, restart_fn=restart_fn) as run:
         await run.until(lambda: "restarting" in run.events(), what="the restart")
+        door = FakeDoor.made[0]
     assert "the server is hung" in door.failed[0]
     [req] = fake_capture.requests
     [evidence] = req.front_requests
