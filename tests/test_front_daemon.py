@@ -26,9 +26,11 @@ from mlxwatch.config import (
 )
 from mlxwatch.daemon.frontwatch import FrontWatch, quiet_start, requests_evidence
 from mlxwatch.daemon.metrics import Metrics
+from mlxwatch.daemon.status import collect_status
 from mlxwatch.errors import FrontError
 from mlxwatch.front.delivery import DeliveryView, Observations, RequestView
 from mlxwatch.front.door import Gate
+from mlxwatch.output.status import status_lines
 from mlxwatch.restart.methods import OK, RestartOutcome
 from lab.ports import free_port
 
@@ -49,6 +51,7 @@ class FakeDoor:
         self.name, self.upstream, self.cfg, self.clock = name, upstream, cfg, clock
         self.started = self.stopped = False
         self.gates: list[Gate] = []
+        self.gate = Gate.OPEN
         self.failed: list[str] = []
         self.in_flight: tuple[RequestView, ...] = ()
         self.last_token_mono: float | None = None
@@ -76,6 +79,7 @@ class FakeDoor:
 
     def set_gate(self, gate: Gate) -> None:
         self.gates.append(gate)
+        self.gate = gate
 
     def fail_in_flight(self, reason: str) -> int:
         self.failed.append(reason)
@@ -327,6 +331,8 @@ async def test_a_door_that_cannot_start_is_said_once_and_the_watcher_runs_on(tmp
     cfg = cfg_with(tmp_path / "state", f"http://127.0.0.1:{free_port()}", probe=replace(FAST, interval=30.0))
     async with FrontRunning(cfg, heartbeat=0.1) as run:
         await run.until(lambda: "front_error" in run.events(), what="front_error")
+        await run.until(lambda: f"front door: not serving: {FakeDoor.refuse}" in _status_text(cfg), timeout=30,
+                        what="the error in status")
         await asyncio.sleep(0.5)  # several ticks, each trying again
         assert run.events().count("front_error") == 1
         assert run.daemon.instance_state("gone")["front_error"] == FakeDoor.refuse
@@ -335,6 +341,33 @@ async def test_a_door_that_cannot_start_is_said_once_and_the_watcher_runs_on(tmp
         await run.until(lambda: run.daemon.instance_state("gone").get("front_error") is None, what="error cleared")
     lines = [r.getMessage() for r in caplog.records if "address already in use" in r.getMessage()]
     assert len(lines) == 1 and lines[0].startswith("gone: front door: cannot listen")
+
+
+# --- status
+
+
+def _status_text(cfg: Config) -> str:
+    return "\n".join(line.plain for line in status_lines(collect_status(cfg, cfg.state_dir), width=200))
+
+
+async def test_status_shows_the_door_its_gate_and_its_requests(tmp_path, standin):
+    """`mlxwatch status` names the door, its gate, requests in flight, the last token and the
+    outcomes so far, as the running daemon last read them; a stopped daemon's door is not shown."""
+    [url], _, _ = standin("ok")
+    cfg = cfg_with(tmp_path / "state", url, probe=replace(FAST, interval=30.0))
+
+    def busy(door):
+        now = door.clock.monotonic()
+        door.in_flight, door.last_token_mono = (request(now - 1.0, tokens=3, last=now - 0.5),), now - 0.5
+        door.outcomes = {"ok": 2, "failed_loudly": 1, "cancelled": 0}
+
+    FakeDoor.at_start = busy
+    async with FrontRunning(cfg) as run:
+        await run.until(lambda: "front door 127.0.0.1:1:" in _status_text(cfg), timeout=30, what="the door in status")
+        line = next(x for x in _status_text(cfg).splitlines() if "front door" in x)
+        assert "open, 1 in flight, last token" in line and line.endswith("2 ok, 1 failed loudly"), line
+        assert collect_status(cfg, cfg.state_dir)["instances"][0]["front"]["gate"] == "open"
+    assert "front door" not in _status_text(cfg)
 
 
 # --- metrics

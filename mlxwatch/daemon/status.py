@@ -79,6 +79,7 @@ def collect_status(config: Config, state_dir: Path, clock: Clock | None = None) 
             "open_incident": opened and {"id": opened["id"], "stopped_at_event": _stopped_at(opened),
                                          "kind": opened.get("kind")},
             "shim": _shim_status(s),
+            "front": _front_status(s) if running else None,
         })
     return {"state_dir": str(state_dir), "state_problem": problem,
             "config": str(config.path) if config.path else None,
@@ -97,6 +98,19 @@ def _shim_status(s: dict) -> dict | None:
         return None
     hb, _ = heartbeat.find(pid, float(created) if isinstance(created, (int, float)) else None)
     return hb.summary() if hb is not None else None
+
+
+def _front_status(s: dict) -> dict | None:
+    """The front door as the running daemon last read it (every few seconds), or the error that
+    keeps it from serving."""
+    front, error = _dict(s.get("front")), _text(s.get("front_error"))
+    if not front and not error:
+        return None
+    outcomes = _dict(front.get("outcomes"))
+    return {"listen": _text(front.get("listen")), "gate": _text(front.get("gate")), "error": error,
+            "in_flight": int(_number(front.get("in_flight")) or 0),
+            "last_token_at": _number(front.get("last_token_at")),
+            "outcomes": {str(k): int(v) for k, v in outcomes.items() if _number(v) is not None}}
 
 
 def _incidents(journal: Journal) -> tuple[dict[str, dict], dict[str, dict]]:

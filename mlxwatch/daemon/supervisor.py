@@ -160,7 +160,7 @@ class Daemon:
                     await self._reload(load_config)
                 self._apply_pending()
                 await self._sync_doors([w.inst for w in self.watchers.values()])
-                self._front_metrics()
+                self._read_doors()
                 self._check_liveness()
                 self.state.set_daemon(last_tick=time.time(), watcher_errors=self.watcher_errors)
         finally:
@@ -298,6 +298,8 @@ class Daemon:
             if watcher is not None and watcher.door is door:
                 watcher.door, watcher.frontwatch = None, None
             await self._stop_door(name, door)
+            if name not in wanted:
+                self.state.update(name, front=None)
         for name, (url, front) in wanted.items():
             if name not in self.doors:
                 door = self.door_factory(name, url, front, clock=self.shared.clock)
@@ -318,14 +320,22 @@ class Daemon:
             if watcher is not None and watcher.door is not self.doors[name][1]:
                 watcher.door, watcher.frontwatch = self.doors[name][1], None  # a new door: a new baseline
 
-    def _front_metrics(self) -> None:
+    def _read_doors(self) -> None:
         """Each door's delivery, read on the event loop (the door's ledger is the loop's), into
-        the metrics (their endpoint reads them from its own thread)."""
+        the metrics (their endpoint reads them from its own thread) and the state file (for
+        ``mlxwatch status``, riding on the next write)."""
         metrics = self.metrics.metrics
-        if metrics is None:
-            return
-        for name, (_, door) in self.doors.items():
-            metrics.on_front(name, door.view(), door.take_observations())
+        clock = self.shared.clock
+        for name, ((_, front), door) in self.doors.items():
+            view = door.view()
+            if metrics is not None:
+                metrics.on_front(name, view, door.take_observations())
+            last = view.last_token_mono
+            self.state.update(name, quiet=True, front={
+                "listen": _address(front.listen), "gate": getattr(door.gate, "value", str(door.gate)),
+                "in_flight": sum(1 for r in view.in_flight if r.generation),
+                "last_token_at": clock.wall_of(last) if last is not None else None,
+                "tokens": view.tokens_total, "outcomes": dict(view.outcomes)})
 
     async def _stop_door(self, name: str, door: FrontDoor) -> None:
         try:

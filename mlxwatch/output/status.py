@@ -17,6 +17,7 @@ from rich.live import Live
 from rich.text import Text
 
 from mlxwatch.durations import format_duration
+from mlxwatch.front.delivery import OUTCOMES
 from mlxwatch.output.text import PIPED_WIDTH, cut, fit
 
 HUNG_STATES = ("hung", "capturing", "restarting", "recovering", "gave_up")
@@ -51,6 +52,22 @@ def shim_line(summary: dict[str, Any]) -> str:
     if summary.get("stalled_for"):
         parts.append(f"no progress for {summary['stalled_for']:.0f}s")
     return "shim: " + ", ".join(parts)
+
+
+def front_line(front: dict[str, Any]) -> str:
+    """One line from the status's ``front``: where the door listens, its gate, its requests."""
+    if front.get("error"):
+        return f"front door: not serving: {front['error']}"
+    gate = front.get("gate") or "open"
+    parts = ["open" if gate == "open" else f"{gate}: new requests wait or get 503",
+             f"{front.get('in_flight', 0)} in flight"]
+    if front.get("last_token_at"):
+        parts.append(f"last token {_ago(front['last_token_at'])}")
+    outcomes = front.get("outcomes") or {}
+    order = {k: n for n, k in enumerate(OUTCOMES)}  # the door's order (the state file sorts keys)
+    done = [f"{n} {k.replace('_', ' ')}" for k, n in sorted(outcomes.items(), key=lambda kv: order.get(kv[0], 99)) if n]
+    parts.append(", ".join(done) if done else "no request yet")
+    return f"front door {front.get('listen') or ''}: " + ", ".join(parts)
 
 
 def status_lines(status: dict[str, Any], width: int = 80) -> list[Text]:
@@ -95,6 +112,8 @@ def status_lines(status: dict[str, Any], width: int = 80) -> list[Text]:
             lines.append(Text(f"  last probe: {p['reason']}"))
         if i.get("shim"):
             lines.append(Text(f"  {shim_line(i['shim'])}"))
+        if i.get("front"):
+            lines.append(Text(f"  {front_line(i['front'])}", style="red" if i["front"].get("error") else ""))
         o, inc = i["open_incident"], i["last_incident"]
         if o:
             if d["running"]:
