@@ -5,7 +5,9 @@
 #   .venvs/test            mlxwatch with the newest mlx-lm 0.32.x and py-spy
 #   .venvs/mlx-lm-0.31.3   the version of the public hang report, server only
 #
-# Extra arguments go to `python -m bench.run` (e.g. `bash bench/run.sh --quick`).
+# Extra arguments go to `python -m bench.run` (e.g. `bash bench/run.sh --quick`); with `front_perf`
+# first, the rest go to `python -m bench.front_perf` (the front door vs nginx vs direct), which
+# needs nginx: taken from Debian's package into $VENVS/tools/bin (scripts/debian-tools.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
@@ -23,5 +25,13 @@ if [ ! -x "$VENVS/mlx-lm-$OLD_MLX_LM/bin/mlx_lm.server" ]; then
     "$VENVS/mlx-lm-$OLD_MLX_LM/bin/pip" install --quiet --disable-pip-version-check \
         "mlx-lm==$OLD_MLX_LM" "$(cpu_extra $OLD_MLX)"
 fi
+# shellcheck source=scripts/debian-tools.sh
+. scripts/debian-tools.sh
+install_nginx || echo "nginx unavailable (no apt or no Debian package): bench.front_perf measures direct and the door only"
+export PATH="$PATH:$VENVS/tools/bin"
 export MLXWATCH_VENVS="$VENVS"
+if [ "${1:-}" = front_perf ]; then
+    shift
+    exec "$VENVS/test/bin/python" -m bench.front_perf "$@"
+fi
 exec "$VENVS/test/bin/python" -m bench.run "$@"

@@ -13,32 +13,10 @@ OLD_MLX_LM=0.31.3
 OLD_MLX=0.31.2
 cpu_extra() { [ "$(uname -s)" = Linux ] && echo "mlx[cpu]==$1" || echo "mlx==$1"; }
 
-# Prometheus' own tools check the fleet docs and the metrics: promtool (docs/alerts.yml and its
-# unit tests), amtool (the Alertmanager example) and node_exporter (reads the metrics textfile).
-# Debian's prometheus, prometheus-alertmanager and prometheus-node-exporter packages ship them;
-# only the binaries are taken from the packages (installing them would also start the services),
-# into $VENVS/tools/bin. Without apt (macOS) those tests run their fallback checks and say so.
-install_prometheus_tools() {
-    command -v promtool >/dev/null && command -v amtool >/dev/null \
-        && command -v prometheus-node-exporter >/dev/null && return 0
-    [ -x "$VENVS/tools/bin/promtool" ] && [ -x "$VENVS/tools/bin/amtool" ] \
-        && [ -x "$VENVS/tools/bin/prometheus-node-exporter" ] && return 0
-    command -v apt-get >/dev/null && command -v dpkg-deb >/dev/null || return 1
-    local tmp rc=0 pkgs="prometheus prometheus-alertmanager prometheus-node-exporter"
-    tmp=$(mktemp -d)
-    # shellcheck disable=SC2086
-    (cd "$tmp" && { timeout 300 apt-get download -qq $pkgs || { timeout 300 apt-get update -qq \
-        && timeout 300 apt-get download -qq $pkgs; }; }) </dev/null >/dev/null 2>&1 || rc=1
-    if [ "$rc" = 0 ]; then
-        mkdir -p "$VENVS/tools/bin"
-        for deb in "$tmp"/*.deb; do dpkg-deb -x "$deb" "$tmp/root" || rc=1; done
-        for tool in promtool amtool prometheus-node-exporter; do
-            cp "$tmp/root/usr/bin/$tool" "$VENVS/tools/bin/$tool" || rc=1
-        done
-    fi
-    rm -rf "$tmp"
-    return "$rc"
-}
+# install_prometheus_tools (promtool, amtool, node_exporter from Debian packages, into
+# $VENVS/tools/bin): scripts/debian-tools.sh, shared with bench/run.sh.
+# shellcheck source=scripts/debian-tools.sh
+. scripts/debian-tools.sh
 
 rm -rf "$VENVS/test" "$VENVS/mlx-lm-$OLD_MLX_LM"
 mkdir -p "$VENVS"

@@ -1,0 +1,51 @@
+# Binaries taken from Debian packages without installing them (installing would also start
+# their services): `apt-get download` + `dpkg-deb -x`, copied into $VENVS/tools/bin. Sourced by
+# scripts/test.sh and bench/run.sh, which set $VENVS first. Each function returns 0 when the
+# tools are on PATH or already in $VENVS/tools/bin, 1 when they cannot be had (no apt: macOS).
+
+# Prometheus' own tools check the fleet docs and the metrics: promtool (docs/alerts.yml and its
+# unit tests), amtool (the Alertmanager example) and node_exporter (reads the metrics textfile).
+# Debian's prometheus, prometheus-alertmanager and prometheus-node-exporter packages ship them;
+# only the binaries are taken from the packages (installing them would also start the services),
+# into $VENVS/tools/bin. Without apt (macOS) those tests run their fallback checks and say so.
+install_prometheus_tools() {
+    command -v promtool >/dev/null && command -v amtool >/dev/null \
+        && command -v prometheus-node-exporter >/dev/null && return 0
+    [ -x "$VENVS/tools/bin/promtool" ] && [ -x "$VENVS/tools/bin/amtool" ] \
+        && [ -x "$VENVS/tools/bin/prometheus-node-exporter" ] && return 0
+    command -v apt-get >/dev/null && command -v dpkg-deb >/dev/null || return 1
+    local tmp rc=0 pkgs="prometheus prometheus-alertmanager prometheus-node-exporter"
+    tmp=$(mktemp -d)
+    # shellcheck disable=SC2086
+    (cd "$tmp" && { timeout 300 apt-get download -qq $pkgs || { timeout 300 apt-get update -qq \
+        && timeout 300 apt-get download -qq $pkgs; }; }) </dev/null >/dev/null 2>&1 || rc=1
+    if [ "$rc" = 0 ]; then
+        mkdir -p "$VENVS/tools/bin"
+        for deb in "$tmp"/*.deb; do dpkg-deb -x "$deb" "$tmp/root" || rc=1; done
+        for tool in promtool amtool prometheus-node-exporter; do
+            cp "$tmp/root/usr/bin/$tool" "$VENVS/tools/bin/$tool" || rc=1
+        done
+    fi
+    rm -rf "$tmp"
+    return "$rc"
+}
+
+# nginx (bench/front_perf.py compares the front door with it as a plain reverse proxy): the
+# binary /usr/sbin/nginx from Debian's nginx package; the bench runs it unprivileged with its
+# own prefix and config in a temp directory, so nothing else of the package is needed.
+install_nginx() {
+    command -v nginx >/dev/null && return 0
+    [ -x "$VENVS/tools/bin/nginx" ] && return 0
+    command -v apt-get >/dev/null && command -v dpkg-deb >/dev/null || return 1
+    local tmp rc=0
+    tmp=$(mktemp -d)
+    (cd "$tmp" && { timeout 300 apt-get download -qq nginx || { timeout 300 apt-get update -qq \
+        && timeout 300 apt-get download -qq nginx; }; }) </dev/null >/dev/null 2>&1 || rc=1
+    if [ "$rc" = 0 ]; then
+        mkdir -p "$VENVS/tools/bin"
+        for deb in "$tmp"/*.deb; do dpkg-deb -x "$deb" "$tmp/root" || rc=1; done
+        cp "$tmp/root/usr/sbin/nginx" "$VENVS/tools/bin/nginx" || rc=1
+    fi
+    rm -rf "$tmp"
+    return "$rc"
+}
