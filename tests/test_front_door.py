@@ -270,6 +270,21 @@ async def test_plain_answer_is_identical_with_and_without_the_door():
     assert "x-keep" in sent and not sent & {"x-secret", "te", "proxy-authorization", "connection"}
 
 
+async def test_cookies_a_server_sets_go_to_that_client_only_never_to_the_next_one():
+    """The door is no browser: a Set-Cookie is passed to the client it answers and is not kept;
+    the next request (another client) reaches the server with only the headers its client sent."""
+    async with Upstream() as up:
+        door = FrontDoor("t", up.url.replace("127.0.0.1", "localhost"), _cfg())  # a name: cookies are kept for it
+        await door.start()
+        try:
+            first = await _raw(_url(door), b"GET /plain HTTP/1.1\r\nHost: h\r\n\r\n")
+            await _raw(_url(door), b"GET /plain HTTP/1.1\r\nHost: h\r\n\r\n")
+        finally:
+            await door.stop(drain=0.5)
+    assert [v for k, v in _split(first)[1] if k == "Set-Cookie"] == ["a=1", "b=2"]
+    assert not any(k.lower() == "cookie" for k, _ in up.seen[1].headers), up.seen[1].headers
+
+
 async def test_head_has_the_servers_headers_and_no_body_and_the_connection_goes_on():
     async with Upstream() as up, _door(up) as door:
         host, port = door.address

@@ -143,6 +143,7 @@ class FrontDoor:
             skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding", "Content-Type"),
             timeout=aiohttp.ClientTimeout(total=None),  # a slow answer is the watchdog's call, not a timeout's
             connector=aiohttp.TCPConnector(limit=0),
+            cookie_jar=aiohttp.DummyCookieJar(),  # a proxy keeps no cookies: one client's would reach the next
         )
         self._monitor = self._start_monitor()
 
