@@ -247,5 +247,16 @@ def write_json(path: Path, data: Any) -> Path:
     return path
 
 
+def splice_section(md: str, heading: str, section: str) -> str:
+    """``md`` with the section under ``heading`` replaced (from the heading to the next ``## ``),
+    or appended: a benchmark that writes its own part of RESULTS.md leaves the others alone."""
+    start = md.find(heading)
+    if start < 0:
+        return md.rstrip("\n") + "\n\n" + section.rstrip("\n") + "\n"
+    end = md.find("\n## ", start + len(heading))
+    rest = "" if end < 0 else md[end:]
+    return md[:start] + section.rstrip("\n") + "\n" + rest
+
+
 def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)

@@ -15,9 +15,11 @@ defaults, take about two minutes).
 Slow soak (``--soak`` seconds): the same server made slow (the lab's ``slow`` fault, ``SLOW_STEP``
 per batch step) with long prompts streamed through the door: expect 0 verdicts.
 
-Run::
+Writes ``bench/front_detection.json`` and the section "The front door at the defaults" of
+``bench/RESULTS.md`` (``--render FILE`` rewrites the section from a saved JSON). Run::
 
-    python -m bench.front_detection --trials 3 --soak 120
+    python -m bench.front_detection                       # the record: 5 trials per fault and version, 600 s soak
+    python -m bench.front_detection --trials 2 --soak 60 --no-write   # a quick look
 """
 
 from __future__ import annotations
@@ -30,7 +32,22 @@ from typing import Any
 
 import httpx
 
-from bench.common import TEST_PYTHON, DaemonProcess, log, summary, write_config
+from bench.analysis import CRON_PERIOD, CRON_TIMEOUT
+from bench.common import (
+    OLD_PYTHON,
+    ROOT,
+    TEST_PYTHON,
+    DaemonProcess,
+    fmt_mmm,
+    git_commit,
+    load_average,
+    log,
+    machine,
+    splice_section,
+    summary,
+    write_config,
+    write_json,
+)
 from lab.ports import free_port
 from lab.server import CLI as LAB_CLI
 from lab.server import LabServer, server_version
@@ -38,6 +55,9 @@ from mlxwatch.config import FrontConfig
 
 FAULTS = ("spin", "block")
 GOAL = 30.0  # seconds, median onset -> verdict with traffic through the door
+CRON_MEDIAN = CRON_PERIOD / 2 + CRON_TIMEOUT  # the cron probe on a hang: the next tick after U(0, period), then its timeout
+SPEEDUP_GOAL = 6.0  # ... and at least this many times faster than the cron probe
+SECTION = "## The front door at the defaults: detection with client traffic, and the slow soak"
 VERDICT_WAIT = 180.0  # a trial gives up waiting for its verdict after this
 RECOVERY_WAIT = 240.0
 SLOW_STEP = 1.0
@@ -76,7 +96,7 @@ class OpenLoopClient:
             w.join(60)
 
     def _one(self, prompt: str) -> None:
-        rec: dict[str, Any] = {"sent": time.time(), "tokens": 0}
+        rec: dict[str, Any] = {"sent": time.time(), "tokens": 0, "finished": False, "done": False, "tail": []}
         body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": 24, "stream": True,
                 "temperature": 0.0}
         try:
@@ -84,15 +104,21 @@ class OpenLoopClient:
                     client.stream("POST", f"{self.url}/v1/chat/completions", json=body) as r:
                 rec["status"] = r.status_code
                 for line in r.iter_lines():
+                    if line.strip():
+                        rec["tail"] = [*rec["tail"][-2:], line[:300]]
                     if line.startswith("data:") and '"error"' in line:
                         rec["error"] = line[:200]
                     elif line.startswith("data:") and '"content"' in line:
                         rec["tokens"] += 1
+                    rec["finished"] = rec["finished"] or '"finish_reason": "' in line or '"finish_reason":"' in line
+                    rec["done"] = rec["done"] or line.strip() == "data: [DONE]"
         except httpx.HTTPError as exc:
             rec["error"] = f"{type(exc).__name__}: {exc}"
         rec["ended"] = time.time()
+        # "empty" is what the SDK takes quietly for a success: a 200 whose stream ended without a
+        # finish_reason or [DONE] (an answer that ends at once, with a finish_reason, is complete)
         rec["kind"] = ("error" if rec.get("error") or rec.get("status") != 200
-                       else "ok" if rec["tokens"] else "empty")
+                       else "ok" if rec["finished"] or rec["done"] else "empty")
         with self.lock:
             self.results.append(rec)
 
@@ -182,24 +208,97 @@ def slow_soak(python: str, workdir: Path, duration: float) -> dict[str, Any]:
 
 def _client_summary(results: list[dict[str, Any]]) -> dict[str, Any]:
     return {"requests": len(results), "ok": sum(r["kind"] == "ok" for r in results),
+            "complete_without_tokens": sum(r["kind"] == "ok" and not r["tokens"] for r in results),
+            "empty_examples": [{k: r.get(k) for k in ("status", "tokens", "tail")} for r in results
+                               if r["kind"] == "empty" or (r["kind"] == "ok" and not r["tokens"])][:5],
             "errors": sum(r["kind"] == "error" for r in results), "empty": sum(r["kind"] == "empty" for r in results),
             "seconds": summary(r["ended"] - r["sent"] for r in results)}
 
 
-if __name__ == "__main__":
+def section(data: dict[str, Any]) -> str:
+    """The RESULTS.md section for one run (``data`` as written to ``bench/front_detection.json``)."""
+    m = data["machine"]
+    lines = [SECTION, "",
+             f"`python -m bench.front_detection` (`bench/front_detection.py`), run on {data['started_at'][:10]} "
+             f"from commit {data['commit']} on {m['cpus']} cores ({m['cpu']}), load average at the start "
+             f"{data['load_average'][0]}; other work ran on the machine at times. One real server and one "
+             "`mlxwatch run` daemon as its own process with every probe and front setting at its **default** "
+             "(only `front.listen` and the lab's relaunch hook as the `command:` restart are set); an open-loop "
+             "client (httpx) sends a new streaming request through the door every second, as a busy app does. "
+             f"Each onset at a random moment of the door's {FrontConfig.stall_timeout:g} s stall window; times "
+             "from the daemon's journal.", "",
+             "| mlx-lm | fault | n | onset → verdict, s, median (min–max) | cron probe, median | faster than the cron "
+             f"| goal: ≤ {GOAL:g} s and ≥ {SPEEDUP_GOAL:g}× |",
+             "|---|---|---|---|---|---|---|"]
+    for version, run in data["detection"].items():
+        for fault in FAULTS:
+            s = run[fault]
+            ratio = CRON_MEDIAN / s["median"] if s.get("median") else None
+            met = s.get("median") is not None and s["median"] <= GOAL and ratio is not None and ratio >= SPEEDUP_GOAL
+            name = {"spin": "livelock (spin)", "block": "blocked"}[fault]
+            faster = f"{ratio:.1f}×" if ratio else "–"
+            lines.append(f"| {version} | {name} | {s['n']} | {fmt_mmm(s)} | {CRON_MEDIAN:.0f} s | {faster} | "
+                         f"{'met' if met else '**missed**'} |")
+    lines += ["", f"The cron probe is the workaround people deploy (a 4-token request every {CRON_PERIOD:.0f} s "
+              f"with a {CRON_TIMEOUT:.0f} s timeout): on a hang its median is {CRON_PERIOD / 2:.0f} + "
+              f"{CRON_TIMEOUT:.0f} s (\"Detection and recovery\" above). mlxwatch's probes alone, at the same "
+              "defaults, take about two minutes (same section).", ""]
+    for version, run in data["detection"].items():
+        c = run["clients"]
+        lines.append(f"Clients through the door ({version}): {c['requests']} requests, {c['ok']} answered, "
+                     f"{c['errors']} explicit errors (failed loudly at the verdict, or 503 with Retry-After while "
+                     f"the server restarted), **{c['empty']} empty successes**.")
+    soak = data.get("slow_soak")
+    if soak:
+        c = soak["clients"]
+        lines += ["", f"**Slow soak** ({soak['mlx_lm']}): {soak['duration_s'] / 60:.0f} minutes of the same setup "
+                  f"with the server made slow (the lab's `slow` fault, {soak['slow_step_s']:g} s added to every batch "
+                  f"step) and a {LONG_PROMPT_WORDS}-word prompt streamed through the door every 2 s: "
+                  f"**{soak['verdicts']} verdicts** (goal 0: {'met' if soak['pass'] else '**missed**'}), state at the "
+                  f"end `{soak['state_at_end']}`; {c['requests']} requests, {c['ok']} answered, {c['errors']} errors, "
+                  f"{c['empty']} empty, each taking {fmt_mmm(c['seconds'])} s."]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
     import argparse
+    import datetime
     import json
-    import sys
     import tempfile
 
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--trials", type=int, default=5, help="trials per fault (default 5)")
+    parser = argparse.ArgumentParser(prog="python -m bench.front_detection", description=__doc__.split("\n")[0])
+    parser.add_argument("--trials", type=int, default=5, help="trials per fault and version (default 5)")
     parser.add_argument("--soak", type=float, default=600, help="seconds of the slow soak (default 600; 0: skip)")
-    parser.add_argument("--python", default=str(TEST_PYTHON), help="the server's Python (its mlx-lm version)")
-    args = parser.parse_args()
-    with tempfile.TemporaryDirectory(prefix="mlxwatch-bench-front-") as tmp:
-        result = {"detection": detection(args.python, Path(tmp) / "detection", args.trials)}
-        if args.soak > 0:
-            result["slow_soak"] = slow_soak(args.python, Path(tmp) / "soak", args.soak)
-    print(json.dumps(result, indent=1, default=str))
-    sys.exit(0 if all(part["pass"] for part in result.values()) else 1)
+    parser.add_argument("--pythons", default=f"{OLD_PYTHON},{TEST_PYTHON}",
+                        help="the servers' Pythons (their mlx-lm versions), comma-separated; the soak uses the last")
+    parser.add_argument("--no-write", action="store_true", help="print the JSON; write neither JSON nor RESULTS.md")
+    parser.add_argument("--render", metavar="JSON", help="only rewrite the RESULTS.md section from this saved run")
+    args = parser.parse_args(argv)
+    results, json_path = ROOT / "bench" / "RESULTS.md", ROOT / "bench" / "front_detection.json"
+    if args.render:
+        data = json.loads(Path(args.render).read_text())
+    else:
+        pythons = [p for p in args.pythons.split(",") if p]
+        data = {"started_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                "commit": git_commit(), "machine": machine(), "load_average": load_average(), "detection": {}}
+        with tempfile.TemporaryDirectory(prefix="mlxwatch-bench-front-") as tmp:
+            for n, python in enumerate(pythons):
+                run = detection(python, Path(tmp) / f"detection-{n}", args.trials)
+                data["detection"][f"mlx-lm {run['mlx_lm']}"] = run
+            if args.soak > 0:
+                data["slow_soak"] = slow_soak(pythons[-1], Path(tmp) / "soak", args.soak)
+        data["pass"] = all(r["pass"] for r in data["detection"].values()) and data.get("slow_soak", {}).get("pass", True)
+    if args.no_write:
+        print(json.dumps(data, indent=1, default=str))
+    else:
+        if not args.render:
+            write_json(json_path, data)
+        results.write_text(splice_section(results.read_text(), SECTION, section(data)))
+        log(f"wrote {json_path.relative_to(ROOT)} and the section of {results.relative_to(ROOT)}")
+    return 0 if data.get("pass") else 1
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main())
