@@ -247,7 +247,9 @@ def section(data: dict[str, Any]) -> str:
         c = run["clients"]
         lines.append(f"Clients through the door ({version}): {c['requests']} requests, {c['ok']} answered, "
                      f"{c['errors']} explicit errors (failed loudly at the verdict, or 503 with Retry-After while "
-                     f"the server restarted), **{c['empty']} empty successes**.")
+                     f"the server restarted), **{c['empty']} empty successes** (a 200 ending without finish_reason or "
+                     f"[DONE]); {c.get('complete_without_tokens', 0)} of the answered ended complete with no content "
+                     "chunk (the tiny random model's output detokenizes to nothing at times).")
     soak = data.get("slow_soak")
     if soak:
         c = soak["clients"]
