@@ -49,10 +49,22 @@ from typing import Any
 
 import psutil
 
-from bench.common import ROOT, TEST_PYTHON, VENVS, git_commit, load_average, log, machine, quantile, write_json
+from bench.common import (
+    ROOT,
+    TEST_PYTHON,
+    VENVS,
+    git_commit,
+    load_average,
+    log,
+    machine,
+    quantile,
+    splice_section,
+    write_json,
+)
 
 SECTION = "## The front door's cost (direct vs nginx vs the door)"
-TARGETS = ("direct", "nginx", "door")
+KINDS = ("direct", "nginx", "door", "alt")  # alt: the library alternative (bench/front_alternative.py)
+LABELS = {"alt": "uvicorn+httpx"}
 GAP_TARGET_MS = 1.0  # added p99 inter-token gap at the most streams
 RATE_TARGET = 0.97  # tokens/s, fraction of direct
 TTFT_TARGET_X = 2.0  # added first-token latency, times nginx's
@@ -307,8 +319,17 @@ def start_proxy(kind: str, upstream: str, work: Path, nginx: str | None) -> tupl
             proc.stop()
             raise
     from lab.ports import free_port
-    assert nginx is not None
     port = free_port()
+    if kind == "alt":  # the library alternative weighed for the door: uvicorn (h11) + httpx
+        proc = Proc([sys.executable, "-m", "bench.front_alternative", "--listen", f"127.0.0.1:{port}",
+                     "--upstream", upstream], d / "alt.log")
+        try:
+            _wait_port(proc, port)
+        except BaseException:
+            proc.stop()
+            raise
+        return proc, f"http://127.0.0.1:{port}"
+    assert nginx is not None
     (d / "nginx.conf").write_text(NGINX_CONF.format(dir=d, port=port, upstream_port=upstream.rsplit(":", 1)[1]))
     proc = Proc([nginx, "-p", f"{d}/", "-c", str(d / "nginx.conf"), "-e", str(d / "error.log"),
                  "-g", "daemon off;"], d / "nginx.out")
@@ -457,6 +478,17 @@ def findings(standin: dict[str, Any]) -> list[str]:
                     f"{_fmt(summ[n]['nginx']['rss_kb_per_stream'], '.0f')} KB at {n}" for n in ns)
     ttft = ", ".join(f"{_fmt(summ[n]['door']['added_ttft_median_ms'], '+.2f')} vs "
                      f"{_fmt(summ[n]['nginx']['added_ttft_median_ms'], '+.2f')} ms at {n}" for n in ns)
+    alt = []
+    if all("alt" in summ[n] for n in ns):
+        alt_ttft = ", ".join(f"{_fmt(summ[n]['door']['added_ttft_median_ms'], '+.2f')} vs "
+                             f"{_fmt(summ[n]['alt']['added_ttft_median_ms'], '+.2f')} ms at {n}" for n in ns)
+        alt_cpu = ", ".join(f"{_fmt(summ[n]['door']['cpu_s_per_1k'], '.3f')} vs {_fmt(summ[n]['alt']['cpu_s_per_1k'], '.3f')} "
+                            f"at {n}" for n in ns)
+        alt_gap = ", ".join(f"{_fmt(summ[n]['door']['added_gap_p99_ms'], '+.2f')} vs "
+                            f"{_fmt(summ[n]['alt']['added_gap_p99_ms'], '+.2f')} ms at {n}" for n in ns)
+        alt = ["", f"The library choice in numbers, the door (aiohttp, doing all its work) vs the alternative weighed "
+               f"(uvicorn+httpx, forwarding only): added first-token latency (median) {alt_ttft}; CPU s per 1,000 "
+               f"chunks {alt_cpu}; added p99 gap {alt_gap} stream(s)."]
     return [
         f"Door vs nginx, CPU s per 1,000 chunks: {cpu} stream(s); RSS per open stream: {rss}; added "
         f"first-token latency (median): {ttft}. Tokens/s are the same on the three paths. The p99 gaps are the "
@@ -474,6 +506,7 @@ def findings(standin: dict[str, Any]) -> list[str]:
         "ledger, the headers) takes about 0.15 ms before the request leaves for the server; the rest of its "
         "added first-token latency is aiohttp's client and server on both hops. No per-chunk logging, "
         "re-parsing or copying was found to remove; the door was not changed for this measurement.",
+        *alt,
     ]
 
 
@@ -483,19 +516,22 @@ def _fmt(v: float | None, spec: str) -> str:
 
 def render(data: dict[str, Any]) -> str:
     m = data["machine"]
+    load_note = data.get("machine_note") or "the machine was shared with other work, so absolute numbers carry that noise"
     lines = [SECTION, "",
              f"`{data['command']}` (`bench/front_perf.py`), run on {data['date']} from commit {data['commit']} on "
              f"{m.get('cpus', '?')} cores ({m.get('cpu') or m.get('system', '')}); load average "
-             f"{data['load_before']} before, {data['load_after']} after: **the machine was shared** with other "
-             "engineers running real-server tests, so absolute numbers carry that noise; direct, nginx and the "
-             "door ran one after the other in each repeat (order alternating), so drifts hit all three alike. "
+             f"{data['load_before']} before, {data['load_after']} after ({load_note}); "
+             "the paths ran one after the other in each repeat (order alternating), so drifts hit them alike. "
              f"Raw data in `bench/front_perf.json`. {data['repeats']} repeats of {data['seconds']:g} s per cell; "
              "the table shows medians over repeats, the added numbers paired per repeat (proxy - direct).", "",
              "Each piece is its own process: the upstream, the proxy, the client (aiohttp, one chunk's arrival "
              "time each). nginx {nginx}: one worker process, because the door is one process on one event loop "
              "(like with like); `proxy_buffering off`, HTTP/1.1, upstream keepalive, access log off. The door: "
              "`mlxwatch.front.FrontDoor` at the default `front:` settings in its own process, as the daemon runs it "
-             "(`python -m bench.front_perf --role door`). CPU and RSS are the proxy process's (nginx: master + "
+             "(`python -m bench.front_perf --role door`). uvicorn+httpx: the library alternative weighed for the "
+             "door (docs/front-door.md, \"Why aiohttp\"), a minimal pass-through without the door's ledger, token "
+             "counting or gate (`bench/front_alternative.py`), in its own process. CPU and RSS are the proxy "
+             "process's (nginx: master + "
              "worker), read by PID; RSS per stream = (median RSS while the streams are open - idle RSS after one "
              "warm-up request) / streams. Tokens/s = chunks delivered in the steady window (after the 1 s "
              "staggered start).".replace("{nginx}", data.get("nginx_version") or "(not found: not measured)"), ""]
@@ -506,7 +542,7 @@ def render(data: dict[str, Any]) -> str:
                   "| proxy RSS / stream (KB) | errors |",
                   "|---|---|---|---|---|---|---|---|---|---|"]
         for n in sorted(up["summary"], key=int):
-            for kind in TARGETS:
+            for kind in KINDS:
                 row = up["summary"][n].get(kind)
                 if row is None:
                     continue
@@ -514,7 +550,8 @@ def render(data: dict[str, Any]) -> str:
                                                       f"{_fmt(row['added_ttft_p99_ms'], '+.2f')}")
                 share = row["rate_vs_direct"]
                 rate = f"{row['tokens_per_s']:.0f}" + ("" if kind == "direct" or share is None else f" ({share:.1%})")
-                lines.append(f"| {n} | {kind} | {_fmt(row['ttft_median_ms'], '.2f')} / {_fmt(row['ttft_p99_ms'], '.2f')} "
+                path = LABELS.get(kind, kind)
+                lines.append(f"| {n} | {path} | {_fmt(row['ttft_median_ms'], '.2f')} / {_fmt(row['ttft_p99_ms'], '.2f')} "
                              f"| {added} | {_fmt(row['gap_p99_ms'], '.2f')} "
                              f"| {'–' if kind == 'direct' else _fmt(row['added_gap_p99_ms'], '+.2f')} | {rate} "
                              f"| {_fmt(row['cpu_s_per_1k'], '.3f')} | {_fmt(row['rss_kb_per_stream'], '.0f')} "
@@ -524,16 +561,6 @@ def render(data: dict[str, Any]) -> str:
     lines += [f"| {t['target']} | {t['measured']} | {'met' if t['met'] else '**missed**'} |" for t in data["targets"]]
     lines += ["", *data.get("findings", []), ""]
     return "\n".join(lines)
-
-
-def splice(md: str, section: str) -> str:
-    """``md`` with our section replaced (from its heading to the next ``## ``), or appended."""
-    start = md.find(SECTION)
-    if start < 0:
-        return md.rstrip("\n") + "\n\n" + section.rstrip("\n") + "\n"
-    end = md.find("\n## ", start + len(SECTION))
-    rest = "" if end < 0 else md[end:]
-    return md[:start] + section.rstrip("\n") + "\n" + rest
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -547,6 +574,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="also against a real mlx_lm.server (tests/lab, tiny model on CPU)")
     parser.add_argument("--real-streams", default="1,16,64")
     parser.add_argument("--real-max-tokens", type=int, default=32)
+    parser.add_argument("--alt", action=argparse.BooleanOptionalAction, default=True,
+                        help="also the library alternative weighed for the door (bench/front_alternative.py: "
+                             "uvicorn + httpx; needs uvicorn, the 'bench' extra)")
+    parser.add_argument("--machine-note", help="how loaded the machine was, for the section (default: shared)")
     parser.add_argument("--no-write", action="store_true", help="print the section; write neither JSON nor RESULTS.md")
     parser.add_argument("--render-only", action="store_true",
                         help="measure nothing: the section again from bench/front_perf.json, into RESULTS.md")
@@ -560,6 +591,9 @@ def main(argv: list[str] | None = None) -> int:
         asyncio.run(_standin(args.interval, args.ready))
         return 0
     if args.role == "door":
+        if os.environ.get("MLXWATCH_BENCH_UVLOOP"):  # an experiment: the door on uvloop's event loop
+            import uvloop
+            uvloop.install()
         asyncio.run(_door(args.upstream, args.ready))
         return 0
     if args.role == "client":
@@ -573,6 +607,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     nginx = find_nginx()
     kinds = ["direct", "nginx", "door"] if nginx else ["direct", "door"]
+    if args.alt:
+        kinds.append("alt")
     if nginx is None:
         log("front_perf: nginx NOT FOUND (on PATH or in $MLXWATCH_VENVS/tools/bin; `bash bench/run.sh front_perf` "
             "installs it from Debian's package): measuring direct and the door only")
@@ -586,7 +622,7 @@ def main(argv: list[str] | None = None) -> int:
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"), "started_at": datetime.now(timezone.utc).isoformat(
             timespec="seconds"), "commit": git_commit(), "machine": machine(), "command": command.strip(),
         "seconds": args.seconds, "repeats": args.repeats, "nginx_version": nginx_version,
-        "load_before": load_average(), "upstreams": []}
+        "load_before": load_average(), "machine_note": args.machine_note, "upstreams": []}
     work = Path(tempfile.mkdtemp(prefix="mlxwatch-front-perf-"))
 
     def terminated(signum: int, _frame: Any) -> None:
@@ -646,7 +682,7 @@ def _write(data: dict[str, Any], no_write: bool) -> None:
         write_json(ROOT / "bench" / "front_perf.json", data)
         md = ROOT / "bench" / "RESULTS.md"
         tmp = md.with_suffix(".md.tmp")
-        tmp.write_text(splice(md.read_text(), section))
+        tmp.write_text(splice_section(md.read_text(), SECTION, section))
         os.replace(tmp, md)
         log(f"front_perf: wrote {ROOT / 'bench' / 'front_perf.json'} and the section in {md}")
     for t in data["targets"]:
