@@ -258,5 +258,14 @@ def splice_section(md: str, heading: str, section: str) -> str:
     return md[:start] + section.rstrip("\n") + "\n" + rest
 
 
+def keep_other_sections(old_md: str, new_md: str) -> str:
+    """``new_md`` plus every ``## `` section of ``old_md`` it does not have: the sections other
+    benchmarks write into RESULTS.md by themselves (front_perf, front_detection, the slow soak)
+    survive a run of ``bench/run.py``, which renders only its own."""
+    parts = old_md.split("\n## ")[1:]
+    kept = [p for p in parts if f"\n## {p.splitlines()[0]}\n" not in f"\n{new_md}\n"]
+    return new_md.rstrip("\n") + "".join(f"\n\n## {p.rstrip()}" for p in kept) + "\n"
+
+
 def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)

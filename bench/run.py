@@ -40,6 +40,7 @@ from bench.common import (
     ROOT,
     TEST_PYTHON,
     git_commit,
+    keep_other_sections,
     load_average,
     log,
     machine,
@@ -124,7 +125,8 @@ def main(argv: list[str] | None = None) -> int:
         data = json.loads((HERE / "RESULTS.json").read_text())
         data["notes"] = [*data.get("notes", []), *args.note]
         write_json(HERE / "RESULTS.json", data)
-        (HERE / "RESULTS.md").write_text(report.render(data))
+        md_path = HERE / "RESULTS.md"
+        md_path.write_text(keep_other_sections(md_path.read_text() if md_path.exists() else "", report.render(data)))
         log(f"bench: {HERE / 'RESULTS.md'} rendered again from RESULTS.json")
         return 0
     if not args.worktree and not os.environ.get("MLXWATCH_BENCH_SRC"):
@@ -276,6 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         md_path = HERE / "RESULTS.md"
         write_json(HERE / "RESULTS.json", results)
+        md = keep_other_sections(md_path.read_text() if md_path.exists() else "", md)
     md_path.write_text(md)
     log(f"bench: done in {results['total_seconds'] / 60:.1f} min; raw {raw}; report {md_path}")
     for t in results.get("targets", []):
