@@ -237,15 +237,15 @@ def section(data: dict[str, Any]) -> str:
             met = s.get("median") is not None and s["median"] <= GOAL and ratio is not None and ratio >= SPEEDUP_GOAL
             name = {"spin": "livelock (spin)", "block": "blocked"}[fault]
             faster = f"{ratio:.1f}×" if ratio else "–"
-            lines.append(f"| {version} | {name} | {s['n']} | {fmt_mmm(s)} | {CRON_MEDIAN:.0f} s | {faster} | "
-                         f"{'met' if met else '**missed**'} |")
+            lines.append(f"| {version.removeprefix('mlx-lm ')} | {name} | {s['n']} | {fmt_mmm(s)} | "
+                         f"{CRON_MEDIAN:.0f} s | {faster} | {'met' if met else '**missed**'} |")
     lines += ["", f"The cron probe is the workaround people deploy (a 4-token request every {CRON_PERIOD:.0f} s "
               f"with a {CRON_TIMEOUT:.0f} s timeout): on a hang its median is {CRON_PERIOD / 2:.0f} + "
               f"{CRON_TIMEOUT:.0f} s (\"Detection and recovery\" above). mlxwatch's probes alone, at the same "
-              "defaults, take about two minutes (same section).", ""]
+              "defaults, take about two minutes (same section)."]
     for version, run in data["detection"].items():
         c = run["clients"]
-        lines.append(f"Clients through the door ({version}): {c['requests']} requests, {c['ok']} answered, "
+        lines.append(f"\nClients through the door ({version}): {c['requests']} requests, {c['ok']} answered, "
                      f"{c['errors']} explicit errors (failed loudly at the verdict, or 503 with Retry-After while "
                      f"the server restarted), **{c['empty']} empty successes** (a 200 ending without finish_reason or "
                      f"[DONE]); {c.get('complete_without_tokens', 0)} of the answered ended complete with no content "
