@@ -491,7 +491,7 @@ def findings(standin: dict[str, Any]) -> list[str]:
                f"chunks {alt_cpu}; added p99 gap {alt_gap} stream(s)."]
     return [
         f"Door vs nginx, CPU s per 1,000 chunks: {cpu} stream(s); RSS per open stream: {rss}; added "
-        f"first-token latency (median): {ttft}. Tokens/s are the same on the three paths. The p99 gaps are the "
+        f"first-token latency (median): {ttft}. Tokens/s are the same on every path. The p99 gaps are the "
         "upstream's schedule plus scheduler noise of a shared machine (and the stand-in's own timer), which "
         "moves a cell's p99 by a few milliseconds either way between repeats: added p99 gaps smaller than "
         "that are not resolved by this run (each repeat's values are in the JSON).",
