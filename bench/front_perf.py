@@ -61,6 +61,7 @@ from bench.common import (
     splice_section,
     write_json,
 )
+from lab.nginx import NGINX_CONF, find_nginx
 
 SECTION = "## The front door's cost (direct vs nginx vs the door)"
 KINDS = ("direct", "nginx", "door", "alt")  # alt: the library alternative (bench/front_alternative.py)
@@ -270,42 +271,6 @@ def _wait_port(proc: Proc, port: int, timeout: float = 30.0) -> None:
                 return
         time.sleep(0.05)
     raise RuntimeError(f"{proc.log_path.name}: not listening on {port}: {proc.log_path.read_text()[-800:]}")
-
-
-def find_nginx() -> str | None:
-    return shutil.which("nginx") or next((str(p) for p in [VENVS / "tools" / "bin" / "nginx"] if os.access(p, os.X_OK)),
-                                         None)
-
-
-NGINX_CONF = """\
-# One worker: the door is one process on one event loop; like with like.
-worker_processes 1;
-error_log {dir}/error.log warn;
-pid {dir}/nginx.pid;
-events {{ worker_connections 4096; }}
-http {{
-    access_log off;
-    client_body_temp_path {dir}/client_body;
-    proxy_temp_path {dir}/proxy;
-    fastcgi_temp_path {dir}/fastcgi;
-    uwsgi_temp_path {dir}/uwsgi;
-    scgi_temp_path {dir}/scgi;
-    upstream backend {{
-        server 127.0.0.1:{upstream_port};
-        keepalive 256;
-    }}
-    server {{
-        listen 127.0.0.1:{port};
-        location / {{
-            proxy_pass http://backend;
-            proxy_http_version 1.1;
-            proxy_set_header Connection "";
-            proxy_buffering off;
-            proxy_read_timeout 600s;
-        }}
-    }}
-}}
-"""
 
 
 def start_proxy(kind: str, upstream: str, work: Path, nginx: str | None) -> tuple[Proc, str]:
@@ -610,7 +575,7 @@ def main(argv: list[str] | None = None) -> int:
         data = json.loads((ROOT / "bench" / "front_perf.json").read_text())
         _write(data, args.no_write)
         return 0
-    nginx = find_nginx()
+    nginx = find_nginx(VENVS)
     kinds = ["direct", "nginx", "door"] if nginx else ["direct", "door"]
     if args.alt:
         kinds.append("alt")

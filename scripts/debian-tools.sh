@@ -30,9 +30,10 @@ install_prometheus_tools() {
     return "$rc"
 }
 
-# nginx (bench/front_perf.py compares the front door with it as a plain reverse proxy): the
-# binary /usr/sbin/nginx from Debian's nginx package; the bench runs it unprivileged with its
-# own prefix and config in a temp directory, so nothing else of the package is needed.
+# nginx, the plain reverse proxy a user would pick instead of the front door (its tests and
+# bench/front_perf.py compare the two): the binary /usr/sbin/nginx from Debian's nginx package,
+# run unprivileged with its own prefix and config in a temp directory (tests/lab/nginx.py), so
+# nothing else of the package is needed.
 install_nginx() {
     command -v nginx >/dev/null && return 0
     [ -x "$VENVS/tools/bin/nginx" ] && return 0

@@ -13,10 +13,18 @@ OLD_MLX_LM=0.31.3
 OLD_MLX=0.31.2
 cpu_extra() { [ "$(uname -s)" = Linux ] && echo "mlx[cpu]==$1" || echo "mlx==$1"; }
 
-# install_prometheus_tools (promtool, amtool, node_exporter from Debian packages, into
-# $VENVS/tools/bin): scripts/debian-tools.sh, shared with bench/run.sh.
+# install_prometheus_tools (promtool, amtool, node_exporter) and install_nginx (the plain reverse
+# proxy the front door's tests compare with), from Debian packages into $VENVS/tools/bin:
+# scripts/debian-tools.sh, shared with bench/run.sh. One after the other (one apt at a time);
+# the exit status says which could not be had: 1 the Prometheus tools, 2 nginx, 3 both.
 # shellcheck source=scripts/debian-tools.sh
 . scripts/debian-tools.sh
+install_debian_tools() {
+    local rc=0
+    install_prometheus_tools || rc=1
+    install_nginx || rc=$((rc | 2))
+    return "$rc"
+}
 
 rm -rf "$VENVS/test" "$VENVS/mlx-lm-$OLD_MLX_LM"
 mkdir -p "$VENVS"
@@ -29,15 +37,23 @@ test_pid=$!
 "$VENVS/mlx-lm-$OLD_MLX_LM/bin/pip" install --quiet --disable-pip-version-check \
     "mlx-lm==$OLD_MLX_LM" "$(cpu_extra $OLD_MLX)" &
 old_pid=$!
-install_prometheus_tools &
+install_debian_tools &
 tools_pid=$!
 wait "$test_pid"
 wait "$old_pid"
 export PATH="$VENVS/tools/bin:$PATH"
-if wait "$tools_pid"; then
-    export MLXWATCH_REQUIRE_PROMETHEUS_TOOLS=1   # installed: the tests that use them must not skip
+tools_rc=0
+wait "$tools_pid" || tools_rc=$?
+# Installed: the tests that use them must not skip.
+if [ $((tools_rc & 1)) = 0 ]; then
+    export MLXWATCH_REQUIRE_PROMETHEUS_TOOLS=1
 else
     echo "promtool/amtool/node_exporter unavailable (no apt or no Debian packages): fleet docs get the fallback checks"
+fi
+if [ $((tools_rc & 2)) = 0 ]; then
+    export MLXWATCH_REQUIRE_NGINX=1
+else
+    echo "nginx unavailable (no apt or no Debian package): the front door's nginx comparison is skipped"
 fi
 
 export MLXWATCH_SERVER_PYTHONS="$VENVS/mlx-lm-$OLD_MLX_LM/bin/python,$VENVS/test/bin/python"

@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import os
 import socket
 import subprocess
 import shutil
@@ -24,6 +25,7 @@ from mlxwatch.errors import FrontError
 from mlxwatch.front import FrontDoor, Gate
 from mlxwatch.front import tokens as tokens_module
 from mlxwatch.front.wire import HOP_BY_HOP
+from lab.nginx import Nginx, find_nginx
 
 BOUND = 15.0  # generous bound on any wait for a condition (the machine is shared and loaded)
 TOKENS = ["Hello", " from", " the", " stand", "-in"]
@@ -424,6 +426,43 @@ async def test_fail_in_flight_answers_a_request_not_yet_answered_with_503():
             assert caught.value.response.headers["Retry-After"]
             assert caught.value.body["code"] == "mlxwatch_hung"
         await client.close()
+
+
+async def test_a_stream_cut_short_is_a_quiet_success_through_nginx_and_an_error_through_the_door(tmp_path):
+    """What a user would pick instead of the door: nginx as a plain reverse proxy (Debian's
+    package, buffering off). A server whose stream ends early (its process restarted, say: the
+    connection closes mid-answer) gives the openai SDK a quiet, truncated "success" directly and
+    through nginx alike; through the door the same stream raises."""
+    nginx = find_nginx()
+    if nginx is None:
+        if os.environ.get("MLXWATCH_REQUIRE_NGINX") == "1":
+            pytest.fail("nginx is not on PATH nor in .venvs/tools/bin but MLXWATCH_REQUIRE_NGINX=1")
+        pytest.skip("nginx not installed (no apt here): the door's side runs in the test below")
+
+    async def read(base: str) -> tuple[list[str], BaseException | None]:
+        client = openai.AsyncOpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=BOUND)
+        got: list[str] = []
+        try:
+            stream = await client.chat.completions.create(model="m", messages=MESSAGES, stream=True,
+                                                          extra_headers={"X-Mode": "truncate"})
+            async for event in stream:
+                got.append(event.choices[0].delta.content)
+        except openai.APIError as exc:
+            return got, exc
+        finally:
+            await client.close()
+        return got, None
+
+    async with Upstream() as up, _door(up) as door:
+        proxy = await asyncio.to_thread(Nginx.start, nginx, up.url, tmp_path / "nginx")
+        try:
+            direct, through_nginx, through_door = await read(up.url), await read(proxy.url), await read(_url(door))
+        finally:
+            await asyncio.to_thread(proxy.stop)
+    assert direct == through_nginx == (TOKENS[:2], None)  # two tokens, no finish_reason, no error: "success"
+    tokens, error = through_door
+    assert tokens == TOKENS[:2] and isinstance(error, openai.APIError)
+    assert error.body["code"] == "mlxwatch_upstream_truncated"
 
 
 @pytest.mark.parametrize("mode", ["truncate", "die"])
