@@ -1,12 +1,16 @@
-"""The alternative weighed for the front door (docs/front-door.md, "Why aiohttp"): a pass-through
-built from uvicorn (server side, its h11 parser) and httpx (client side), doing the door's
-forwarding job only: no delivery ledger, no token counting, no gate. It exists so that the
-front bench (``bench/front_perf.py``) can put the library choice in numbers beside the door,
-nginx and direct access; it is not a product and is never imported by ``mlxwatch``.
+"""Pass-throughs for comparison with the front door, each doing the door's forwarding job only
+(no delivery ledger, no token counting, no gate), so the front bench (``bench/front_perf.py``)
+can put the library choice in numbers beside the door, nginx and direct access. Not a product;
+never imported by ``mlxwatch``.
 
-    python -m bench.front_alternative --listen 127.0.0.1:8082 --upstream http://127.0.0.1:8080
+- ``--library uvicorn`` (the alternative weighed for the door, docs/front-door.md, "Why
+  aiohttp"): uvicorn with its h11 parser for the server side, httpx for the client side.
+- ``--library aiohttp``: the door's own library with nothing of the door: what aiohttp itself
+  costs per request and per chunk, the floor under the door's numbers.
 
-Needs uvicorn (the ``bench`` extra; ``bench/run.sh`` installs it). Ends on SIGTERM or SIGINT.
+    python -m bench.front_alternative --library uvicorn --listen 127.0.0.1:8082 --upstream http://127.0.0.1:8080
+
+uvicorn comes with the ``bench`` extra (``bench/run.sh`` installs it). Ends on SIGTERM or SIGINT.
 """
 
 from __future__ import annotations
@@ -15,7 +19,6 @@ import argparse
 from typing import Any, Awaitable, Callable
 
 import httpx
-import uvicorn
 
 # RFC 9110 7.6.1: connection-specific fields, never forwarded (as the door does)
 HOP_BY_HOP = {b"connection", b"keep-alive", b"proxy-connection", b"te", b"trailer", b"transfer-encoding",
@@ -62,12 +65,57 @@ def make_app(upstream: str) -> Callable[[dict[str, Any], Receive, Send], Awaitab
     return app
 
 
+async def serve_aiohttp(upstream: str, host: str, port: int) -> None:
+    """The floor: aiohttp's server and client joined the plainest way, as the door joins them
+    (low-level ``web.Server``, ``readany`` then ``write``), without the door's work."""
+    import asyncio
+    import signal
+
+    import aiohttp
+    from aiohttp import web
+
+    hop = {k.decode() for k in HOP_BY_HOP}
+    session = aiohttp.ClientSession(auto_decompress=False, connector=aiohttp.TCPConnector(limit=0),
+                                    timeout=aiohttp.ClientTimeout(total=None), cookie_jar=aiohttp.DummyCookieJar())
+
+    async def handle(request: web.BaseRequest) -> web.StreamResponse:
+        body = await request.read()
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in hop}
+        async with session.request(request.method, upstream + request.raw_path, headers=headers,
+                                   data=body or None, allow_redirects=False) as answer:
+            response = web.StreamResponse(status=answer.status, headers={
+                k: v for k, v in answer.headers.items() if k.lower() not in hop})
+            await response.prepare(request)
+            while chunk := await answer.content.readany():
+                await response.write(chunk)
+            await response.write_eof()
+            return response
+
+    runner = web.ServerRunner(web.Server(handle), handle_signals=False)
+    await runner.setup()
+    await web.TCPSite(runner, host, port).start()
+    stop = asyncio.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        asyncio.get_running_loop().add_signal_handler(signum, stop.set)
+    await stop.wait()
+    await runner.cleanup()
+    await session.close()
+
+
 def main() -> None:
+    import asyncio
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--library", choices=("uvicorn", "aiohttp"), default="uvicorn")
     parser.add_argument("--listen", required=True, help="HOST:PORT (loopback)")
     parser.add_argument("--upstream", required=True, help="the server's base URL")
     args = parser.parse_args()
     host, _, port = args.listen.rpartition(":")
+    if args.library == "aiohttp":
+        asyncio.run(serve_aiohttp(args.upstream, host, int(port)))
+        return
+    import uvicorn
+
     uvicorn.run(make_app(args.upstream), host=host, port=int(port), http="h11", loop="asyncio",
                 log_level="warning", access_log=False, lifespan="on")
 

@@ -64,8 +64,10 @@ from bench.common import (
 from lab.nginx import NGINX_CONF, find_nginx
 
 SECTION = "## The front door's cost (direct vs nginx vs the door)"
-KINDS = ("direct", "nginx", "door", "alt")  # alt: the library alternative (bench/front_alternative.py)
-LABELS = {"alt": "uvicorn+httpx"}
+# alt: the library alternative weighed for the door; floor: the door's library alone, none of its
+# work (both bench/front_alternative.py)
+KINDS = ("direct", "nginx", "door", "floor", "alt")
+LABELS = {"alt": "uvicorn+httpx", "floor": "aiohttp alone"}
 GAP_TARGET_MS = 1.0  # added p99 inter-token gap at the most streams
 RATE_TARGET = 0.97  # tokens/s, fraction of direct
 TTFT_TARGET_X = 2.0  # added first-token latency, times nginx's
@@ -285,9 +287,10 @@ def start_proxy(kind: str, upstream: str, work: Path, nginx: str | None) -> tupl
             raise
     from lab.ports import free_port
     port = free_port()
-    if kind == "alt":  # the library alternative weighed for the door: uvicorn (h11) + httpx
-        proc = Proc([sys.executable, "-m", "bench.front_alternative", "--listen", f"127.0.0.1:{port}",
-                     "--upstream", upstream], d / "alt.log")
+    if kind in ("alt", "floor"):  # uvicorn (h11) + httpx, the alternative weighed; aiohttp alone, the floor
+        library = "uvicorn" if kind == "alt" else "aiohttp"
+        proc = Proc([sys.executable, "-m", "bench.front_alternative", "--library", library,
+                     "--listen", f"127.0.0.1:{port}", "--upstream", upstream], d / f"{kind}.log")
         try:
             _wait_port(proc, port)
         except BaseException:
@@ -454,6 +457,14 @@ def findings(standin: dict[str, Any]) -> list[str]:
         alt = ["", f"The library choice in numbers, the door (aiohttp, doing all its work) vs the alternative weighed "
                f"(uvicorn+httpx, forwarding only): added first-token latency (median) {alt_ttft}; CPU s per 1,000 "
                f"chunks {alt_cpu}; added p99 gap {alt_gap} stream(s)."]
+    if all("floor" in summ[n] and "nginx" in summ[n] for n in ns):
+        floor = ", ".join(f"{_fmt(summ[n]['floor']['added_ttft_median_ms'], '+.2f')} (door "
+                          f"{_fmt(summ[n]['door']['added_ttft_median_ms'], '+.2f')}, bound "
+                          f"{TTFT_TARGET_X * max(summ[n]['nginx']['added_ttft_median_ms'], 0.05):.2f}) ms at {n}"
+                          for n in ns)
+        alt += ["", f"The floor: aiohttp alone, with none of the door's work, adds to the first token {floor} "
+                "stream(s). Where the floor is over the bound, no door built on aiohttp meets the 2x-nginx "
+                "target on this machine, and the alternative weighed costs more still."]
     return [
         f"Door vs nginx, CPU s per 1,000 chunks: {cpu} stream(s); RSS per open stream: {rss}; added "
         f"first-token latency (median): {ttft}. Tokens/s are the same on every path. The p99 gaps are the "
@@ -500,7 +511,9 @@ def render(data: dict[str, Any]) -> str:
              "`mlxwatch.front.FrontDoor` at the default `front:` settings in its own process, as the daemon runs it "
              "(`python -m bench.front_perf --role door`). uvicorn+httpx: the library alternative weighed for the "
              "door (docs/front-door.md, \"Why aiohttp\"), a minimal pass-through without the door's ledger, token "
-             "counting or gate (`bench/front_alternative.py`), in its own process. CPU and RSS are the proxy "
+             "counting or gate (`bench/front_alternative.py`), in its own process; aiohttp alone: the door's own "
+             "library joined the same way with none of the door's work (same file), the floor under the "
+             "door's numbers. CPU and RSS are the proxy "
              "process's (nginx: master + "
              "worker), read by PID; RSS per stream = (median RSS while the streams are open - idle RSS after one "
              "warm-up request) / streams. Tokens/s = chunks delivered in the steady window (after the 1 s "
@@ -545,8 +558,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--real-streams", default="1,16,64")
     parser.add_argument("--real-max-tokens", type=int, default=32)
     parser.add_argument("--alt", action=argparse.BooleanOptionalAction, default=True,
-                        help="also the library alternative weighed for the door (bench/front_alternative.py: "
-                             "uvicorn + httpx; needs uvicorn, the 'bench' extra)")
+                        help="also aiohttp alone (the door's library, none of its work) and the library "
+                             "alternative weighed for the door (uvicorn + httpx; needs uvicorn, the 'bench' "
+                             "extra), both bench/front_alternative.py")
     parser.add_argument("--machine-note", help="how loaded the machine was, for the section (default: shared)")
     parser.add_argument("--no-write", action="store_true", help="print the section; write neither JSON nor RESULTS.md")
     parser.add_argument("--render-only", action="store_true",
@@ -578,7 +592,7 @@ def main(argv: list[str] | None = None) -> int:
     nginx = find_nginx(VENVS)
     kinds = ["direct", "nginx", "door"] if nginx else ["direct", "door"]
     if args.alt:
-        kinds.append("alt")
+        kinds += ["floor", "alt"]
     if nginx is None:
         log("front_perf: nginx NOT FOUND (on PATH or in $MLXWATCH_VENVS/tools/bin; `bash bench/run.sh front_perf` "
             "installs it from Debian's package): measuring direct and the door only")
