@@ -23,6 +23,7 @@ import pytest
 from mlxwatch.config import FrontConfig
 from mlxwatch.errors import FrontError
 from mlxwatch.front import FrontDoor, Gate
+from mlxwatch.front import door as door_module
 from mlxwatch.front import tokens as tokens_module
 from mlxwatch.front.wire import HOP_BY_HOP
 from lab.nginx import Nginx, find_nginx
@@ -636,6 +637,70 @@ async def test_header_and_body_limits_answer_431_and_413_in_json():
     assert up.seen == []
 
 
+async def _closed_by_the_door(reader: asyncio.StreamReader) -> bytes:
+    """Everything the door sends until it closes the connection (raises on BOUND)."""
+    return await asyncio.wait_for(reader.read(), BOUND)
+
+
+async def test_a_client_that_never_completes_its_request_is_cut_off(monkeypatch):
+    """Measured: 300 connections each sending half a request head, or a body short of its
+    Content-Length, were held for ever; a few hundred of them took every file descriptor the
+    daemon had (its probes failed, blaming the server). Now: no complete head within
+    HEAD_TIMEOUT, the connection is closed; no body byte for BODY_TIMEOUT, a 408 in JSON."""
+    monkeypatch.setattr(door_module, "HEAD_TIMEOUT", 0.5)
+    monkeypatch.setattr(door_module, "BODY_TIMEOUT", 0.5)
+    async with Upstream() as up, _door(up) as door:
+        host, port = door.address
+        r1, w1 = await asyncio.open_connection(host, port)
+        w1.write(b"GET /plain HTTP/1.1\r\nHo")
+        r2, w2 = await asyncio.open_connection(host, port)
+        w2.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: h\r\nContent-Length: 1000\r\n\r\n{\"a\"")
+        half_head, short_body = await _closed_by_the_door(r1), await _closed_by_the_door(r2)
+        w1.close()
+        w2.close()
+        assert door.view().outcomes["rejected"] == 2
+    assert half_head == b""
+    line, _, body = _split(short_body)
+    assert line.split(" ")[1] == "408" and json.loads(body)["error"]["code"] == "mlxwatch_request_timeout"
+    assert up.seen == []
+
+
+async def test_connections_over_the_cap_are_closed_at_once_and_the_rest_are_served(monkeypatch):
+    """The door keeps at most connection_cap() client connections (from the open-files limit):
+    one more is closed at once, and the ones it keeps are served as before."""
+    monkeypatch.setattr(door_module, "connection_cap", lambda: 2)
+    async with Upstream() as up, _door(up) as door:
+        host, port = door.address
+        kept = [await asyncio.open_connection(host, port) for _ in range(2)]
+        r3, w3 = await asyncio.open_connection(host, port)
+        assert await _closed_by_the_door(r3) == b""
+        reader, writer = kept[0]
+        writer.write(b"GET /plain HTTP/1.1\r\nHost: h\r\n\r\n")
+        answer = await asyncio.wait_for(_read_response(reader), BOUND)
+        for _, w in kept:
+            w.close()
+        w3.close()
+    assert answer.startswith(b"HTTP/1.1 201 ")
+
+
+def test_the_connection_cap_follows_the_open_files_limit(monkeypatch):
+    for soft, cap in ((256, 64), (1024, 448), (10240, 4096), (100, 32)):
+        monkeypatch.setattr(door_module.resource, "getrlimit", lambda _, soft=soft: (soft, 10**6))
+        assert door_module.connection_cap() == cap
+
+
+async def test_a_target_that_is_not_a_path_is_a_400_without_a_traceback(caplog):
+    """Measured: `GET http://evil.example/...` (a forward proxy's absolute form) and CONNECT
+    logged an ERROR with a traceback and answered 502 "server unreachable"."""
+    async with Upstream() as up, _door(up) as door:
+        absolute = await _raw(_url(door), b"GET http://evil.example/v1/models HTTP/1.1\r\nHost: evil.example\r\n\r\n")
+        connect = await _raw(_url(door), b"CONNECT 127.0.0.1:22 HTTP/1.1\r\nHost: 127.0.0.1:22\r\n\r\n")
+    for raw in (absolute, connect):
+        line, _, body = _split(raw)
+        assert line.split(" ")[1] == "400" and json.loads(body)["error"]["code"] == "mlxwatch_bad_request", raw[:300]
+    assert up.seen == [] and not [r for r in caplog.records if r.levelname == "ERROR"]
+
+
 async def test_a_slow_client_gets_backpressure_not_buffering():
     """The server sends 48 MiB to a client reading 64 KiB at a time slowly: what the server has
     sent never runs ahead of what the client has read by more than the sockets' buffers."""
@@ -726,3 +791,19 @@ async def test_a_bug_while_relaying_answers_in_json_and_leaves_no_request_in_fli
         view = door.view()
     assert status.startswith("HTTP/1.1 502") and json.loads(body)["error"]["code"]
     assert view.in_flight == () and view.outcomes["failed_loudly"] == 1
+
+
+def test_the_daemon_raises_its_open_files_limit_within_the_hard_limit(monkeypatch):
+    """launchd's soft limit of 256 would leave the door a cap of 64 connections and the probes
+    little room: the daemon raises it at start, never above the hard limit, never down."""
+    from mlxwatch.host import limits
+
+    calls = []
+    monkeypatch.setattr(limits.resource, "setrlimit", lambda which, pair: calls.append(pair))
+    for (soft, hard), want, after in (((256, 10**6), (10240, 10**6), 10240),
+                                      ((256, 2048), (2048, 2048), 2048),
+                                      ((65536, 10**6), None, 65536)):
+        calls.clear()
+        monkeypatch.setattr(limits.resource, "getrlimit", lambda _, pair=(soft, hard): pair)
+        assert limits.raise_open_files_limit() == (soft, after)
+        assert calls == ([want] if want else [])

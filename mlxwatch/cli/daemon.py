@@ -49,6 +49,7 @@ def _run_daemon(args: argparse.Namespace, held: _HeldSignals) -> int:
 
     from mlxwatch.daemon.selflog import RotatingStderr
     from mlxwatch.daemon.supervisor import Daemon
+    from mlxwatch.host.limits import raise_open_files_limit
 
     path = resolve_config_path(args.config)
     if not path.exists() and not explicit_config(args):
@@ -62,6 +63,9 @@ def _run_daemon(args: argparse.Namespace, held: _HeldSignals) -> int:
     if args.log_level != "DEBUG":  # httpx logs every request at INFO: three lines per probe, not events
         for noisy in ("httpx", "httpcore"):
             logging.getLogger(noisy).setLevel(logging.WARNING)
+    before, after = raise_open_files_limit()  # before the doors size their connection caps on it
+    if after != before:
+        logging.getLogger("mlxwatch.run").debug("open-files limit raised from %d to %d", before, after)
     daemon = Daemon(config, state_dir(config, args.state_dir))
 
     async def go() -> None:

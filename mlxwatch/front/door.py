@@ -30,6 +30,8 @@ import enum
 import json
 import logging
 import math
+import resource
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,7 +55,17 @@ log = logging.getLogger(__name__)
 
 RETRY_AFTER = 5  # seconds a refused client is told to wait while the server restarts
 ERROR_WRITE_TIMEOUT = 5.0  # writing the final error to a client that does not read: then cut
-MAX_HEADER_COUNT = 1024  # header fields per request (their total size is cfg.max_header)
+MAX_HEADER_COUNT = 100  # header fields per request (their total size is cfg.max_header): bounds what aiohttp
+# holds while it parses one request head to cfg.max_header per line times this (clients send ~10)
+# Clients that take their time sending a request are cut off, as nginx does (client_header_timeout,
+# client_body_timeout, keepalive_timeout: 60, 60 and 75 s): a connection that never completes its
+# request must not hold a file descriptor and buffers for ever (the daemon shares its descriptors
+# with the door, and a few hundred such connections would starve its probes).
+HEAD_TIMEOUT = 60.0  # from the connection to a complete request head
+BODY_TIMEOUT = 60.0  # between two reads of a request body
+KEEPALIVE_TIMEOUT = 75.0  # an idle keep-alive connection (also a partial next request)
+MIN_CONNECTIONS, MAX_CONNECTIONS = 32, 4096  # the cap on open client connections: bounds of
+FDS_PER_CONNECTION, FDS_KEPT = 2, 128  # ... (open-files limit - kept for the daemon) / fds per connection
 # Request headers the door does not pass on: the client's own Host and length belong to its hop;
 # the door has read the body whole (and answered Expect: 100-continue itself).
 _NOT_FORWARDED = frozenset({"host", "content-length", "expect"})
@@ -107,6 +119,7 @@ class FrontDoor:
         self._site: web.TCPSite | None = None
         self._session: aiohttp.ClientSession | None = None
         self._monitor: asyncio.Task | None = None
+        self._cut_off_said = -math.inf
 
     # -- life ----------------------------------------------------------------------------------
 
@@ -127,7 +140,8 @@ class FrontDoor:
         self._stopping = False
         server = _Server(self._handle, handler_cancellation=True, max_line_size=self._cfg.max_header,
                          max_field_size=self._cfg.max_header, max_headers=MAX_HEADER_COUNT,
-                         access_log=None, door=self)
+                         keepalive_timeout=KEEPALIVE_TIMEOUT, access_log=None, door=self,
+                         max_connections=connection_cap())
         runner = web.ServerRunner(server, handle_signals=False)
         await runner.setup()
         site = web.TCPSite(runner, host, port, reuse_address=True)
@@ -279,6 +293,10 @@ class FrontDoor:
             self._ledger.count(REJECTED)
             return _error(431, f"request headers are {head} bytes; the limit is {self._cfg.max_header} "
                                "(front.max_header)", wire.HEADERS_TOO_LARGE, close=True)
+        if not request.raw_path.startswith("/"):  # absolute-form or CONNECT: the door is no forward proxy
+            self._ledger.count(REJECTED)
+            return _error(400, f"the request target must be a path on this server (got {request.raw_path[:80]!r})",
+                          wire.BAD_REQUEST, close=True)
         body = await self._read_body(request)
         if isinstance(body, web.StreamResponse):
             return body
@@ -308,6 +326,16 @@ class FrontDoor:
             if not self._live:
                 self._idle.set()
 
+    def cut_off(self, why: str, after: float | None) -> None:
+        """A connection closed by the door before any request went through: counted as rejected,
+        said at most once a minute (a flood must not flood the log)."""
+        self._ledger.count(REJECTED)
+        now = time.monotonic()
+        if now - self._cut_off_said >= 60.0:
+            self._cut_off_said = now
+            log.warning("front door %s: closed a client connection: %s%s (said at most once a minute)",
+                        self.name, why, f" in {after:g}s" if after is not None else "")
+
     def unparsable(self, exc: BaseException | None, message: str | None) -> web.Response:
         """The answer to a request aiohttp's parser refused: 431 for a header line or header
         count over the limit, else 400; both in JSON."""
@@ -334,7 +362,14 @@ class FrontDoor:
         if request.headers.get("Expect", "").lower() == "100-continue":
             await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
         body = bytearray()
-        async for chunk in request.content.iter_any():
+        while True:
+            try:
+                chunk = await asyncio.wait_for(request.content.readany(), BODY_TIMEOUT)
+            except asyncio.TimeoutError:
+                self._ledger.count(REJECTED)
+                return _error(408, f"no byte of the request body for {BODY_TIMEOUT:g}s", wire.TIMEOUT, close=True)
+            if not chunk:
+                break
             body += chunk
             if len(body) > limit:
                 self._ledger.count(REJECTED)
@@ -497,9 +532,37 @@ def _error(status: int, message: str, code: str, *, retry_after: int | None = No
 
 class _Handler(web.RequestHandler):
     """aiohttp's connection handler, answering a request it cannot parse in JSON: 431 for a
-    header line or header count over the limit (aiohttp's own answer is a plain-text 400)."""
+    header line or header count over the limit (aiohttp's own answer is a plain-text 400); a
+    connection over the server's cap is closed at once, one that sends no complete request
+    head within HEAD_TIMEOUT is closed then."""
 
     door: FrontDoor  # set by _Server as it makes the handler
+    over_cap = False
+    _head_timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        if self.over_cap:
+            self.force_close()
+            return
+        self._head_timer = asyncio.get_running_loop().call_later(HEAD_TIMEOUT, self._no_request_in_time)
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        if self._head_timer is not None and getattr(self, "_request_count", 1) > 0:
+            self._head_timer.cancel()  # a whole head arrived; between requests aiohttp's keepalive_timeout rules
+            self._head_timer = None
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+        super().connection_lost(exc)
+
+    def _no_request_in_time(self) -> None:
+        self._head_timer = None
+        self.door.cut_off("no complete request head", HEAD_TIMEOUT)
+        self.force_close()
 
     def handle_error(self, request: web.BaseRequest, status: int = 500, exc: BaseException | None = None,
                      message: str | None = None) -> web.StreamResponse:
@@ -512,11 +575,24 @@ class _Server(web.Server):
     """aiohttp's low-level server (no router: every method and path reaches the handler) with
     the JSON-answering connection handler above."""
 
-    def __init__(self, handler: Any, *, door: FrontDoor, **kwargs: Any) -> None:
+    def __init__(self, handler: Any, *, door: FrontDoor, max_connections: int, **kwargs: Any) -> None:
         super().__init__(handler, **kwargs)
         self.door = door
+        self.max_connections = max_connections
 
     def __call__(self) -> web.RequestHandler:
         handler = _Handler(self, loop=self._loop, **self._kwargs)
         handler.door = self.door
+        if len(self.connections) >= self.max_connections:
+            handler.over_cap = True
+            self.door.cut_off(f"{len(self.connections)} connections open, the cap", None)
         return handler
+
+
+def connection_cap() -> int:
+    """How many client connections the door keeps open at once: what the open-files limit
+    leaves after the daemon's own needs, two descriptors per proxied request, within bounds."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return MAX_CONNECTIONS
+    return max(MIN_CONNECTIONS, min(MAX_CONNECTIONS, (soft - FDS_KEPT) // FDS_PER_CONNECTION))

@@ -29,6 +29,7 @@ STOPPING = "mlxwatch_stopping"  # the door itself is stopping
 TOO_LARGE = "mlxwatch_body_too_large"
 HEADERS_TOO_LARGE = "mlxwatch_headers_too_large"
 BAD_REQUEST = "mlxwatch_bad_request"
+TIMEOUT = "mlxwatch_request_timeout"  # the client did not send its request in time
 
 
 def end_to_end(headers: Iterable[tuple[str, str]]) -> list[tuple[str, str]]:
