@@ -291,16 +291,11 @@ def start_proxy(kind: str, upstream: str, work: Path, nginx: str | None) -> tupl
         library = "uvicorn" if kind == "alt" else "aiohttp"
         proc = Proc([sys.executable, "-m", "bench.front_alternative", "--library", library,
                      "--listen", f"127.0.0.1:{port}", "--upstream", upstream], d / f"{kind}.log")
-        try:
-            _wait_port(proc, port)
-        except BaseException:
-            proc.stop()
-            raise
-        return proc, f"http://127.0.0.1:{port}"
-    assert nginx is not None
-    (d / "nginx.conf").write_text(NGINX_CONF.format(dir=d, port=port, upstream_port=upstream.rsplit(":", 1)[1]))
-    proc = Proc([nginx, "-p", f"{d}/", "-c", str(d / "nginx.conf"), "-e", str(d / "error.log"),
-                 "-g", "daemon off;"], d / "nginx.out")
+    else:
+        assert nginx is not None
+        (d / "nginx.conf").write_text(NGINX_CONF.format(dir=d, port=port, upstream_port=upstream.rsplit(":", 1)[1]))
+        proc = Proc([nginx, "-p", f"{d}/", "-c", str(d / "nginx.conf"), "-e", str(d / "error.log"),
+                     "-g", "daemon off;"], d / "nginx.out")
     try:
         _wait_port(proc, port)
     except BaseException:
