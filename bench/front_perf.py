@@ -131,8 +131,10 @@ async def _serve_until_term(ready: Path, port: int) -> None:
 async def _door(upstream: str, ready: Path) -> None:
     from mlxwatch.config import FrontConfig
     from mlxwatch.front import FrontDoor
+    from mlxwatch.host.limits import raise_open_files_limit
 
     logging.basicConfig(level=logging.INFO)  # as the daemon: INFO; the door logs nothing per chunk
+    raise_open_files_limit()  # as `mlxwatch run` does before its doors size their connection caps
     door = FrontDoor("bench", upstream, FrontConfig(listen=("127.0.0.1", 0)))
     await door.start()
     try:
