@@ -423,9 +423,7 @@ def targets(standin: dict[str, Any]) -> list[dict[str, Any]]:
         if "nginx" not in summ[n]:
             continue
         door, ngx = summ[n]["door"]["added_ttft_median_ms"], summ[n]["nginx"]["added_ttft_median_ms"]
-        # nginx's own added latency can be below the noise (even negative): the bound is then 2x a
-        # floor of 0.05 ms, and the row says so.
-        bound = TTFT_TARGET_X * max(ngx, 0.05)
+        bound = _ttft_bound(ngx)
         over = "" if door <= bound else f", over by {door - bound:.2f} ms"
         out.append({"target": f"added first-token latency <= {TTFT_TARGET_X:g}x nginx's, {n} stream(s) (median)",
                     "measured": f"door {door:+.2f} ms vs nginx {ngx:+.2f} ms (bound {bound:.2f} ms{over})",
@@ -437,27 +435,24 @@ def findings(standin: dict[str, Any]) -> list[str]:
     """The door next to nginx in a few sentences, from the numbers; and where the door's time goes."""
     summ = standin["summary"]
     ns = sorted(summ, key=int)
-    cpu = ", ".join(f"{_fmt(summ[n]['door']['cpu_s_per_1k'], '.3f')} vs {_fmt(summ[n]['nginx']['cpu_s_per_1k'], '.3f')} "
-                    f"at {n}" for n in ns)
-    rss = ", ".join(f"{_fmt(summ[n]['door']['rss_kb_per_stream'], '.0f')} vs "
-                    f"{_fmt(summ[n]['nginx']['rss_kb_per_stream'], '.0f')} KB at {n}" for n in ns)
-    ttft = ", ".join(f"{_fmt(summ[n]['door']['added_ttft_median_ms'], '+.2f')} vs "
-                     f"{_fmt(summ[n]['nginx']['added_ttft_median_ms'], '+.2f')} ms at {n}" for n in ns)
+    def pairs(a: str, b: str, key: str, spec: str, unit: str = "") -> str:
+        """``A vs B <unit>at N`` for each stream count: one measurement of two paths side by side."""
+        return ", ".join(f"{_fmt(summ[n][a][key], spec)} vs {_fmt(summ[n][b][key], spec)}{unit} at {n}" for n in ns)
+
+    cpu = pairs("door", "nginx", "cpu_s_per_1k", ".3f")
+    rss = pairs("door", "nginx", "rss_kb_per_stream", ".0f", " KB")
+    ttft = pairs("door", "nginx", "added_ttft_median_ms", "+.2f", " ms")
     alt = []
     if all("alt" in summ[n] for n in ns):
-        alt_ttft = ", ".join(f"{_fmt(summ[n]['door']['added_ttft_median_ms'], '+.2f')} vs "
-                             f"{_fmt(summ[n]['alt']['added_ttft_median_ms'], '+.2f')} ms at {n}" for n in ns)
-        alt_cpu = ", ".join(f"{_fmt(summ[n]['door']['cpu_s_per_1k'], '.3f')} vs {_fmt(summ[n]['alt']['cpu_s_per_1k'], '.3f')} "
-                            f"at {n}" for n in ns)
-        alt_gap = ", ".join(f"{_fmt(summ[n]['door']['added_gap_p99_ms'], '+.2f')} vs "
-                            f"{_fmt(summ[n]['alt']['added_gap_p99_ms'], '+.2f')} ms at {n}" for n in ns)
         alt = ["", f"The library choice in numbers, the door (aiohttp, doing all its work) vs the alternative weighed "
-               f"(uvicorn+httpx, forwarding only): added first-token latency (median) {alt_ttft}; CPU s per 1,000 "
-               f"chunks {alt_cpu}; added p99 gap {alt_gap} stream(s)."]
+               f"(uvicorn+httpx, forwarding only): added first-token latency (median) "
+               f"{pairs('door', 'alt', 'added_ttft_median_ms', '+.2f', ' ms')}; CPU s per 1,000 chunks "
+               f"{pairs('door', 'alt', 'cpu_s_per_1k', '.3f')}; added p99 gap "
+               f"{pairs('door', 'alt', 'added_gap_p99_ms', '+.2f', ' ms')} stream(s)."]
     if all("floor" in summ[n] and "nginx" in summ[n] for n in ns):
         floor = ", ".join(f"{_fmt(summ[n]['floor']['added_ttft_median_ms'], '+.2f')} (door "
                           f"{_fmt(summ[n]['door']['added_ttft_median_ms'], '+.2f')}, bound "
-                          f"{TTFT_TARGET_X * max(summ[n]['nginx']['added_ttft_median_ms'], 0.05):.2f}) ms at {n}"
+                          f"{_ttft_bound(summ[n]['nginx']['added_ttft_median_ms']):.2f}) ms at {n}"
                           for n in ns)
         alt += ["", f"The floor: aiohttp alone, with none of the door's work, adds to the first token {floor} "
                 "stream(s). Where the floor is over the bound, no door built on aiohttp meets the 2x-nginx "
@@ -486,6 +481,12 @@ def findings(standin: dict[str, Any]) -> list[str]:
         "measurement.",
         *alt,
     ]
+
+
+def _ttft_bound(nginx_added_ms: float) -> float:
+    """The door's allowed added first-token latency: twice nginx's. nginx's own can be below the
+    noise (even negative): the bound is then twice a floor of 0.05 ms."""
+    return TTFT_TARGET_X * max(nginx_added_ms, 0.05)
 
 
 def _fmt(v: float | None, spec: str) -> str:
