@@ -31,7 +31,6 @@ import json
 import logging
 import math
 import resource
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -330,7 +329,7 @@ class FrontDoor:
         """A connection closed by the door before any request went through: counted as rejected,
         said at most once a minute (a flood must not flood the log)."""
         self._ledger.count(REJECTED)
-        now = time.monotonic()
+        now = self._clock.monotonic()
         if now - self._cut_off_said >= 60.0:
             self._cut_off_said = now
             log.warning("front door %s: closed a client connection: %s%s (said at most once a minute)",
