@@ -1,12 +1,12 @@
 """Pass-throughs for comparison with the front door, each doing the door's forwarding job only
 (no delivery ledger, no token counting, no gate), so the front bench (``bench/front_perf.py``)
 can put the library choice in numbers beside the door, nginx and direct access. Not a product;
-never imported by ``mlxwatch``.
+never imported by ``mlxwatch``. The HTTP libraries weighed for the door (docs/front-door.md,
+"Why httptools"):
 
-- ``--library uvicorn`` (the alternative weighed for the door, docs/front-door.md, "Why
-  aiohttp"): uvicorn with its h11 parser for the server side, httpx for the client side.
-- ``--library aiohttp``: the door's own library with nothing of the door: what aiohttp itself
-  costs per request and per chunk, the floor under the door's numbers.
+- ``--library aiohttp``: aiohttp's server and client (what the door was first built on): what
+  they cost per request and per chunk with nothing of the door's.
+- ``--library uvicorn``: uvicorn with its h11 parser for the server side, httpx for the client side.
 
     python -m bench.front_alternative --library uvicorn --listen 127.0.0.1:8082 --upstream http://127.0.0.1:8080
 
@@ -66,8 +66,8 @@ def make_app(upstream: str) -> Callable[[dict[str, Any], Receive, Send], Awaitab
 
 
 async def serve_aiohttp(upstream: str, host: str, port: int) -> None:
-    """The floor: aiohttp's server and client joined the plainest way, as the door joins them
-    (low-level ``web.Server``, ``readany`` then ``write``), without the door's work."""
+    """aiohttp's server and client joined the plainest way (low-level ``web.Server``, ``readany``
+    then ``write``), as the door joined them when it was built on aiohttp, without its work."""
     import asyncio
     import signal
 

@@ -64,10 +64,11 @@ from bench.common import (
 from lab.nginx import NGINX_CONF, find_nginx
 
 SECTION = "## The front door's cost (direct vs nginx vs the door)"
-# alt: the library alternative weighed for the door; floor: the door's library alone, none of its
-# work (both bench/front_alternative.py)
-KINDS = ("direct", "nginx", "door", "floor", "alt")
-LABELS = {"alt": "uvicorn+httpx", "floor": "aiohttp alone"}
+# The HTTP libraries weighed for the door, each joined as a plain pass-through with none of the
+# door's work (bench/front_alternative.py): aiohttp (server and client, what the door was first
+# built on) and uvicorn+httpx.
+KINDS = ("direct", "nginx", "door", "aiohttp", "uvicorn")
+LABELS = {"aiohttp": "aiohttp alone", "uvicorn": "uvicorn+httpx"}
 GAP_TARGET_MS = 1.0  # added p99 inter-token gap at the most streams
 RATE_TARGET = 0.97  # tokens/s, fraction of direct
 TTFT_TARGET_X = 2.0  # added first-token latency, times nginx's
@@ -289,9 +290,8 @@ def start_proxy(kind: str, upstream: str, work: Path, nginx: str | None) -> tupl
             raise
     from lab.ports import free_port
     port = free_port()
-    if kind in ("alt", "floor"):  # uvicorn (h11) + httpx, the alternative weighed; aiohttp alone, the floor
-        library = "uvicorn" if kind == "alt" else "aiohttp"
-        proc = Proc([sys.executable, "-m", "bench.front_alternative", "--library", library,
+    if kind in ("aiohttp", "uvicorn"):  # the libraries weighed, as plain pass-throughs
+        proc = Proc([sys.executable, "-m", "bench.front_alternative", "--library", kind,
                      "--listen", f"127.0.0.1:{port}", "--upstream", upstream], d / f"{kind}.log")
     else:
         assert nginx is not None
@@ -442,44 +442,29 @@ def findings(standin: dict[str, Any]) -> list[str]:
     cpu = pairs("door", "nginx", "cpu_s_per_1k", ".3f")
     rss = pairs("door", "nginx", "rss_kb_per_stream", ".0f", " KB")
     ttft = pairs("door", "nginx", "added_ttft_median_ms", "+.2f", " ms")
-    alt = []
-    if all("alt" in summ[n] for n in ns):
-        alt = ["", f"The library choice in numbers, the door (aiohttp, doing all its work) vs the alternative weighed "
-               f"(uvicorn+httpx, forwarding only): added first-token latency (median) "
-               f"{pairs('door', 'alt', 'added_ttft_median_ms', '+.2f', ' ms')}; CPU s per 1,000 chunks "
-               f"{pairs('door', 'alt', 'cpu_s_per_1k', '.3f')}; added p99 gap "
-               f"{pairs('door', 'alt', 'added_gap_p99_ms', '+.2f', ' ms')} stream(s)."]
-    if all("floor" in summ[n] and "nginx" in summ[n] for n in ns):
-        floor = ", ".join(f"{_fmt(summ[n]['floor']['added_ttft_median_ms'], '+.2f')} (door "
-                          f"{_fmt(summ[n]['door']['added_ttft_median_ms'], '+.2f')}, bound "
-                          f"{_ttft_bound(summ[n]['nginx']['added_ttft_median_ms']):.2f}) ms at {n}"
-                          for n in ns)
-        alt += ["", f"The floor: aiohttp alone, with none of the door's work, adds to the first token {floor} "
-                "stream(s). Where the floor is over the bound, no door built on aiohttp meets the 2x-nginx "
-                "target on this machine, and the alternative weighed costs more still."]
+    libraries = []
+    if all("aiohttp" in summ[n] and "uvicorn" in summ[n] and "nginx" in summ[n] for n in ns):
+        weighed = ", ".join(f"{_fmt(summ[n]['aiohttp']['added_ttft_median_ms'], '+.2f')} and "
+                            f"{_fmt(summ[n]['uvicorn']['added_ttft_median_ms'], '+.2f')} (door "
+                            f"{_fmt(summ[n]['door']['added_ttft_median_ms'], '+.2f')}, bound "
+                            f"{_ttft_bound(summ[n]['nginx']['added_ttft_median_ms']):.2f}) ms at {n}"
+                            for n in ns)
+        libraries = ["", "The HTTP libraries weighed for the door, each joined as a plain pass-through with none of "
+                     f"the door's work: aiohttp alone and uvicorn+httpx add to the first token {weighed} stream(s); "
+                     "CPU s per 1,000 chunks, door vs aiohttp alone vs uvicorn+httpx: " + ", ".join(
+                         f"{_fmt(summ[n]['door']['cpu_s_per_1k'], '.3f')} vs "
+                         f"{_fmt(summ[n]['aiohttp']['cpu_s_per_1k'], '.3f')} vs "
+                         f"{_fmt(summ[n]['uvicorn']['cpu_s_per_1k'], '.3f')} at {n}" for n in ns)
+                     + ". A library's server and client between two sockets cost more than the bound before any "
+                     "work of the door's; so the door's HTTP is httptools' parser on asyncio's transports "
+                     "(`mlxwatch/front/http1.py`), each chunk written to the client in the callback that reads it."]
     return [
         f"Door vs nginx, CPU s per 1,000 chunks: {cpu} stream(s); RSS per open stream: {rss}; added "
         f"first-token latency (median): {ttft}. Tokens/s are the same on every path. The p99 gaps are the "
         "upstream's schedule plus scheduler noise of a shared machine (and the stand-in's own timer), which "
         "moves a cell's p99 by a few milliseconds either way between repeats: added p99 gaps smaller than "
         "that are not resolved by this run (each repeat's values are in the JSON).",
-        "",
-        "Where the door's time goes (cProfile and py-spy of the door process on this machine, 2026-12-03): per "
-        "chunk the door does what nginx does, one read from the server and one `send` to the client; its Python "
-        "work per chunk (the aiohttp reader, the write, token counting) is tens of microseconds, and the rest "
-        "of its CPU per chunk is the event loop waking for each chunk and the `send` system calls, which cost "
-        "a Python process on this 2-vCPU VM a few hundred microseconds when the loop is idle between chunks "
-        "(the aiohttp stand-in pays the same per chunk it sends); at more streams a wake serves several "
-        "chunks and the cost per chunk falls. Per request (timestamps inside the door process, one stream, "
-        "median): aiohttp's server takes about 0.15 ms from the request's bytes to the door's handler, the "
-        "door's own handling (the body, its JSON for `stream`/`max_tokens`, the ledger, the exchange task, "
-        "the headers) about 0.15 ms, and aiohttp's client about 0.18 ms from the call to the write to the "
-        "server; a chunk back takes well under 0.1 ms of Python plus the loop's wake. So about half of the "
-        "added first-token latency is the two HTTP libraries, half the door's own bookkeeping and the "
-        "extra wakes; uvloop instead of asyncio's loop changed it by less than the noise (tried once). No "
-        "per-chunk logging, re-parsing or copying was found to remove; the door was not changed for this "
-        "measurement.",
-        *alt,
+        *libraries,
     ]
 
 
@@ -507,14 +492,12 @@ def render(data: dict[str, Any]) -> str:
              "time each). nginx {nginx}: one worker process, because the door is one process on one event loop "
              "(like with like); `proxy_buffering off`, HTTP/1.1, upstream keepalive, access log off. The door: "
              "`mlxwatch.front.FrontDoor` at the default `front:` settings in its own process, as the daemon runs it "
-             "(`python -m bench.front_perf --role door`). uvicorn+httpx: the library alternative weighed for the "
-             "door (docs/front-door.md, \"Why aiohttp\"), a minimal pass-through without the door's ledger, token "
-             "counting or gate (`bench/front_alternative.py`), in its own process; aiohttp alone: the door's own "
-             "library joined the same way with none of the door's work (same file), the floor under the "
-             "door's numbers. CPU and RSS are the proxy "
-             "process's (nginx: master + "
-             "worker), read by PID; RSS per stream = (median RSS while the streams are open - idle RSS after one "
-             "warm-up request) / streams. Tokens/s = chunks delivered in the steady window (after the 1 s "
+             "(`python -m bench.front_perf --role door`). aiohttp alone and uvicorn+httpx: the HTTP libraries "
+             "weighed for the door (docs/front-door.md, \"Why httptools\"), each a minimal pass-through of its "
+             "server and client without the door's ledger, token counting or gate (`bench/front_alternative.py`), "
+             "in its own process. CPU and RSS are the proxy process's (nginx: master + worker), read by PID; "
+             "RSS per stream = (median RSS while the streams are open - idle RSS after one warm-up request) / "
+             "streams. Tokens/s = chunks delivered in the steady window (after the 1 s "
              "staggered start).".replace("{nginx}", data.get("nginx_version") or "(not found: not measured)"), ""]
     for up in data["upstreams"]:
         lines += [f"**{up['title']}**", "",
@@ -555,10 +538,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="also against a real mlx_lm.server (tests/lab, tiny model on CPU)")
     parser.add_argument("--real-streams", default="1,16,64")
     parser.add_argument("--real-max-tokens", type=int, default=32)
-    parser.add_argument("--alt", action=argparse.BooleanOptionalAction, default=True,
-                        help="also aiohttp alone (the door's library, none of its work) and the library "
-                             "alternative weighed for the door (uvicorn + httpx; needs uvicorn, the 'bench' "
-                             "extra), both bench/front_alternative.py")
+    parser.add_argument("--libraries", action=argparse.BooleanOptionalAction, default=True,
+                        help="also the HTTP libraries weighed for the door as plain pass-throughs: aiohttp "
+                             "alone and uvicorn + httpx (needs the 'bench' extra; bench/front_alternative.py)")
     parser.add_argument("--machine-note", help="how loaded the machine was, for the section (default: shared)")
     parser.add_argument("--no-write", action="store_true", help="print the section; write neither JSON nor RESULTS.md")
     parser.add_argument("--render-only", action="store_true",
@@ -589,8 +571,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     nginx = find_nginx(VENVS)
     kinds = ["direct", "nginx", "door"] if nginx else ["direct", "door"]
-    if args.alt:
-        kinds += ["floor", "alt"]
+    if args.libraries:
+        kinds += ["aiohttp", "uvicorn"]
     if nginx is None:
         log("front_perf: nginx NOT FOUND (on PATH or in $MLXWATCH_VENVS/tools/bin; `bash bench/run.sh front_perf` "
             "installs it from Debian's package): measuring direct and the door only")

@@ -16,12 +16,13 @@ OLD_MLX_LM=0.31.3
 OLD_MLX=0.31.2
 cpu_extra() { [ "$(uname -s)" = Linux ] && echo "mlx[cpu]==$1" || echo "mlx==$1"; }
 
-# The 'bench' extra: the test extra plus uvicorn (bench/front_alternative.py, the library the
-# front door's aiohttp was weighed against). A venv made by scripts/test.sh lacks only uvicorn.
+# The 'bench' extra: the test extra plus aiohttp (the front bench's stand-in and client) and uvicorn
+# (bench/front_alternative.py: the HTTP libraries weighed for the front door). A venv made by
+# scripts/test.sh lacks only those two.
 if [ ! -x "$VENVS/test/bin/python" ] || [ ! -x "$VENVS/test/bin/py-spy" ]; then
     "$PYTHON" -m venv "$VENVS/test"
     "$VENVS/test/bin/pip" install --quiet --disable-pip-version-check -e '.[bench]'
-elif ! "$VENVS/test/bin/python" -c 'import uvicorn' 2>/dev/null; then
+elif ! "$VENVS/test/bin/python" -c 'import uvicorn, aiohttp' 2>/dev/null; then
     "$VENVS/test/bin/pip" install --quiet --disable-pip-version-check -e '.[bench]'
 fi
 if [ ! -x "$VENVS/mlx-lm-$OLD_MLX_LM/bin/mlx_lm.server" ]; then

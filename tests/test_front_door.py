@@ -301,6 +301,86 @@ async def test_head_has_the_servers_headers_and_no_body_and_the_connection_goes_
     assert [s.method for s in up.seen] == ["HEAD", "GET"]
 
 
+async def test_an_http10_client_gets_the_stream_as_sent_ending_with_the_connection():
+    """A client speaking HTTP/1.0 cannot read chunked framing: it gets the server's bytes as they
+    are, and the end of the body is the end of the connection (as the server itself answers)."""
+    body = json.dumps({"messages": MESSAGES, "stream": True}).encode()
+    request = b"POST /v1/chat/completions HTTP/1.0\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+    async with Upstream() as up, _door(up) as door:
+        direct = _split(await _raw(up.url, request))[2]
+        line, headers, through = _split(await _raw(_url(door), request))
+    assert line.startswith("HTTP/1.1 200") and through == direct and direct.endswith(b"data: [DONE]\n\n")
+    fields = {k.lower(): v for k, v in headers}
+    assert "transfer-encoding" not in fields and fields["connection"] == "close"
+
+
+async def test_a_chunked_request_body_and_expect_100_continue_reach_the_server_whole():
+    """The body a client sends chunked, or after waiting for 100 Continue, reaches the server
+    whole, with its length (the door reads it before forwarding)."""
+    async with Upstream() as up, _door(up) as door:
+        host, port = door.address
+        reader, writer = await asyncio.open_connection(host, port)
+        writer.write(b"POST /plain HTTP/1.1\r\nHost: h\r\nTransfer-Encoding: chunked\r\n\r\n"
+                     b"3\r\nabc\r\n2\r\nde\r\n0\r\n\r\n")
+        chunked = await asyncio.wait_for(_read_response(reader), BOUND)
+        writer.write(b"POST /plain HTTP/1.1\r\nHost: h\r\nContent-Length: 3\r\nExpect: 100-continue\r\n\r\n")
+        interim = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), BOUND)
+        writer.write(b"xyz")
+        continued = await asyncio.wait_for(_read_response(reader), BOUND)
+        writer.close()
+    assert chunked.endswith(b'"echo": "abcde"}') and interim == b"HTTP/1.1 100 Continue\r\n\r\n"
+    assert continued.endswith(b'"echo": "xyz"}')
+    assert [s.body for s in up.seen] == [b"abcde", b"xyz"]
+    for seen in up.seen:
+        fields = {k.lower(): v for k, v in seen.headers}
+        assert "transfer-encoding" not in fields and "expect" not in fields
+        assert fields["content-length"] == str(len(seen.body))
+
+
+async def test_an_upgrade_request_is_answered_as_a_plain_request_and_the_connection_ends():
+    """The door passes no protocol upgrade (Upgrade is hop-by-hop): the server answers the plain
+    request, and the connection ends after it (what follows the head is not HTTP)."""
+    async with Upstream() as up, _door(up) as door:
+        host, port = door.address
+        reader, writer = await asyncio.open_connection(host, port)
+        writer.write(b"GET /plain HTTP/1.1\r\nHost: h\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\r\n\x81\x05hello")
+        answer = await asyncio.wait_for(reader.read(), BOUND)
+        writer.close()
+    assert answer.startswith(b"HTTP/1.1 201 ") and answer.endswith(b'"echo": ""}')
+    assert not any(k.lower() == "upgrade" for k, _ in up.seen[0].headers)
+
+
+async def test_connections_to_a_server_that_keeps_them_alive_are_reused():
+    """A server that keeps its connections (HTTP/1.1 keep-alive) is asked again on the same one;
+    one it closed while idle is not used again."""
+    connections: list[asyncio.StreamWriter] = []
+
+    async def keep_alive(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        connections.append(writer)
+        with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError):
+            while True:
+                await reader.readuntil(b"\r\n\r\n")
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+                await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(keep_alive, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    door = FrontDoor("t", f"http://127.0.0.1:{port}", _cfg())
+    await door.start()
+    try:
+        answers = [await _raw(_url(door), b"GET /a HTTP/1.1\r\nHost: h\r\n\r\n") for _ in range(3)]
+        assert len(connections) == 1
+        connections[0].close()  # the server drops the idle connection
+        await _until(lambda: door._pool is not None and not door._pool._idle, "the door forgets the closed one")
+        answers.append(await _raw(_url(door), b"GET /a HTTP/1.1\r\nHost: h\r\n\r\n"))
+    finally:
+        await door.stop(drain=0.5)
+        server.close()
+    assert all(a.startswith(b"HTTP/1.1 200 OK") and a.endswith(b"ok") for a in answers)
+    assert len(connections) == 2
+
+
 async def test_a_stream_is_identical_with_and_without_the_door_and_keeps_the_connection_alive():
     """SSE bytes pass unchanged (the door re-frames them chunked for HTTP/1.1 and keeps the
     client's connection for the next request); the door counts the tokens."""
@@ -785,7 +865,7 @@ async def test_a_bug_while_relaying_answers_in_json_and_leaves_no_request_in_fli
     async def broken(self, *args):
         raise RuntimeError("bug")
 
-    monkeypatch.setattr(FrontDoor, "_relay", broken)
+    monkeypatch.setattr(FrontDoor, "_exchange", broken)
     async with Upstream() as up, _door(up) as door:
         status, _, body = _split(await _raw(_url(door), b"GET /plain HTTP/1.1\r\nHost: h\r\n\r\n"))
         view = door.view()

@@ -15,11 +15,11 @@ loudly when the server has stopped delivering instead of letting the client read
     door.take_stalled_requests()           # requests the door failed alone (no token while others flowed)
     await door.stop(drain=5.0)
 
-Built on aiohttp, server and client both: one maintained library, a C HTTP parser, streaming
-with backpressure (``StreamResponse.write`` drains before the door reads more from the server),
-and ``handler_cancellation`` so a client that goes away cancels its handler, which closes the
-request to the server at once. The watchdog side (counting tokens, the stall sweep) is
-guarded: a bug there is logged and never stops bytes from flowing.
+The HTTP is ``http1`` (asyncio's transports, httptools' parser): each chunk from the server is
+written to the client in the callback that receives it, a client that does not read pauses the
+reads from the server, and a client that goes away cancels its request, which closes the request
+to the server at once. The watchdog side (counting tokens, the stall sweep) is guarded: a bug
+there is logged and never stops bytes from flowing.
 """
 
 from __future__ import annotations
@@ -34,16 +34,10 @@ import resource
 from dataclasses import dataclass
 from typing import Any
 
-import aiohttp
-from aiohttp import web
-from aiohttp.http_exceptions import BadHttpMessage, LineTooLong
-from multidict import CIMultiDict
-from yarl import URL
-
 from mlxwatch.clock import Clock
 from mlxwatch.config import FrontConfig
 from mlxwatch.errors import FrontError
-from mlxwatch.front import wire
+from mlxwatch.front import http1, wire
 from mlxwatch.front.delivery import (
     CANCELLED, FAILED_LOUDLY, OK, REFUSED_RESTARTING, REJECTED, DeliveryView, Ledger, Observations,
     RequestView,
@@ -54,8 +48,7 @@ log = logging.getLogger(__name__)
 
 RETRY_AFTER = 5  # seconds a refused client is told to wait while the server restarts
 ERROR_WRITE_TIMEOUT = 5.0  # writing the final error to a client that does not read: then cut
-MAX_HEADER_COUNT = 100  # header fields per request (their total size is cfg.max_header): bounds what aiohttp
-# holds while it parses one request head to cfg.max_header per line times this (clients send ~10)
+MAX_HEADER_COUNT = 100  # header fields per request (their total size is cfg.max_header; clients send ~10)
 # Clients that take their time sending a request are cut off, as nginx does (client_header_timeout,
 # client_body_timeout, keepalive_timeout: 60, 60 and 75 s): a connection that never completes its
 # request must not hold a file descriptor and buffers for ever (the daemon shares its descriptors
@@ -83,7 +76,6 @@ class _Live:
 
     fid: str
     task: asyncio.Task | None = None
-    response: web.StreamResponse | None = None  # set once the client's response has started
     sse: StreamReader | None = None
     failure: tuple[str, str] | None = None  # (message, code) once the door decided to fail it
     replayed: bool = False
@@ -114,9 +106,10 @@ class FrontDoor:
         self._idle.set()
         self._stalled: list[RequestView] = []
         self._stopping = False
-        self._runner: web.ServerRunner | None = None
-        self._site: web.TCPSite | None = None
-        self._session: aiohttp.ClientSession | None = None
+        self._server: asyncio.Server | None = None
+        self._pool: http1.UpstreamPool | None = None
+        self._conns: set[http1.ClientConnection] = set()
+        self._cap = MAX_CONNECTIONS
         self._monitor: asyncio.Task | None = None
         self._cut_off_said = -math.inf
 
@@ -126,50 +119,35 @@ class FrontDoor:
     def address(self) -> tuple[str, int]:
         """The address served (the bound port when cfg.listen asked for port 0)."""
         host, port = self._cfg.listen
-        if self._runner is not None and self._runner.addresses:
-            bound = self._runner.addresses[0]
-            return host, int(bound[1])
+        if self._server is not None and self._server.sockets:
+            return host, int(self._server.sockets[0].getsockname()[1])
         return host, port
 
     async def start(self) -> None:
         """Bind ``cfg.listen`` and serve; FrontError (one line) if the address cannot be bound."""
-        if self._runner is not None:
+        if self._server is not None:
             return
         host, port = self._cfg.listen
         self._stopping = False
-        server = _Server(self._handle, handler_cancellation=True, max_line_size=self._cfg.max_header,
-                         max_field_size=self._cfg.max_header, max_headers=MAX_HEADER_COUNT,
-                         keepalive_timeout=KEEPALIVE_TIMEOUT, access_log=None, door=self,
-                         max_connections=connection_cap())
-        runner = web.ServerRunner(server, handle_signals=False)
-        await runner.setup()
-        site = web.TCPSite(runner, host, port, reuse_address=True)
+        self._cap = connection_cap()
         try:
-            await site.start()
+            self._server = await asyncio.get_running_loop().create_server(self._connection, host, port,
+                                                                          reuse_address=True)
         except OSError as exc:
-            await runner.cleanup()
             raise FrontError(f"front door {self.name}: cannot listen on {host}:{port}: "
                              f"{exc.strerror or exc}") from exc
-        self._runner, self._site = runner, site
-        self._session = aiohttp.ClientSession(
-            auto_decompress=False,  # bytes pass as the server sent them, compressed or not
-            skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding", "Content-Type"),
-            timeout=aiohttp.ClientTimeout(total=None),  # a slow answer is the watchdog's call, not a timeout's
-            connector=aiohttp.TCPConnector(limit=0),
-            cookie_jar=aiohttp.DummyCookieJar(),  # a proxy keeps no cookies: one client's would reach the next
-        )
+        self._pool = http1.UpstreamPool(self._upstream)
         self._monitor = self._start_monitor()
 
     async def stop(self, drain: float = 5.0) -> None:
         """Stop accepting; wait up to ``drain`` s for requests in flight, then fail the rest loudly.
 
         Returns within about ``drain + ERROR_WRITE_TIMEOUT`` s; ``start`` afterwards serves again."""
-        if self._runner is None:
+        if self._server is None:
             return
         self._stopping = True
         self._wake_gate_waiters()
-        if self._site is not None:
-            await self._site.stop()
+        self._server.close()
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(self._idle.wait(), max(0.0, drain))
         if self._live:
@@ -181,10 +159,13 @@ class FrontDoor:
             self._monitor.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._monitor
-        await self._runner.cleanup()
-        if self._session is not None:
-            await self._session.close()
-        self._runner = self._site = self._session = self._monitor = None
+        for conn in list(self._conns):
+            conn.close()  # idle keep-alive connections; the answered ones have had their answer
+        if self._pool is not None:
+            self._pool.close()
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self._server.wait_closed(), 1.0)
+        self._server = self._pool = self._monitor = None
 
     # -- what the daemon reads and decides -------------------------------------------------------
 
@@ -257,7 +238,7 @@ class FrontDoor:
 
     def _monitor_ended(self, task: asyncio.Task) -> None:
         # A task we create is a task we watch: if the sweep ever ends on its own, say so and start it again.
-        if task.cancelled() or self._runner is None:
+        if task.cancelled() or self._server is None:
             return
         log.error("front door %s: stall sweep ended (%r); started again", self.name, task.exception())
         self._monitor = self._start_monitor()
@@ -285,39 +266,48 @@ class FrontDoor:
 
     # -- serving -----------------------------------------------------------------------------------
 
-    async def _handle(self, request: web.BaseRequest) -> web.StreamResponse:
-        head = len(request.method) + len(request.raw_path) + 12 + sum(
-            len(k) + len(v) + 4 for k, v in request.raw_headers)
-        if head > self._cfg.max_header:
-            self._ledger.count(REJECTED)
-            return _error(431, f"request headers are {head} bytes; the limit is {self._cfg.max_header} "
-                               "(front.max_header)", wire.HEADERS_TOO_LARGE, close=True)
-        if not request.raw_path.startswith("/"):  # absolute-form or CONNECT: the door is no forward proxy
-            self._ledger.count(REJECTED)
-            return _error(400, f"the request target must be a path on this server (got {request.raw_path[:80]!r})",
-                          wire.BAD_REQUEST, close=True)
-        body = await self._read_body(request)
-        if isinstance(body, web.StreamResponse):
-            return body
+    def _connection(self) -> asyncio.Protocol:
+        """A protocol for a new client connection; one over the cap is closed at once."""
+        if len(self._conns) >= self._cap:
+            self.cut_off(f"{len(self._conns)} connections open, the cap", None)
+            return _Closed()
+        conn = http1.ClientConnection(self, http1.Limits(
+            max_header=self._cfg.max_header, max_header_count=MAX_HEADER_COUNT, max_body=self._cfg.max_body,
+            head_timeout=HEAD_TIMEOUT, body_timeout=BODY_TIMEOUT, keepalive_timeout=KEEPALIVE_TIMEOUT))
+        self._conns.add(conn)
+        return conn
+
+    def closed(self, conn: http1.ClientConnection) -> None:
+        self._conns.discard(conn)
+
+    def refused(self, answer: http1.Answer, why: str) -> http1.Answer:
+        """A request refused before it was read whole (too large, too slow, malformed)."""
+        self._ledger.count(REJECTED)
+        return answer
+
+    async def serve(self, conn: http1.ClientConnection, request: http1.Request) -> None:
+        """Serve one complete request: refuse or hold it while the gate is closed, else forward it."""
         if self._gate is not Gate.OPEN or self._stopping:
             if not await self._wait_gate(self._cfg.hold):
                 self._ledger.count(REFUSED_RESTARTING)
-                return self._refusal()
-        parsed = _parse(request.method, request.path, body)
-        fid = self._ledger.open(request.method, request.path, stream=parsed.stream, max_tokens=parsed.max_tokens,
-                                prompt_bytes=len(body), generation=parsed.generation, body=body)
+                conn.answer(self._refusal())
+                return
+        path = request.target.split("?", 1)[0]
+        parsed = _parse(request.method, path, request.body)
+        fid = self._ledger.open(request.method, path, stream=parsed.stream, max_tokens=parsed.max_tokens,
+                                prompt_bytes=len(request.body), generation=parsed.generation, body=request.body)
         live = _Live(fid)
         self._live[fid] = live
         self._idle.clear()
         try:
-            return await self._serve(request, body, parsed, live)
+            await self._serve(conn, request, parsed, live)
         except Exception:  # a bug, or a client gone mid-write: never an empty answer, never a flight left open
             log.exception("front door %s: request %s failed", self.name, fid)
-            if live.response is None:
-                return _error(502, "the mlxwatch front door failed to relay this request", wire.UNREACHABLE)
-            if request.transport is not None:
-                request.transport.abort()
-            return live.response
+            if not conn.started:
+                conn.answer(http1.error_answer(502, "the mlxwatch front door failed to relay this request",
+                                               wire.UNREACHABLE))
+            else:
+                conn.abort()
         finally:
             self._live.pop(fid, None)
             if self._ledger.get(fid) is not None:  # a flight left open would look like a stall forever
@@ -335,53 +325,21 @@ class FrontDoor:
             log.warning("front door %s: closed a client connection: %s%s (said at most once a minute)",
                         self.name, why, f" in {after:g}s" if after is not None else "")
 
-    def unparsable(self, exc: BaseException | None, message: str | None) -> web.Response:
-        """The answer to a request aiohttp's parser refused: 431 for a header line or header
-        count over the limit, else 400; both in JSON."""
-        self._ledger.count(REJECTED)
-        if isinstance(exc, LineTooLong) or (isinstance(exc, BadHttpMessage) and "Too many headers" in str(exc)):
-            return _error(431, f"a request header line is over {self._cfg.max_header} bytes (front.max_header) "
-                               f"or there are over {MAX_HEADER_COUNT} header fields", wire.HEADERS_TOO_LARGE,
-                          close=True)
-        return _error(400, f"malformed HTTP request: {exc or message}", wire.BAD_REQUEST, close=True)
-
-    def _refusal(self) -> web.Response:
+    def _refusal(self) -> http1.Answer:
         if self._stopping:
-            return _error(503, "the mlxwatch front door is stopping", wire.STOPPING, retry_after=RETRY_AFTER)
+            return http1.error_answer(503, "the mlxwatch front door is stopping", wire.STOPPING,
+                                      retry_after=RETRY_AFTER)
         wait = max(RETRY_AFTER, math.ceil(self._cfg.hold))
-        return _error(503, "the server is being restarted by mlxwatch; try again shortly", wire.RESTARTING,
-                      retry_after=wait)
+        return http1.error_answer(503, "the server is being restarted by mlxwatch; try again shortly",
+                                  wire.RESTARTING, retry_after=wait)
 
-    async def _read_body(self, request: web.BaseRequest) -> bytes | web.StreamResponse:
-        limit = self._cfg.max_body
-        if request.content_length is not None and request.content_length > limit:
-            self._ledger.count(REJECTED)
-            return _error(413, f"request body is {request.content_length} bytes; the limit is {limit} "
-                               "(front.max_body)", wire.TOO_LARGE, close=True)
-        if request.headers.get("Expect", "").lower() == "100-continue":
-            await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
-        body = bytearray()
-        while True:
-            try:
-                chunk = await asyncio.wait_for(request.content.readany(), BODY_TIMEOUT)
-            except asyncio.TimeoutError:
-                self._ledger.count(REJECTED)
-                return _error(408, f"no byte of the request body for {BODY_TIMEOUT:g}s", wire.TIMEOUT, close=True)
-            if not chunk:
-                break
-            body += chunk
-            if len(body) > limit:
-                self._ledger.count(REJECTED)
-                return _error(413, f"request body is over the limit of {limit} bytes (front.max_body)",
-                              wire.TOO_LARGE, close=True)
-        return bytes(body)
-
-    async def _serve(self, request: web.BaseRequest, body: bytes, parsed: _Parsed, live: _Live) -> web.StreamResponse:
+    async def _serve(self, conn: http1.ClientConnection, request: http1.Request, parsed: _Parsed,
+                     live: _Live) -> None:
         while True:
             opening = self._opened
-            live.task = asyncio.create_task(self._exchange(request, body, parsed, live))
+            live.task = asyncio.create_task(self._exchange(conn, request, parsed, live))
             try:
-                outcome, response = await live.task
+                outcome = await live.task
             except asyncio.CancelledError:
                 current = asyncio.current_task()
                 if live.failure is None or (current is not None and current.cancelling()):
@@ -389,9 +347,9 @@ class FrontDoor:
                     raise
             else:
                 self._ledger.close(live.fid, outcome)
-                return response
+                return
             message, code = live.failure
-            if live.response is None:
+            if not conn.started:
                 if self._cfg.replay and not live.replayed and code == wire.HUNG:
                     live.replayed = True
                     if await self._wait_gate(self._cfg.hold, after_opening=opening):
@@ -399,86 +357,65 @@ class FrontDoor:
                         self._ledger.restart(live.fid)
                         continue
                 self._ledger.close(live.fid, FAILED_LOUDLY)
-                return _error(503, message, code, retry_after=RETRY_AFTER)
+                conn.answer(http1.error_answer(503, message, code, retry_after=RETRY_AFTER))
+                return
             self._ledger.close(live.fid, FAILED_LOUDLY)
-            await self._end_loudly(request, live, message, code)
-            return live.response
+            await self._end_loudly(conn, live, message, code)
+            return
 
-    async def _end_loudly(self, request: web.BaseRequest, live: _Live, message: str, code: str) -> None:
+    async def _end_loudly(self, conn: http1.ClientConnection, live: _Live, message: str, code: str) -> None:
         """End a response already started: an SSE error event and a clean end for a stream; for
         any other body (its length promised) the connection is cut, which clients report."""
-        response = live.response
-        assert response is not None
-        if live.sse is not None and response.content_length is None:
+        if live.sse is not None and conn.framed:
             try:
-                await asyncio.wait_for(self._write_error_event(response, live, message, code), ERROR_WRITE_TIMEOUT)
+                await asyncio.wait_for(self._write_error_event(conn, live, message, code), ERROR_WRITE_TIMEOUT)
                 return
             except (asyncio.TimeoutError, ConnectionError):
                 pass
-        if request.transport is not None:
-            request.transport.abort()
-        response.force_close()
+        conn.abort()
 
-    async def _write_error_event(self, response: web.StreamResponse, live: _Live, message: str, code: str) -> None:
+    async def _write_error_event(self, conn: http1.ClientConnection, live: _Live, message: str, code: str) -> None:
         at_boundary = live.sse.at_boundary if live.sse is not None else True
-        await response.write(wire.sse_error(message, code, at_boundary=at_boundary))
-        await response.write_eof()
+        conn.write(wire.sse_error(message, code, at_boundary=at_boundary))
+        conn.end()
+        await conn.drain()
 
-    async def _exchange(self, request: web.BaseRequest, body: bytes, parsed: _Parsed,
-                        live: _Live) -> tuple[str, web.StreamResponse]:
-        """Forward one request and stream its answer back; the outcome and the response."""
-        assert self._session is not None
-        headers = CIMultiDict((k, v) for k, v in wire.end_to_end(request.headers.items())
-                              if k.lower() not in _NOT_FORWARDED)
-        url = URL(self._upstream + request.raw_path, encoded=True)
+    async def _exchange(self, conn: http1.ClientConnection, request: http1.Request, parsed: _Parsed,
+                        live: _Live) -> str:
+        """Forward one request and stream its answer back as it arrives; the outcome."""
+        assert self._pool is not None
+        headers = [(k, v) for k, v in wire.end_to_end(request.headers) if k.lower() not in _NOT_FORWARDED]
         try:
-            upstream = await self._session.request(request.method, url, headers=headers, data=body or None,
-                                                   allow_redirects=False)
-        except aiohttp.ClientError as exc:
-            message = f"the server at {self._upstream} did not answer ({exc.__class__.__name__})"
-            return FAILED_LOUDLY, _error(503, message, wire.UNREACHABLE, retry_after=RETRY_AFTER)
+            upstream = await self._pool.connect()
+        except OSError as exc:
+            conn.answer(http1.error_answer(503, f"the server at {self._upstream} did not answer "
+                                                f"({exc.strerror or exc.__class__.__name__})", wire.UNREACHABLE,
+                                           retry_after=RETRY_AFTER))
+            return FAILED_LOUDLY
+        relay = _Relay(self, conn, live, parsed, head_only=request.method == "HEAD")
+        conn.attach(upstream)
         try:
-            return await self._relay(request, upstream, parsed, live)
+            upstream.send(self._pool.request_bytes(request, headers), relay, head_only=relay.head_only)
+            error = await relay.done
         finally:
-            upstream.close()  # never reused half-read: a cancelled relay closes the server's request now
-
-    async def _relay(self, request: web.BaseRequest, upstream: aiohttp.ClientResponse, parsed: _Parsed,
-                     live: _Live) -> tuple[str, web.StreamResponse]:
-        out_headers = CIMultiDict(wire.end_to_end(
-            (k.decode("latin-1"), v.decode("latin-1")) for k, v in upstream.raw_headers))
-        response = web.StreamResponse(status=upstream.status, reason=upstream.reason, headers=out_headers)
-        is_sse = upstream.content_type == "text/event-stream"
-        live.sse = StreamReader() if is_sse else None
-        collect = parsed.generation and not is_sse and 200 <= upstream.status < 300
-        collected = bytearray()
-        await response.prepare(request)  # writes the status line and headers, without suspending
-        live.response = response  # from here on the client has bytes: no 503, no replay
-        while True:
-            try:
-                chunk = await upstream.content.readany()
-            except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as exc:
-                live.failure = (f"the server ended the response early ({exc.__class__.__name__})", wire.TRUNCATED)
-                await self._end_loudly(request, live, *live.failure)
-                return FAILED_LOUDLY, response
-            if not chunk:
-                break
-            try:
-                await response.write(chunk)  # drains: a slow client slows the read from the server
-            except ConnectionError:
-                return CANCELLED, response  # the client went away
-            tokens = self._count(live, chunk)
-            if collect and len(collected) <= MAX_BODY_READ:
-                collected += chunk
-            self._delivered(live, tokens, len(chunk))
-        sse = live.sse
-        if (sse is not None and live.tracking and upstream.status == 200 and not sse.ended and not sse.errored):
+            conn.attach(None)
+            upstream.detach()  # never reused half-read: a cancelled relay closes the server's request now
+        if error is not None and not conn.started:
+            conn.answer(http1.error_answer(503, f"the server at {self._upstream} did not answer ({error})",
+                                           wire.UNREACHABLE, retry_after=RETRY_AFTER))
+            return FAILED_LOUDLY
+        if error is not None:
+            live.failure = (f"the server ended the response early ({error})", wire.TRUNCATED)
+        elif (live.sse is not None and live.tracking and relay.status == 200 and not live.sse.ended
+              and not live.sse.errored):
             live.failure = ("the server closed the stream without [DONE] or a finish_reason", wire.TRUNCATED)
-            await self._end_loudly(request, live, *live.failure)
-            return FAILED_LOUDLY, response
-        if collect:
-            self._delivered(live, self._guarded(live, body_tokens, bytes(collected)) or 0, 0)
-        await response.write_eof()
-        return OK, response
+        if live.failure is not None:
+            await self._end_loudly(conn, live, *live.failure)
+            return FAILED_LOUDLY
+        if relay.collected is not None:
+            self._delivered(live, self._guarded(live, body_tokens, bytes(relay.collected)) or 0, 0)
+        conn.end()
+        return OK
 
     def _count(self, live: _Live, chunk: bytes) -> int:
         if live.sse is None:
@@ -503,6 +440,42 @@ class FrontDoor:
             log.exception("front door %s: recording delivery failed for %s", self.name, live.fid)
 
 
+class _Relay:
+    """One answer from the server on its way to the client (an ``http1.Sink``): each piece is
+    written to the client in the callback that brings it, then counted."""
+
+    def __init__(self, door: FrontDoor, conn: http1.ClientConnection, live: _Live, parsed: _Parsed, *,
+                 head_only: bool) -> None:
+        self.door, self.conn, self.live, self.parsed, self.head_only = door, conn, live, parsed, head_only
+        self.done: asyncio.Future[str | None] = asyncio.get_running_loop().create_future()
+        self.status = 0
+        self.collected: bytearray | None = None  # a generation's whole JSON answer, to count its tokens
+
+    def on_head(self, status: int, reason: str, headers: list[tuple[str, str]], length: int | None) -> None:
+        self.status = status
+        ctype = next((v for k, v in headers if k.lower() == "content-type"), "")
+        is_sse = ctype.split(";", 1)[0].strip().lower() == "text/event-stream"
+        self.live.sse = StreamReader() if is_sse else None
+        if self.parsed.generation and not is_sse and 200 <= status < 300:
+            self.collected = bytearray()
+        out = wire.end_to_end(headers)
+        if length is None and not self.head_only:  # the door frames this body itself
+            out = [(k, v) for k, v in out if k.lower() != "content-length"]
+        self.conn.start(status, reason, out, length=length, head_only=self.head_only)
+
+    def on_body(self, chunk: bytes) -> None:
+        self.conn.write(chunk)  # backpressure: a client that does not read pauses the server's side
+        live = self.live
+        tokens = self.door._count(live, chunk)
+        if self.collected is not None and len(self.collected) <= MAX_BODY_READ:
+            self.collected += chunk
+        self.door._delivered(live, tokens, len(chunk))
+
+    def on_end(self, error: str | None) -> None:
+        if not self.done.done():
+            self.done.set_result(error)
+
+
 def _parse(method: str, path: str, body: bytes) -> _Parsed:
     """Is this a generation request, does it stream, and how many tokens may it ask for."""
     generation = method == "POST" and path.rstrip("/").endswith("/completions")
@@ -519,73 +492,11 @@ def _parse(method: str, path: str, body: bytes) -> _Parsed:
     return _Parsed(generation, data.get("stream") is True, limit)
 
 
-def _error(status: int, message: str, code: str, *, retry_after: int | None = None,
-           close: bool = False) -> web.Response:
-    headers = {"Retry-After": str(retry_after)} if retry_after is not None else None
-    response = web.Response(status=status, body=wire.error_json(message, code), headers=headers,
-                            content_type="application/json")
-    if close:
-        response.force_close()  # the rest of the request was not read: this connection is done
-    return response
-
-
-class _Handler(web.RequestHandler):
-    """aiohttp's connection handler, answering a request it cannot parse in JSON: 431 for a
-    header line or header count over the limit (aiohttp's own answer is a plain-text 400); a
-    connection over the server's cap is closed at once, one that sends no complete request
-    head within HEAD_TIMEOUT is closed then."""
-
-    door: FrontDoor  # set by _Server as it makes the handler
-    over_cap = False
-    _head_timer: asyncio.TimerHandle | None = None
+class _Closed(asyncio.Protocol):
+    """A connection over the cap: closed as soon as it is made."""
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        super().connection_made(transport)
-        if self.over_cap:
-            self.force_close()
-            return
-        self._head_timer = asyncio.get_running_loop().call_later(HEAD_TIMEOUT, self._no_request_in_time)
-
-    def data_received(self, data: bytes) -> None:
-        super().data_received(data)
-        if self._head_timer is not None and getattr(self, "_request_count", 1) > 0:
-            self._head_timer.cancel()  # a whole head arrived; between requests aiohttp's keepalive_timeout rules
-            self._head_timer = None
-
-    def connection_lost(self, exc: BaseException | None) -> None:
-        if self._head_timer is not None:
-            self._head_timer.cancel()
-            self._head_timer = None
-        super().connection_lost(exc)
-
-    def _no_request_in_time(self) -> None:
-        self._head_timer = None
-        self.door.cut_off("no complete request head", HEAD_TIMEOUT)
-        self.force_close()
-
-    def handle_error(self, request: web.BaseRequest, status: int = 500, exc: BaseException | None = None,
-                     message: str | None = None) -> web.StreamResponse:
-        if status != 400 or request.writer.output_size > 0:
-            return super().handle_error(request, status, exc, message)
-        return self.door.unparsable(exc, message)
-
-
-class _Server(web.Server):
-    """aiohttp's low-level server (no router: every method and path reaches the handler) with
-    the JSON-answering connection handler above."""
-
-    def __init__(self, handler: Any, *, door: FrontDoor, max_connections: int, **kwargs: Any) -> None:
-        super().__init__(handler, **kwargs)
-        self.door = door
-        self.max_connections = max_connections
-
-    def __call__(self) -> web.RequestHandler:
-        handler = _Handler(self, loop=self._loop, **self._kwargs)
-        handler.door = self.door
-        if len(self.connections) >= self.max_connections:
-            handler.over_cap = True
-            self.door.cut_off(f"{len(self.connections)} connections open, the cap", None)
-        return handler
+        transport.close()
 
 
 def connection_cap() -> int:

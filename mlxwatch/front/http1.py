@@ -1,0 +1,592 @@
+"""HTTP/1.1 for the front door: asyncio's transports and httptools' parsers, nothing between.
+
+The door is a hop every token crosses, so the hop must cost about what nginx's does. aiohttp's
+server and client, joined with none of the door's work, added 0.6-1.1 ms to the first token where
+nginx added 0.1-0.35 ms (bench/RESULTS.md); a plain byte relay on asyncio added what nginx adds.
+So the door keeps that shape: bytes are parsed by httptools (llhttp, the parser of Node.js, as
+uvicorn uses it) and written on by the protocol callbacks that receive them, with no stream object,
+task or copy between a chunk from the server and the ``write`` to the client.
+
+- ``ClientConnection``: one client's connection. Parses its requests (limits and timeouts as
+  nginx sets them), hands each complete request to the door in order, writes the answer with the
+  framing this client understands (the body as the server sent it; chunked when its length is
+  unknown and the client speaks HTTP/1.1), and passes backpressure on to the server's side.
+- ``UpstreamConnection``: one connection to the server. Writes a request, parses the answer and
+  pushes head, body and end to a ``Sink`` as they arrive. ``UpstreamPool`` keeps idle ones.
+
+No policy lives here: what to forward, refuse or fail is the door's (``door.py``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import ssl
+from dataclasses import dataclass
+from typing import Callable, Coroutine, Protocol
+from urllib.parse import urlsplit
+
+import httptools
+
+from mlxwatch.config import url_port
+from mlxwatch.front import wire
+
+log = logging.getLogger(__name__)
+
+_REASONS = {100: "Continue", 200: "OK", 400: "Bad Request", 408: "Request Timeout", 413: "Content Too Large",
+            431: "Request Header Fields Too Large", 502: "Bad Gateway", 503: "Service Unavailable"}
+_NO_BODY = frozenset({204, 304})
+IDLE_KEPT = 32  # idle connections to the server kept for reuse
+
+
+@dataclass
+class Request:
+    """A complete request from a client, as it sent it."""
+
+    method: str
+    target: str  # path and query as sent (percent-encoding kept)
+    version: str  # "1.1" or "1.0"
+    headers: list[tuple[str, str]]
+    body: bytes
+
+    def header(self, name: str) -> str | None:
+        name = name.lower()
+        return next((v for k, v in self.headers if k.lower() == name), None)
+
+
+@dataclass(frozen=True)
+class Answer:
+    """A whole answer the door writes itself (its errors): JSON, with its length."""
+
+    status: int
+    body: bytes
+    retry_after: int | None = None
+    close: bool = False  # the rest of the request was not read: the connection is done
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_header: int  # bytes of a request head
+    max_header_count: int
+    max_body: int
+    head_timeout: float  # from the connection (or the last answer) to a complete request head
+    body_timeout: float  # between two reads of a request body
+    keepalive_timeout: float  # an idle connection between requests
+
+
+class Door(Protocol):
+    """What a ClientConnection needs of the door."""
+
+    def serve(self, conn: ClientConnection, request: Request) -> Coroutine[None, None, None]: ...
+    def refused(self, answer: Answer, why: str) -> Answer: ...
+    def cut_off(self, why: str, after: float | None) -> None: ...
+    def closed(self, conn: ClientConnection) -> None: ...
+
+
+class _Refuse(Exception):
+    """Raised from a parser callback: stop parsing this connection, answer, close."""
+
+    def __init__(self, answer: Answer, why: str) -> None:
+        super().__init__(why)
+        self.answer = answer
+
+
+def error_answer(status: int, message: str, code: str, *, retry_after: int | None = None,
+                 close: bool = False) -> Answer:
+    return Answer(status, wire.error_json(message, code), retry_after, close)
+
+
+def _head(status: int, reason: str, headers: list[tuple[str, str]]) -> bytes:
+    lines = [f"HTTP/1.1 {status} {reason}\r\n"]
+    lines += [f"{k}: {v}\r\n" for k, v in headers]
+    lines.append("\r\n")
+    return "".join(lines).encode("latin-1")
+
+
+class ClientConnection(asyncio.Protocol):
+    """One client connection; see the module docstring. Requests are served one at a time, in
+    order (reading stops while a pipelined request waits)."""
+
+    def __init__(self, door: Door, limits: Limits) -> None:
+        self.door = door
+        self.limits = limits
+        self.transport: asyncio.Transport | None = None
+        self.upstream: UpstreamConnection | None = None  # paused and resumed with this client's reading
+        self._parser = httptools.HttpRequestParser(self)
+        self._queue: collections.deque[Request | Answer] = collections.deque()
+        self._task: asyncio.Task | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._paused = False
+        self._drained: asyncio.Future[None] | None = None
+        self._closing = False
+        self._done_reading = False
+        # the request being parsed
+        self._in_head = False
+        self._head_bytes = 0
+        self._url = b""
+        self._headers: list[tuple[str, str]] = []
+        self._body = bytearray()
+        self._body_timer: asyncio.TimerHandle | None = None
+        # the answer being written
+        self._version = "1.1"
+        self._chunked = False
+        self._open_ended = False
+        self._close_after = False
+        self.started = False  # a status line has been written for the current request
+
+    # -- the transport's side ------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+        self._wait_for_request(self.limits.head_timeout, first=True)
+
+    def data_received(self, data: bytes) -> None:
+        if self._closing or self._done_reading:
+            return
+        try:
+            self._parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            self._done_reading = True  # what follows the head is not HTTP: this request, then close
+            if not self._queue or not isinstance(self._queue[-1], Request):
+                self._refuse(error_answer(400, "the request asked for a protocol upgrade, which the door does "
+                                               "not pass on", wire.BAD_REQUEST, close=True), "an upgrade")
+                return
+        except httptools.HttpParserCallbackError as exc:
+            refusal = exc.__context__
+            assert isinstance(refusal, _Refuse), refusal
+            self._refuse(refusal.answer, str(refusal))
+            return
+        except httptools.HttpParserError as exc:
+            self._refuse(error_answer(400, f"malformed HTTP request: {exc}", wire.BAD_REQUEST, close=True),
+                         "malformed")
+            return
+        if self._in_head:
+            self._head_bytes += len(data)
+            if self._head_bytes > self.limits.max_header:
+                self._refuse(self._too_large_head(), "head too large")
+                return
+        self._next()
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        self._closing = True
+        self._cancel_timers()
+        if self._task is not None and not self._task.done():
+            self._task.cancel()  # the client went away: its request to the server is closed at once
+        if self._drained is not None and not self._drained.done():
+            self._drained.set_result(None)  # drain() sees the connection gone
+        self.door.closed(self)
+
+    def pause_writing(self) -> None:
+        self._paused = True
+        if self.upstream is not None:
+            self.upstream.pause_reading()  # a slow client slows the reads from the server
+
+    def resume_writing(self) -> None:
+        self._paused = False
+        if self.upstream is not None:
+            self.upstream.resume_reading()
+        if self._drained is not None and not self._drained.done():
+            self._drained.set_result(None)
+        self._drained = None
+
+    # -- httptools' callbacks -------------------------------------------------------------------
+
+    def on_message_begin(self) -> None:
+        self._in_head = True
+        self._head_bytes = 0
+        self._url = b""
+        self._headers = []
+        self._body = bytearray()
+
+    def on_url(self, url: bytes) -> None:
+        self._url += url
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._headers.append((name.decode("latin-1"), value.decode("latin-1")))
+        if len(self._headers) > self.limits.max_header_count:
+            raise _Refuse(self._too_large_head(), "too many header fields")
+
+    def on_headers_complete(self) -> None:
+        self._in_head = False
+        self._clear_timer()
+        method = self._parser.get_method().decode("latin-1")
+        size = len(method) + len(self._url) + 12 + sum(len(k) + len(v) + 4 for k, v in self._headers)
+        if size > self.limits.max_header:
+            raise _Refuse(error_answer(431, f"request headers are {size} bytes; the limit is "
+                                            f"{self.limits.max_header} (front.max_header)",
+                                       wire.HEADERS_TOO_LARGE, close=True), "head too large")
+        if not self._url.startswith(b"/"):  # absolute-form or CONNECT: the door is no forward proxy
+            raise _Refuse(error_answer(400, f"the request target must be a path on this server (got "
+                                            f"{self._url[:80].decode('latin-1')!r})", wire.BAD_REQUEST,
+                                       close=True), "not a path")
+        fields = {k.lower(): v for k, v in self._headers}
+        length = fields.get("content-length")
+        if length is not None and length.strip().isdigit() and int(length) > self.limits.max_body:
+            raise _Refuse(error_answer(413, f"request body is {int(length)} bytes; the limit is "
+                                            f"{self.limits.max_body} (front.max_body)", wire.TOO_LARGE,
+                                       close=True), "body too large")
+        if length not in (None, "0") or "transfer-encoding" in fields:
+            if fields.get("expect", "").lower() == "100-continue" and self._parser.get_http_version() == "1.1":
+                self._write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            self._arm_body_timer()
+
+    def on_body(self, body: bytes) -> None:
+        self._body += body
+        if len(self._body) > self.limits.max_body:
+            raise _Refuse(error_answer(413, f"request body is over the limit of {self.limits.max_body} bytes "
+                                            "(front.max_body)", wire.TOO_LARGE, close=True), "body too large")
+        self._arm_body_timer()
+
+    def on_message_complete(self) -> None:
+        if self._body_timer is not None:
+            self._body_timer.cancel()
+            self._body_timer = None
+        version = self._parser.get_http_version()
+        request = Request(self._parser.get_method().decode("latin-1"), self._url.decode("latin-1"), version,
+                          self._headers, bytes(self._body))
+        self._queue.append(request)
+        if len(self._queue) > 1 and self.transport is not None and not self._closing:
+            # requests are served one at a time; reading goes on while one is served (a client that
+            # goes away is noticed at once) but stops while another waits behind it
+            self.transport.pause_reading()
+
+    # -- serving requests in order --------------------------------------------------------------
+
+    def _next(self) -> None:
+        if self._task is None and self._queue and not self._closing:
+            self._task = asyncio.get_running_loop().create_task(self._serve_queue())
+
+    async def _serve_queue(self) -> None:
+        while self._queue and not self._closing:
+            item = self._queue.popleft()
+            if isinstance(item, Answer):
+                self.answer(item)
+                return
+            self._version = item.version
+            options = {t.strip() for t in (item.header("connection") or "").lower().split(",")}
+            self._close_after = item.version != "1.1" or "close" in options or self._done_reading
+            self.started = False
+            self._chunked = self._open_ended = False
+            try:
+                await self.door.serve(self, item)
+            except Exception:  # the door answers its own failures; this is the last guard
+                log.exception("front door: serving a request failed")
+                self.abort()
+                return
+            if self._close_after or self._closing:
+                self.close()
+                return
+            if len(self._queue) <= 1 and self.transport is not None and not self._done_reading:
+                self.transport.resume_reading()
+        self._task = None
+        if not self._closing and self.transport is not None:
+            self._wait_for_request(self.limits.keepalive_timeout, first=False)
+
+    # -- writing the answer (for the door) ------------------------------------------------------
+
+    def attach(self, upstream: UpstreamConnection | None) -> None:
+        """The server connection whose reading follows this client's (None when done with it)."""
+        self.upstream = upstream
+        if upstream is not None and self._paused:
+            upstream.pause_reading()
+
+    def start(self, status: int, reason: str, headers: list[tuple[str, str]], *, length: int | None,
+              head_only: bool) -> None:
+        """Write the status line and headers (``headers`` end-to-end only, a Content-Length among
+        them when ``length`` is known); the body follows with ``write`` and ``end``."""
+        framing: list[tuple[str, str]] = []
+        self._open_ended = not (head_only or status in _NO_BODY or status < 200) and length is None
+        if self._open_ended:
+            if self._version == "1.1":
+                self._chunked = True
+                framing.append(("Transfer-Encoding", "chunked"))
+            else:
+                self._close_after = True  # the end of the body is the end of the connection
+        if self._close_after:
+            framing.append(("Connection", "close"))
+        self.started = True
+        self._write(_head(status, reason or _REASONS.get(status, ""), headers + framing))
+
+    def write(self, chunk: bytes) -> None:
+        if chunk:
+            self._write(b"%x\r\n%b\r\n" % (len(chunk), chunk) if self._chunked else chunk)
+
+    def end(self) -> None:
+        if self._chunked:
+            self._write(b"0\r\n\r\n")
+
+    def answer(self, answer: Answer) -> None:
+        """Write a whole answer of the door's own (closing the connection after it if it says so)."""
+        headers = [("Content-Type", "application/json"), ("Content-Length", str(len(answer.body)))]
+        if answer.retry_after is not None:
+            headers.append(("Retry-After", str(answer.retry_after)))
+        if answer.close:
+            self._close_after = True
+            headers.append(("Connection", "close"))
+        self.started = True
+        self._write(_head(answer.status, _REASONS.get(answer.status, ""), headers) + answer.body)
+        if answer.close:
+            self.close()
+
+    async def drain(self) -> None:
+        """Wait until the client has read what was written (ConnectionError if it went away)."""
+        if self._paused and not self._closing:
+            if self._drained is None:
+                self._drained = asyncio.get_running_loop().create_future()
+            await asyncio.shield(self._drained)
+        if self._closing:
+            raise ConnectionResetError("the client closed the connection")
+
+    @property
+    def gone(self) -> bool:
+        return self._closing
+
+    @property
+    def framed(self) -> bool:
+        """The body being written ends by the door's say (chunked, or at the close), not at a
+        length promised to the client: an error event can still follow."""
+        return self._open_ended
+
+    def close(self) -> None:
+        """Close after what was written has been sent."""
+        self._closing = True
+        self._cancel_timers()
+        if self.transport is not None:
+            self.transport.close()
+
+    def abort(self) -> None:
+        """Cut the connection now (a body whose length was promised cannot end otherwise)."""
+        self._closing = True
+        self._cancel_timers()
+        if self.transport is not None:
+            self.transport.abort()
+
+    def _write(self, data: bytes) -> None:
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.write(data)
+
+    # -- limits and timers -------------------------------------------------------------------------
+
+    def _too_large_head(self) -> Answer:
+        return error_answer(431, f"a request head over {self.limits.max_header} bytes (front.max_header) or over "
+                                 f"{self.limits.max_header_count} header fields", wire.HEADERS_TOO_LARGE, close=True)
+
+    def _refuse(self, answer: Answer, why: str) -> None:
+        """Stop reading; answer (after the request being served, if any) and close."""
+        self._in_head = False
+        self._cancel_timers()
+        if self.transport is not None:
+            self.transport.pause_reading()
+        self._done_reading = True  # nothing more is parsed on this connection
+        self._queue.append(self.door.refused(answer, why))
+        self._next()
+
+    def _wait_for_request(self, timeout: float, *, first: bool) -> None:
+        self._clear_timer()
+        self._timer = asyncio.get_running_loop().call_later(timeout, self._no_request_in_time, timeout, first)
+
+    def _no_request_in_time(self, timeout: float, first: bool) -> None:
+        self._timer = None
+        if first or self._in_head:  # a partial head, or none at all since the connection opened
+            self.door.cut_off("no complete request head", timeout)
+        self.close()
+
+    def _arm_body_timer(self) -> None:
+        if self._body_timer is not None:
+            self._body_timer.cancel()
+        self._body_timer = asyncio.get_running_loop().call_later(self.limits.body_timeout, self._body_too_slow)
+
+    def _body_too_slow(self) -> None:
+        self._body_timer = None
+        timeout = self.limits.body_timeout
+        self._refuse(error_answer(408, f"no byte of the request body for {timeout:g}s", wire.TIMEOUT, close=True),
+                     "body too slow")
+
+    def _clear_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _cancel_timers(self) -> None:
+        self._clear_timer()
+        if self._body_timer is not None:
+            self._body_timer.cancel()
+            self._body_timer = None
+
+
+class Sink(Protocol):
+    """Where an UpstreamConnection delivers the server's answer, as it arrives."""
+
+    def on_head(self, status: int, reason: str, headers: list[tuple[str, str]], length: int | None) -> None: ...
+    def on_body(self, chunk: bytes) -> None: ...
+    def on_end(self, error: str | None) -> None: ...
+
+
+class UpstreamConnection(asyncio.Protocol):
+    """One connection to the server: one request at a time, its answer pushed to a Sink."""
+
+    def __init__(self, pool: UpstreamPool) -> None:
+        self.pool = pool
+        self.transport: asyncio.Transport | None = None
+        self._sink: Sink | None = None
+        self._parser = httptools.HttpResponseParser(self)
+        self._reason = b""
+        self._headers: list[tuple[str, str]] = []
+        self._head_only = False
+        self._until_close = False  # the body ends when the server closes
+        self._got_head = False
+        self._keep_alive = False
+        self._complete = False
+        self.closed = False
+
+    def send(self, request: bytes, sink: Sink, *, head_only: bool) -> None:
+        self._sink, self._head_only = sink, head_only
+        self._reason, self._headers, self._got_head, self._complete = b"", [], False, False
+        self._keep_alive = False
+        assert self.transport is not None
+        self.transport.write(request)
+
+    @property
+    def reusable(self) -> bool:
+        return self._complete and self._keep_alive and not self.closed and not self._until_close \
+            and not self._head_only
+
+    def detach(self) -> None:
+        """The door is done with this answer (whole, or abandoned): back to the pool, or closed."""
+        self._sink = None
+        self.pool.release(self)
+
+    def pause_reading(self) -> None:
+        if self.transport is not None and not self.closed:
+            self.transport.pause_reading()
+
+    def resume_reading(self) -> None:
+        if self.transport is not None and not self.closed:
+            self.transport.resume_reading()
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        if self._sink is None or self._complete:
+            if self.transport is not None:  # bytes nobody asked for: this connection cannot be reused
+                self.closed = True
+                self.transport.close()
+            return
+        try:
+            self._parser.feed_data(data)
+        except httptools.HttpParserError as exc:
+            self._finish(f"the server's answer is not valid HTTP ({exc})")
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        self.closed = True
+        self.pool.forget(self)
+        if self._sink is not None and not self._complete:
+            if self._got_head and self._until_close:
+                self._finish(None)
+            else:
+                self._finish("the server closed the connection" + (" before answering" if not self._got_head else
+                                                                  " before the end of the answer"))
+
+    # httptools' callbacks
+    def on_status(self, reason: bytes) -> None:
+        self._reason += reason
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._headers.append((name.decode("latin-1"), value.decode("latin-1")))
+
+    def on_headers_complete(self) -> None:
+        status = self._parser.get_status_code()
+        if status < 200:
+            self._reason, self._headers = b"", []  # an interim answer (100 Continue): the real one follows
+            return
+        fields = {k.lower(): v for k, v in self._headers}
+        chunked = "chunked" in fields.get("transfer-encoding", "").lower()
+        length = fields.get("content-length")
+        known = int(length) if length is not None and length.strip().isdigit() and not chunked else None
+        no_body = self._head_only or status in _NO_BODY
+        self._until_close = not no_body and not chunked and known is None
+        self._got_head = True
+        self._keep_alive = self._parser.should_keep_alive()  # read now: the parser forgets it after the body
+        assert self._sink is not None
+        self._sink.on_head(status, self._reason.decode("latin-1"), self._headers, known)
+        if no_body and self._sink is not None:
+            self._finish(None)
+
+    def on_body(self, body: bytes) -> None:
+        if self._sink is not None and not self._complete:
+            self._sink.on_body(body)
+
+    def on_message_complete(self) -> None:
+        if self._got_head and not self._complete:
+            self._finish(None)
+
+    def _finish(self, error: str | None) -> None:
+        self._complete = True
+        if error is not None or self._head_only:
+            self.closed = True
+            if self.transport is not None:
+                self.transport.close()
+        sink = self._sink
+        if sink is not None:
+            sink.on_end(error)
+
+
+class UpstreamPool:
+    """Connections to one server (``http://`` or ``https://`` URL): idle ones kept for reuse."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self._idle: list[UpstreamConnection] = []
+        self._ssl: ssl.SSLContext | None = None
+        parts = urlsplit(url)
+        self.secure = parts.scheme == "https"
+        self.host = parts.hostname or "127.0.0.1"
+        self.port = url_port(url)
+        self.prefix = parts.path.rstrip("/")
+        self.authority = (f"[{self.host}]" if ":" in self.host else self.host) + f":{self.port}"
+        if self.secure:
+            self._ssl = ssl.create_default_context()
+
+    async def connect(self) -> UpstreamConnection:
+        """An idle connection, or a new one (OSError if the server cannot be reached)."""
+        while self._idle:
+            conn = self._idle.pop()
+            if not conn.closed and conn.transport is not None and not conn.transport.is_closing():
+                return conn
+        loop = asyncio.get_running_loop()
+        make: Callable[[], UpstreamConnection] = lambda: UpstreamConnection(self)  # noqa: E731
+        _, conn = await loop.create_connection(make, self.host, self.port, ssl=self._ssl,
+                                               server_hostname=self.host if self.secure else None)
+        return conn
+
+    def request_bytes(self, request: Request, headers: list[tuple[str, str]]) -> bytes:
+        """The request as the server gets it: the client's method, target and body, the given
+        headers, this hop's Host and the body's length."""
+        lines = [f"{request.method} {self.prefix}{request.target} HTTP/1.1\r\n", f"Host: {self.authority}\r\n"]
+        lines += [f"{k}: {v}\r\n" for k, v in headers]
+        if request.body or request.method not in ("GET", "HEAD", "DELETE", "OPTIONS", "TRACE"):
+            lines.append(f"Content-Length: {len(request.body)}\r\n")
+        lines.append("\r\n")
+        return "".join(lines).encode("latin-1") + request.body
+
+    def release(self, conn: UpstreamConnection) -> None:
+        if conn.reusable and len(self._idle) < IDLE_KEPT:
+            conn.resume_reading()
+            self._idle.append(conn)
+        elif conn.transport is not None:
+            conn.closed = True
+            conn.transport.close()
+
+    def forget(self, conn: UpstreamConnection) -> None:
+        if conn in self._idle:
+            self._idle.remove(conn)
+
+    def close(self) -> None:
+        for conn in self._idle:
+            if conn.transport is not None:
+                conn.transport.close()
+        self._idle.clear()
