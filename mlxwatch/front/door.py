@@ -75,7 +75,7 @@ class _Live:
     """One request the door is serving: the task talking to the server, and why it was failed."""
 
     fid: str
-    task: asyncio.Task | None = None
+    task: asyncio.Task | None = None  # the task serving it: cancelled to end its exchange with the server
     sse: StreamReader | None = None
     failure: tuple[str, str] | None = None  # (message, code) once the door decided to fail it
     replayed: bool = False
@@ -335,16 +335,17 @@ class FrontDoor:
 
     async def _serve(self, conn: http1.ClientConnection, request: http1.Request, parsed: _Parsed,
                      live: _Live) -> None:
+        live.task = asyncio.current_task()  # what _fail cancels, with live.failure saying why
         while True:
             opening = self._opened
-            live.task = asyncio.create_task(self._exchange(conn, request, parsed, live))
             try:
-                outcome = await live.task
+                outcome = await self._exchange(conn, request, parsed, live)
             except asyncio.CancelledError:
-                current = asyncio.current_task()
-                if live.failure is None or (current is not None and current.cancelling()):
-                    self._ledger.close(live.fid, CANCELLED)  # the client went away
+                if live.failure is None or conn.gone:
+                    self._ledger.close(live.fid, CANCELLED)  # the client went away (or the daemon stops)
                     raise
+                assert live.task is not None
+                live.task.uncancel()  # the door's own cancel: the exchange is over, the client is told below
             else:
                 self._ledger.close(live.fid, outcome)
                 return
@@ -450,6 +451,12 @@ class _Relay:
         self.done: asyncio.Future[str | None] = asyncio.get_running_loop().create_future()
         self.status = 0
         self.collected: bytearray | None = None  # a generation's whole JSON answer, to count its tokens
+
+    def begin_read(self) -> None:
+        self.conn.hold_writes()
+
+    def end_read(self) -> None:
+        self.conn.send_held()
 
     def on_head(self, status: int, reason: str, headers: list[tuple[str, str]], length: int | None) -> None:
         self.status = status

@@ -133,6 +133,7 @@ class ClientConnection(asyncio.Protocol):
         self._chunked = False
         self._open_ended = False
         self._close_after = False
+        self._held: list[bytes] | None = None  # writes gathered during one read from the server
         self.started = False  # a status line has been written for the current request
 
     # -- the transport's side ------------------------------------------------------------------
@@ -363,8 +364,20 @@ class ClientConnection(asyncio.Protocol):
         if self.transport is not None:
             self.transport.abort()
 
+    def hold_writes(self) -> None:
+        """Gather writes until ``send_held``: what one read from the server brings (the head and
+        the first chunks often come together) leaves in one ``send``."""
+        self._held = []
+
+    def send_held(self) -> None:
+        held, self._held = self._held, None
+        if held:
+            self._write(b"".join(held))
+
     def _write(self, data: bytes) -> None:
-        if self.transport is not None and not self.transport.is_closing():
+        if self._held is not None:
+            self._held.append(data)
+        elif self.transport is not None and not self.transport.is_closing():
             self.transport.write(data)
 
     # -- limits and timers -------------------------------------------------------------------------
@@ -417,8 +430,11 @@ class ClientConnection(asyncio.Protocol):
 
 
 class Sink(Protocol):
-    """Where an UpstreamConnection delivers the server's answer, as it arrives."""
+    """Where an UpstreamConnection delivers the server's answer, as it arrives; each read from
+    the server is bracketed by ``begin_read`` and ``end_read``."""
 
+    def begin_read(self) -> None: ...
+    def end_read(self) -> None: ...
     def on_head(self, status: int, reason: str, headers: list[tuple[str, str]], length: int | None) -> None: ...
     def on_body(self, chunk: bytes) -> None: ...
     def on_end(self, error: str | None) -> None: ...
@@ -476,10 +492,14 @@ class UpstreamConnection(asyncio.Protocol):
                 self.closed = True
                 self.transport.close()
             return
+        sink = self._sink
+        sink.begin_read()
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserError as exc:
             self._finish(f"the server's answer is not valid HTTP ({exc})")
+        finally:
+            sink.end_read()
 
     def connection_lost(self, exc: BaseException | None) -> None:
         self.closed = True
