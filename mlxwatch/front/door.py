@@ -442,8 +442,9 @@ class FrontDoor:
 
 
 class _Relay:
-    """One answer from the server on its way to the client (an ``http1.Sink``): each piece is
-    written to the client in the callback that brings it, then counted."""
+    """One answer from the server on its way to the client (an ``http1.Sink``): what one read
+    from the server brings is sent to the client in one write, then counted (the client never
+    waits for the door's bookkeeping)."""
 
     def __init__(self, door: FrontDoor, conn: http1.ClientConnection, live: _Live, parsed: _Parsed, *,
                  head_only: bool) -> None:
@@ -451,12 +452,17 @@ class _Relay:
         self.done: asyncio.Future[str | None] = asyncio.get_running_loop().create_future()
         self.status = 0
         self.collected: bytearray | None = None  # a generation's whole JSON answer, to count its tokens
+        self._sent: list[bytes] | None = None  # chunks of the current read, counted once they are sent
 
     def begin_read(self) -> None:
         self.conn.hold_writes()
+        self._sent = []
 
     def end_read(self) -> None:
         self.conn.send_held()
+        sent, self._sent = self._sent, None
+        for chunk in sent or ():
+            self._account(chunk)
 
     def on_head(self, status: int, reason: str, headers: list[tuple[str, str]], length: int | None) -> None:
         self.status = status
@@ -472,6 +478,12 @@ class _Relay:
 
     def on_body(self, chunk: bytes) -> None:
         self.conn.write(chunk)  # backpressure: a client that does not read pauses the server's side
+        if self._sent is not None:
+            self._sent.append(chunk)
+        else:
+            self._account(chunk)
+
+    def _account(self, chunk: bytes) -> None:
         live = self.live
         tokens = self.door._count(live, chunk)
         if self.collected is not None and len(self.collected) <= MAX_BODY_READ:
