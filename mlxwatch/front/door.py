@@ -165,6 +165,8 @@ class FrontDoor:
             self._pool.close()
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(self._server.wait_closed(), 1.0)
+        for conn in list(self._conns):
+            conn.abort()  # a client that does not take the rest of its answer keeps no descriptor past stop
         self._server = self._pool = self._monitor = None
 
     # -- what the daemon reads and decides -------------------------------------------------------
@@ -502,7 +504,7 @@ def _parse(method: str, path: str, body: bytes) -> _Parsed:
         return _Parsed(generation, False, None)
     try:
         data = json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):  # not JSON, or nested too deep to read: forwarded as it is
         return _Parsed(generation, False, None)
     if not isinstance(data, dict):
         return _Parsed(generation, False, None)

@@ -38,6 +38,9 @@ _REASONS = {100: "Continue", 200: "OK", 400: "Bad Request", 408: "Request Timeou
             431: "Request Header Fields Too Large", 502: "Bad Gateway", 503: "Service Unavailable"}
 _NO_BODY = frozenset({204, 304})
 IDLE_KEPT = 32  # idle connections to the server kept for reuse
+CHUNK_LINE = 32  # bytes allowed per chunk of a request body for its size line and CRLFs
+STASH_LIMIT = 64 * 1024  # bytes read ahead while a request is served; beyond, reading pauses
+SEND_TIMEOUT = 60.0  # a connection being closed whose client does not take what is left (nginx's send_timeout)
 
 
 @dataclass
@@ -128,6 +131,14 @@ class ClientConnection(asyncio.Protocol):
         self._headers: list[tuple[str, str]] = []
         self._body = bytearray()
         self._body_timer: asyncio.TimerHandle | None = None
+        self._in_body = False
+        self._body_bytes = 0
+        self._begun = False  # a message began during the current read
+        self._trailer_bytes = 0
+        self._chunks = 0
+        self._stash = bytearray()  # read while a request is served, parsed after it
+        self._close_timer: asyncio.TimerHandle | None = None
+        self._head_request = False  # the request being answered is a HEAD: the door's own answers have no body
         # the answer being written
         self._version = "1.1"
         self._chunked = False
@@ -145,34 +156,64 @@ class ClientConnection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         if self._closing or self._done_reading:
+            return  # read on (and dropped) so that a client that goes away is still noticed
+        if self._task is not None:  # a request is being served: its successor waits, unparsed
+            self._stash += data
+            if len(self._stash) > STASH_LIMIT and self.transport is not None:
+                self.transport.pause_reading()
             return
+        self._feed(data)
+
+    def _feed(self, data: bytes) -> None:
+        self._begun = False
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserUpgrade:
-            self._done_reading = True  # what follows the head is not HTTP: this request, then close
-            if not self._queue or not isinstance(self._queue[-1], Request):
-                self._refuse(error_answer(400, "the request asked for a protocol upgrade, which the door does "
-                                               "not pass on", wire.BAD_REQUEST, close=True), "an upgrade")
-                return
+            self._upgraded()
         except httptools.HttpParserCallbackError as exc:
             refusal = exc.__context__
             assert isinstance(refusal, _Refuse), refusal
             self._refuse(refusal.answer, str(refusal))
-            return
         except httptools.HttpParserError as exc:
             self._refuse(error_answer(400, f"malformed HTTP request: {exc}", wire.BAD_REQUEST, close=True),
                          "malformed")
-            return
-        if self._in_head:
-            self._head_bytes += len(data)
-            if self._head_bytes > self.limits.max_header:
-                self._refuse(self._too_large_head(), "head too large")
-                return
+        else:
+            # Bytes read are bounded per message: a head to max_header, and besides the body (itself
+            # bounded by max_body) its chunk lines and trailers to max_header plus CHUNK_LINE per chunk.
+            # A read in which a message began is not counted (at most one read under-counted).
+            if self._in_head and not self._begun:
+                self._head_bytes += len(data)
+                if self._head_bytes > self.limits.max_header:
+                    self._refuse(self._too_large_head(), "head too large")
+            elif self._in_body and not self._begun:
+                # what is read beyond the body itself: chunk lines and trailers (httptools holds a
+                # trailer field whole until its line ends)
+                self._body_bytes += len(data)
+                if self._body_bytes - len(self._body) > self.limits.max_header + CHUNK_LINE * self._chunks:
+                    self._refuse(self._too_large_head(), "chunk framing or trailers too large")
         self._next()
+
+    def _upgraded(self) -> None:
+        """llhttp stops at an upgrade request's head (and takes its body as the new protocol's):
+        one without a body is answered as a plain request, then the connection ends; one with a
+        body is refused, loudly, rather than sent on without it."""
+        self._done_reading = True
+        last = self._queue[-1] if self._queue else None
+        declared = isinstance(last, Request) and ((last.header("content-length") or "0").strip() != "0"
+                                                  or last.header("transfer-encoding") is not None)
+        if isinstance(last, Request) and not declared:
+            return
+        if isinstance(last, Request):
+            self._queue.pop()
+        self._refuse(error_answer(400, "the request asks for a protocol upgrade (Upgrade header), which the door "
+                                       "does not pass on; send it without one", wire.BAD_REQUEST, close=True),
+                     "an upgrade")
 
     def connection_lost(self, exc: BaseException | None) -> None:
         self._closing = True
         self._cancel_timers()
+        if self._close_timer is not None:
+            self._close_timer.cancel()
         if self._task is not None and not self._task.done():
             self._task.cancel()  # the client went away: its request to the server is closed at once
         if self._drained is not None and not self._drained.done():
@@ -195,8 +236,13 @@ class ClientConnection(asyncio.Protocol):
     # -- httptools' callbacks -------------------------------------------------------------------
 
     def on_message_begin(self) -> None:
+        self._begun = True
         self._in_head = True
+        self._in_body = False
         self._head_bytes = 0
+        self._body_bytes = 0
+        self._trailer_bytes = 0
+        self._chunks = 0
         self._url = b""
         self._headers = []
         self._body = bytearray()
@@ -205,12 +251,18 @@ class ClientConnection(asyncio.Protocol):
         self._url += url
 
     def on_header(self, name: bytes, value: bytes) -> None:
+        if self._in_body:  # a trailer field: counted against the head's limit, never forwarded
+            self._trailer_bytes += len(name) + len(value) + 4
+            if self._trailer_bytes > self.limits.max_header:
+                raise _Refuse(self._too_large_head(), "trailers too large")
+            return
         self._headers.append((name.decode("latin-1"), value.decode("latin-1")))
         if len(self._headers) > self.limits.max_header_count:
             raise _Refuse(self._too_large_head(), "too many header fields")
 
     def on_headers_complete(self) -> None:
         self._in_head = False
+        self._in_body = True
         self._clear_timer()
         method = self._parser.get_method().decode("latin-1")
         size = len(method) + len(self._url) + 12 + sum(len(k) + len(v) + 4 for k, v in self._headers)
@@ -223,24 +275,33 @@ class ClientConnection(asyncio.Protocol):
                                             f"{self._url[:80].decode('latin-1')!r})", wire.BAD_REQUEST,
                                        close=True), "not a path")
         fields = {k.lower(): v for k, v in self._headers}
+        coding = fields.get("transfer-encoding")
+        if coding is not None and coding.strip().lower() != "chunked":
+            raise _Refuse(error_answer(400, f"Transfer-Encoding {coding!r}: the door takes request bodies "
+                                            "chunked or with a length only", wire.BAD_REQUEST, close=True),
+                          "transfer coding")
         length = fields.get("content-length")
         if length is not None and length.strip().isdigit() and int(length) > self.limits.max_body:
             raise _Refuse(error_answer(413, f"request body is {int(length)} bytes; the limit is "
                                             f"{self.limits.max_body} (front.max_body)", wire.TOO_LARGE,
                                        close=True), "body too large")
         if length not in (None, "0") or "transfer-encoding" in fields:
-            if fields.get("expect", "").lower() == "100-continue" and self._parser.get_http_version() == "1.1":
+            if (fields.get("expect", "").lower() == "100-continue" and self._parser.get_http_version() == "1.1"
+                    and self._task is None and not self._queue):  # never inside another request's answer
                 self._write(b"HTTP/1.1 100 Continue\r\n\r\n")
             self._arm_body_timer()
+
+    def on_chunk_header(self) -> None:
+        self._chunks += 1
 
     def on_body(self, body: bytes) -> None:
         self._body += body
         if len(self._body) > self.limits.max_body:
-            raise _Refuse(error_answer(413, f"request body is over the limit of {self.limits.max_body} bytes "
-                                            "(front.max_body)", wire.TOO_LARGE, close=True), "body too large")
+            raise _Refuse(self._too_large_body(), "body too large")
         self._arm_body_timer()
 
     def on_message_complete(self) -> None:
+        self._in_body = False
         if self._body_timer is not None:
             self._body_timer.cancel()
             self._body_timer = None
@@ -248,10 +309,6 @@ class ClientConnection(asyncio.Protocol):
         request = Request(self._parser.get_method().decode("latin-1"), self._url.decode("latin-1"), version,
                           self._headers, bytes(self._body))
         self._queue.append(request)
-        if len(self._queue) > 1 and self.transport is not None and not self._closing:
-            # requests are served one at a time; reading goes on while one is served (a client that
-            # goes away is noticed at once) but stops while another waits behind it
-            self.transport.pause_reading()
 
     # -- serving requests in order --------------------------------------------------------------
 
@@ -263,11 +320,14 @@ class ClientConnection(asyncio.Protocol):
         while self._queue and not self._closing:
             item = self._queue.popleft()
             if isinstance(item, Answer):
+                self._head_request = False
                 self.answer(item)
                 return
             self._version = item.version
+            self._head_request = item.method == "HEAD"
             options = {t.strip() for t in (item.header("connection") or "").lower().split(",")}
-            self._close_after = item.version != "1.1" or "close" in options or self._done_reading
+            self._close_after = (item.version != "1.1" or "close" in options
+                                 or (self._done_reading and not self._queue))
             self.started = False
             self._chunked = self._open_ended = False
             try:
@@ -279,11 +339,17 @@ class ClientConnection(asyncio.Protocol):
             if self._close_after or self._closing:
                 self.close()
                 return
-            if len(self._queue) <= 1 and self.transport is not None and not self._done_reading:
-                self.transport.resume_reading()
         self._task = None
-        if not self._closing and self.transport is not None:
-            self._wait_for_request(self.limits.keepalive_timeout, first=False)
+        if self._closing or self.transport is None:
+            return
+        if self._done_reading:  # an upgrade: what followed its head was not HTTP
+            self.close()
+            return
+        self._wait_for_request(self.limits.keepalive_timeout, first=False)
+        if self._stash:
+            stash, self._stash = bytes(self._stash), bytearray()
+            self.transport.resume_reading()
+            self._feed(stash)
 
     # -- writing the answer (for the door) ------------------------------------------------------
 
@@ -327,7 +393,8 @@ class ClientConnection(asyncio.Protocol):
             self._close_after = True
             headers.append(("Connection", "close"))
         self.started = True
-        self._write(_head(answer.status, _REASONS.get(answer.status, ""), headers) + answer.body)
+        body = b"" if self._head_request else answer.body
+        self._write(_head(answer.status, _REASONS.get(answer.status, ""), headers) + body)
         if answer.close:
             self.close()
 
@@ -351,11 +418,13 @@ class ClientConnection(asyncio.Protocol):
         return self._open_ended
 
     def close(self) -> None:
-        """Close after what was written has been sent."""
+        """Close after what was written has been sent, or cut it if the client has not taken it
+        within SEND_TIMEOUT (a client that never reads must not keep a connection for ever)."""
         self._closing = True
         self._cancel_timers()
-        if self.transport is not None:
+        if self.transport is not None and not self.transport.is_closing():
             self.transport.close()
+            self._close_timer = asyncio.get_running_loop().call_later(SEND_TIMEOUT, self.transport.abort)
 
     def abort(self) -> None:
         """Cut the connection now (a body whose length was promised cannot end otherwise)."""
@@ -382,16 +451,18 @@ class ClientConnection(asyncio.Protocol):
 
     # -- limits and timers -------------------------------------------------------------------------
 
+    def _too_large_body(self) -> Answer:
+        return error_answer(413, f"request body is over the limit of {self.limits.max_body} bytes (front.max_body)",
+                            wire.TOO_LARGE, close=True)
+
     def _too_large_head(self) -> Answer:
         return error_answer(431, f"a request head over {self.limits.max_header} bytes (front.max_header) or over "
                                  f"{self.limits.max_header_count} header fields", wire.HEADERS_TOO_LARGE, close=True)
 
     def _refuse(self, answer: Answer, why: str) -> None:
-        """Stop reading; answer (after the request being served, if any) and close."""
-        self._in_head = False
+        """Parse no more; answer (after the request being served, if any) and close."""
+        self._in_head = self._in_body = False
         self._cancel_timers()
-        if self.transport is not None:
-            self.transport.pause_reading()
         self._done_reading = True  # nothing more is parsed on this connection
         self._queue.append(self.door.refused(answer, why))
         self._next()
@@ -455,19 +526,20 @@ class UpstreamConnection(asyncio.Protocol):
         self._got_head = False
         self._keep_alive = False
         self._complete = False
+        self._trailing = False  # the server sent bytes after a complete answer
         self.closed = False
 
     def send(self, request: bytes, sink: Sink, *, head_only: bool) -> None:
         self._sink, self._head_only = sink, head_only
         self._reason, self._headers, self._got_head, self._complete = b"", [], False, False
-        self._keep_alive = False
+        self._keep_alive = self._trailing = False
         assert self.transport is not None
         self.transport.write(request)
 
     @property
     def reusable(self) -> bool:
         return self._complete and self._keep_alive and not self.closed and not self._until_close \
-            and not self._head_only
+            and not self._head_only and not self._trailing
 
     def detach(self) -> None:
         """The door is done with this answer (whole, or abandoned): back to the pool, or closed."""
@@ -496,10 +568,15 @@ class UpstreamConnection(asyncio.Protocol):
         sink.begin_read()
         try:
             self._parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            self._finish("the server switched protocols, which the door does not pass on")
         except httptools.HttpParserError as exc:
             self._finish(f"the server's answer is not valid HTTP ({exc})")
         finally:
             sink.end_read()
+        if self._complete and self._trailing and not self.closed and self.transport is not None:
+            self.closed = True  # bytes after the end of the answer: dropped, and the connection with them
+            self.transport.close()
 
     def connection_lost(self, exc: BaseException | None) -> None:
         self.closed = True
@@ -511,14 +588,23 @@ class UpstreamConnection(asyncio.Protocol):
                 self._finish("the server closed the connection" + (" before answering" if not self._got_head else
                                                                   " before the end of the answer"))
 
-    # httptools' callbacks
+    # httptools' callbacks; once the answer is complete, whatever else the server sends is dropped
+    def on_message_begin(self) -> None:
+        if self._complete:
+            self._trailing = True
+        self._reason, self._headers = b"", []
+
     def on_status(self, reason: bytes) -> None:
-        self._reason += reason
+        if not self._complete:
+            self._reason += reason
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        self._headers.append((name.decode("latin-1"), value.decode("latin-1")))
+        if not self._complete and not self._got_head:  # trailers of a chunked answer are not passed on
+            self._headers.append((name.decode("latin-1"), value.decode("latin-1")))
 
     def on_headers_complete(self) -> None:
+        if self._complete:
+            return
         status = self._parser.get_status_code()
         if status < 200:
             self._reason, self._headers = b"", []  # an interim answer (100 Continue): the real one follows
@@ -543,6 +629,8 @@ class UpstreamConnection(asyncio.Protocol):
     def on_message_complete(self) -> None:
         if self._got_head and not self._complete:
             self._finish(None)
+        elif self._complete:
+            self._trailing = True
 
     def _finish(self, error: str | None) -> None:
         self._complete = True
