@@ -298,14 +298,22 @@ async def test_cookies_a_server_sets_go_to_that_client_only_never_to_the_next_on
     assert not any(k.lower() == "cookie" for k, _ in up.seen[1].headers), up.seen[1].headers
 
 
+async def _head_then_get(door: FrontDoor) -> tuple[bytes, bytes]:
+    """A HEAD and a GET pipelined on one connection: the HEAD's head, then the GET's whole answer
+    (read right after the head: a body after the HEAD's head would be read as the GET's)."""
+    host, port = door.address
+    reader, writer = await asyncio.open_connection(host, port)
+    writer.write(b"HEAD /plain HTTP/1.1\r\nHost: h\r\n\r\nGET /plain HTTP/1.1\r\nHost: h\r\n\r\n")
+    try:
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), BOUND)
+        return head, await asyncio.wait_for(_read_response(reader), BOUND)
+    finally:
+        writer.close()
+
+
 async def test_head_has_the_servers_headers_and_no_body_and_the_connection_goes_on():
     async with Upstream() as up, _door(up) as door:
-        host, port = door.address
-        reader, writer = await asyncio.open_connection(host, port)
-        writer.write(b"HEAD /plain HTTP/1.1\r\nHost: h\r\n\r\nGET /plain HTTP/1.1\r\nHost: h\r\n\r\n")
-        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), BOUND)
-        after = await asyncio.wait_for(_read_response(reader), BOUND)
-        writer.close()
+        head, after = await _head_then_get(door)
     assert head.startswith(b"HTTP/1.1 201 ") and b"Content-Length: 27" in head
     assert after.startswith(b"HTTP/1.1 201 ") and after.endswith(b'{"plain": true, "echo": ""}')
     assert [s.method for s in up.seen] == ["HEAD", "GET"]
@@ -1006,12 +1014,7 @@ async def test_the_doors_own_answer_to_a_head_request_has_no_body():
     the start of the next answer on the connection."""
     async with Upstream() as up, _door(up) as door:
         door.set_gate(Gate.RESTARTING)
-        host, port = door.address
-        reader, writer = await asyncio.open_connection(host, port)
-        writer.write(b"HEAD /plain HTTP/1.1\r\nHost: h\r\n\r\nGET /plain HTTP/1.1\r\nHost: h\r\n\r\n")
-        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), BOUND)
-        after = await asyncio.wait_for(_read_response(reader), BOUND)
-        writer.close()
+        head, after = await _head_then_get(door)
     assert head.startswith(b"HTTP/1.1 503 ") and after.startswith(b"HTTP/1.1 503 ")
     assert json.loads(_split(after)[2])["error"]["code"] == "mlxwatch_restarting"
 
