@@ -519,20 +519,23 @@ class UpstreamConnection(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self._sink: Sink | None = None
         self._parser = httptools.HttpResponseParser(self)
+        self.closed = False
+        self._new_answer(head_only=False)
+
+    def _new_answer(self, *, head_only: bool) -> None:
+        """The state of one answer, fresh for each request sent on this connection."""
+        self._head_only = head_only
         self._reason = b""
         self._headers: list[tuple[str, str]] = []
-        self._head_only = False
         self._until_close = False  # the body ends when the server closes
         self._got_head = False
         self._keep_alive = False
         self._complete = False
         self._trailing = False  # the server sent bytes after a complete answer
-        self.closed = False
 
     def send(self, request: bytes, sink: Sink, *, head_only: bool) -> None:
-        self._sink, self._head_only = sink, head_only
-        self._reason, self._headers, self._got_head, self._complete = b"", [], False, False
-        self._keep_alive = self._trailing = False
+        self._sink = sink
+        self._new_answer(head_only=head_only)
         assert self.transport is not None
         self.transport.write(request)
 
