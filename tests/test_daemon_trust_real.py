@@ -99,8 +99,11 @@ async def test_a_server_that_is_still_loading_is_not_killed(server_python, lab_r
             await wait_until(lambda: hasattr(daemon, "state"), 30, "daemon start")
 
             def healthy() -> bool:
-                seen.add(daemon.state.instance("lab").get("state"))
-                return (daemon.state.instance("lab").get("last_probe") or {}).get("ok", False)
+                # Healthy with its server recorded: a probe's result is saved before that lookup,
+                # and a stop between the two cancels it (CI saw exactly that once).
+                saved = daemon.state.instance("lab")
+                seen.add(saved.get("state"))
+                return saved.get("state") == "healthy" and saved.get("server") is not None
 
             await wait_until(healthy, 150, "the loaded server to answer")
         finally:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
 from dataclasses import replace
 
@@ -17,8 +18,11 @@ import psutil
 import pytest
 from test_daemon_core import FAST, Running, config
 
+from mlxwatch.capture import bundle
 from mlxwatch.clock import Clock, Stamp, boot_id
 from mlxwatch.config import RestartConfig
+from mlxwatch.host.process import ProcessIdentity
+from mlxwatch.restart import lookagain
 from mlxwatch.restart.flapguard import FlapGuard
 from mlxwatch.restart.methods import OK, RestartOutcome
 from mlxwatch.shim import heartbeat, layout
@@ -223,3 +227,40 @@ def test_status_and_the_budget_metric_count_restarts_as_the_guard_does(tmp_path,
     metrics = Metrics(lambda: cfg, clock=reader)
     metrics.on_state("gemma", dict(state.data["instances"]["gemma"]))
     assert value(metrics.exposition(), "mlxwatch_restart_budget_remaining", server="gemma") == 0
+
+
+
+def step_psutils_clock(monkeypatch, seconds: float) -> None:
+    """Step the wall clock as psutil sees it: on Linux a process's ``create_time()`` is its start
+    since boot plus the boot time read now from /proc/stat, which a clock step or an NTP
+    correction moves (psutil#2526, #2541). An integer ``btime`` flips by a second as NTP slews."""
+    if not hasattr(psutil, "_pslinux"):
+        pytest.skip("steps psutil's Linux boot time")
+    real, before = psutil._pslinux.boot_time, psutil.Process().create_time()
+    monkeypatch.setattr(psutil._pslinux, "boot_time", lambda: real() + seconds)
+    assert abs(psutil.Process().create_time() - before - seconds) < 0.5  # the step is seen, or this proves nothing
+
+
+@pytest.mark.parametrize("step", [1.0, HOUR, -HOUR])
+def test_a_wall_clock_step_does_not_make_a_live_process_look_gone(tmp_path, monkeypatch, step):
+    """Measured: a live lab server was judged "exited during start" (its recorded create time no
+    longer matched) and was left running, orphaned, on the lab's port; the daemon's recorded
+    server, its look-again and a capture's partial-bundle owner are proven the same way."""
+    recorded = ProcessIdentity.of(os.getpid())
+    partial = tmp_path / "partial"
+    partial.mkdir()
+    (partial / bundle.WRITER).write_text(json.dumps(bundle._this_writer()))
+    step_psutils_clock(monkeypatch, step)
+    assert recorded.alive()
+    assert ProcessIdentity.from_dict(json.loads(json.dumps(recorded.to_dict()))).alive()  # as the state file keeps it
+    assert lookagain.same_process(ProcessIdentity.of(os.getpid()), recorded)
+    assert bundle.partial_writer_alive(partial) is True
+
+
+def test_an_identity_recorded_before_start_stamps_still_proves_its_process(monkeypatch):
+    """A state file from an earlier mlxwatch has no ``started``: it is compared by create time,
+    as before (a reused PID is still told apart)."""
+    old = {k: v for k, v in ProcessIdentity.of(os.getpid()).to_dict().items() if k != "started"}
+    assert ProcessIdentity.from_dict(old).alive()
+    assert not ProcessIdentity.from_dict({**old, "create_time": old["create_time"] - 5}).alive()
+    assert not ProcessIdentity.from_dict({**ProcessIdentity.of(os.getpid()).to_dict(), "started": 1.0}).alive()

@@ -72,6 +72,7 @@ class LabServer:
     port: int
     pid: int = 0
     create_time: float = 0.0
+    started: float | None = None  # host.process.start_stamp: what proves it is still our process
     _popen: subprocess.Popen | None = field(default=None, repr=False, compare=False)
 
     @property
@@ -144,7 +145,8 @@ class LabServer:
             )
         self._popen = proc
         self.pid = proc.pid
-        self.create_time = psutil.Process(proc.pid).create_time()
+        me = ProcessIdentity.of(proc.pid)
+        self.create_time, self.started = me.create_time, me.started
         self.pid_file.write_text(f"{proc.pid}\n")
         self._save_spec()
         if ready_timeout > 0:
@@ -173,7 +175,7 @@ class LabServer:
 
     def owned_process(self) -> psutil.Process | None:
         """Our server process, or None if it is gone or the PID now belongs to someone else."""
-        if not self.pid or not ProcessIdentity(self.pid, self.create_time, ()).alive():
+        if not self.pid or not ProcessIdentity(self.pid, self.create_time, (), None, self.started).alive():
             return None
         try:
             return psutil.Process(self.pid)
@@ -189,7 +191,7 @@ class LabServer:
             spec = json.loads((self.workdir / SPEC_NAME).read_text())
         except (OSError, ValueError):
             return
-        self.pid, self.create_time = spec["pid"], spec["create_time"]
+        self.pid, self.create_time, self.started = spec["pid"], spec["create_time"], spec.get("started")
 
     def _wait_gone(self, timeout: float) -> bool:
         """Until our process is gone. A zombie counts as gone: its parent may be another process."""

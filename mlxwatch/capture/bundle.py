@@ -44,7 +44,7 @@ from typing import Any, Callable
 import psutil
 
 from mlxwatch.errors import BundleError
-from mlxwatch.host.process import ProcessIdentity
+from mlxwatch.host.process import ProcessIdentity, start_stamp
 from mlxwatch.storage import free_bytes, fsync_dir, private_dir, write_new
 
 FORMAT_VERSION = 1
@@ -361,7 +361,8 @@ def prune(root: Path, keep: int, max_bytes: int, protect: Path | None = None,
 
 
 def _this_writer() -> dict[str, Any]:
-    return {"pid": os.getpid(), "create_time": psutil.Process().create_time(), "host": socket.gethostname()}
+    me = psutil.Process()
+    return {"pid": me.pid, "create_time": me.create_time(), "started": start_stamp(me), "host": socket.gethostname()}
 
 
 def partial_writer_alive(partial: Path) -> bool | None:
@@ -370,12 +371,13 @@ def partial_writer_alive(partial: Path) -> bool | None:
     wrote one), or a writer on another host (a shared directory)."""
     try:
         writer = json.loads((partial / WRITER).read_text())
-        pid, create_time, host = int(writer["pid"]), float(writer["create_time"]), writer.get("host")
+        identity = ProcessIdentity.from_dict({**writer, "cmdline": (), "address": None})
     except (OSError, ValueError, KeyError, TypeError):
         return None
+    host = writer.get("host")
     if host is not None and host != socket.gethostname():
         return None
-    return ProcessIdentity(pid, create_time, ()).alive()
+    return identity.alive()
 
 
 def adopt_partials(root: Path, older_than: float = 300.0) -> list[Path]:

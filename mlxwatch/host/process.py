@@ -26,6 +26,7 @@ and only when an instance's state changes, never on a healthy probe.
 
 from __future__ import annotations
 
+import dataclasses
 import ipaddress
 import os
 import socket
@@ -43,17 +44,35 @@ from mlxwatch.config import InstanceConfig, url_port
 from mlxwatch.errors import ProcessGoneError
 
 MLX_SERVER_DEFAULT_PORT = 8080  # mlx_lm.server's --port default
+SAME_START = 0.01  # seconds: the precision of a process's start on Linux (one clock tick)
+
+
+def start_stamp(proc: psutil.Process) -> float:
+    """When ``proc`` started, on a clock that no change of the system time moves: psutil's own
+    identity key (``Process._get_ident``: seconds since boot on Linux, the kernel's start stamp
+    on macOS). ``create_time()`` is that plus today's boot time, which a clock step or an NTP
+    correction moves (psutil#2526, #2541): compared to a recorded value, a live server would
+    look gone. ``create_time()`` itself where psutil keeps no such key."""
+    try:
+        return float(proc._proc.create_time(monotonic=True))  # psutil has no public spelling of it
+    except (AttributeError, TypeError):
+        return proc.create_time()
 
 
 @dataclass(frozen=True)
 class ProcessIdentity:
-    """A process as recorded: PID + create time (PID reuse), its command line, and the
-    ``(ip, port)`` it was seen listening on when it was proven to be the server."""
+    """A process as recorded: PID + start (PID reuse), its command line, and the
+    ``(ip, port)`` it was seen listening on when it was proven to be the server.
+
+    ``create_time`` is the wall time psutil gave when it was recorded (shown, and compared with
+    files' times); ``started`` (``start_stamp``) is what proves it is the same process later.
+    Identities recorded without ``started`` (state from before it) compare by create time."""
 
     pid: int
     create_time: float
     cmdline: tuple[str, ...]
     address: tuple[str, int] | None = None
+    started: float | None = None
 
     @classmethod
     def of(cls, pid: int, address: tuple[str, int] | None = None) -> "ProcessIdentity":
@@ -62,17 +81,30 @@ class ProcessIdentity:
             with proc.oneshot():
                 if proc.status() == psutil.STATUS_ZOMBIE:
                     raise ProcessGoneError(f"process {pid} has exited (zombie)")
-                return cls(pid, proc.create_time(), tuple(_cmdline(proc)), address)
+                return cls(pid, proc.create_time(), tuple(_cmdline(proc)), address, start_stamp(proc))
         except psutil.NoSuchProcess:
             raise ProcessGoneError(f"no process with PID {pid}") from None
 
     def alive(self) -> bool:
-        """Still the very process recorded (same PID and create time, not a zombie)."""
+        """Still the very process recorded (same PID and start, not a zombie)."""
         try:
             proc = psutil.Process(self.pid)
-            return abs(proc.create_time() - self.create_time) < 0.01 and proc.status() != psutil.STATUS_ZOMBIE
+            with proc.oneshot():
+                if self.started is not None:
+                    same = abs(start_stamp(proc) - self.started) < SAME_START
+                else:
+                    same = abs(proc.create_time() - self.create_time) < SAME_START
+                return same and proc.status() != psutil.STATUS_ZOMBIE
         except psutil.Error:
             return False
+
+    def same_process(self, other: "ProcessIdentity | None") -> bool:
+        """The same process as ``other`` (by start where both were recorded with one)."""
+        if other is None or other.pid != self.pid:
+            return False
+        if self.started is not None and other.started is not None:
+            return abs(self.started - other.started) < SAME_START
+        return abs(self.create_time - other.create_time) < SAME_START
 
     def still_ours(self, url: str) -> bool:
         """The recorded process, and still listening on ``url``'s exact address."""
@@ -82,14 +114,15 @@ class ProcessIdentity:
         return f"PID {self.pid}: {short_cmdline(self.cmdline)}"
 
     def to_dict(self) -> dict:
-        return {"pid": self.pid, "create_time": self.create_time, "cmdline": list(self.cmdline),
-                "address": list(self.address) if self.address else None}
+        return {"pid": self.pid, "create_time": self.create_time, "started": self.started,
+                "cmdline": list(self.cmdline), "address": list(self.address) if self.address else None}
 
     @classmethod
     def from_dict(cls, data: dict) -> "ProcessIdentity":
-        address = data.get("address")
+        address, started = data.get("address"), data.get("started")
         return cls(int(data["pid"]), float(data["create_time"]), tuple(str(a) for a in data.get("cmdline") or ()),
-                   (str(address[0]), int(address[1])) if address else None)
+                   (str(address[0]), int(address[1])) if address else None,
+                   float(started) if isinstance(started, (int, float)) else None)
 
 
 @dataclass(frozen=True)
@@ -343,7 +376,7 @@ def _lookup_by_label(url: str, label: str, domain: str,
 
 def _with_address(ident: ProcessIdentity, addrs: list[tuple[str, int]], url: str) -> ProcessIdentity:
     address = next(a for a in addrs if serves([a], url))
-    return ProcessIdentity(ident.pid, ident.create_time, ident.cmdline, address)
+    return dataclasses.replace(ident, address=address)
 
 
 def _stranger_text(port: int, ident: ProcessIdentity) -> str:
@@ -368,7 +401,7 @@ def _loading_server(port: int) -> ProcessIdentity | None:
             if proc.info["status"] == psutil.STATUS_ZOMBIE or not is_mlx_server(cmdline):
                 continue
             if server_port(cmdline) == port:
-                return ProcessIdentity(proc.info["pid"], proc.info["create_time"], tuple(cmdline))
+                return ProcessIdentity(proc.info["pid"], proc.info["create_time"], tuple(cmdline), None, start_stamp(proc))
         except (psutil.Error, TypeError):
             continue
     return None

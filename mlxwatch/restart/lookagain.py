@@ -53,7 +53,7 @@ def gone_unreplaced(verdict_server: ProcessIdentity | None, *, alive: bool,
 
 
 def same_process(a: ProcessIdentity | None, b: ProcessIdentity | None) -> bool:
-    return a is not None and b is not None and a.pid == b.pid and abs(a.create_time - b.create_time) < 0.01
+    return a is not None and a.same_process(b)
 
 
 def decide(verdict_server: ProcessIdentity | None, *, answered: bool, alive: bool,
