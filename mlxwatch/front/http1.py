@@ -191,6 +191,8 @@ class ClientConnection(asyncio.Protocol):
                 self._body_bytes += len(data)
                 if self._body_bytes - len(self._body) > self.limits.max_header + CHUNK_LINE * self._chunks:
                     self._refuse(self._too_large_head(), "chunk framing or trailers too large")
+        if self._in_body and not self._done_reading:  # a body to come: its next read is due within body_timeout
+            self._arm_body_timer()
         self._next()
 
     def _upgraded(self) -> None:
@@ -289,7 +291,6 @@ class ClientConnection(asyncio.Protocol):
             if (fields.get("expect", "").lower() == "100-continue" and self._parser.get_http_version() == "1.1"
                     and self._task is None and not self._queue):  # never inside another request's answer
                 self._write(b"HTTP/1.1 100 Continue\r\n\r\n")
-            self._arm_body_timer()
 
     def on_chunk_header(self) -> None:
         self._chunks += 1
@@ -298,7 +299,6 @@ class ClientConnection(asyncio.Protocol):
         self._body += body
         if len(self._body) > self.limits.max_body:
             raise _Refuse(self._too_large_body(), "body too large")
-        self._arm_body_timer()
 
     def on_message_complete(self) -> None:
         self._in_body = False
