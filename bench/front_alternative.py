@@ -7,6 +7,10 @@ never imported by ``mlxwatch``. The HTTP libraries weighed for the door (docs/fr
 - ``--library aiohttp``: aiohttp's server and client (what the door was first built on): what
   they cost per request and per chunk with nothing of the door's.
 - ``--library uvicorn``: uvicorn with its h11 parser for the server side, httpx for the client side.
+- ``--library relay``: no library above the parser: asyncio's transports and httptools, each
+  request forwarded from the callback that completes it, each read of the answer written on from
+  the callback that receives it. The least a CPython proxy does: the floor under the door's cost.
+  ``--uvloop`` runs it on uvloop's event loop.
 
     python -m bench.front_alternative --library uvicorn --listen 127.0.0.1:8082 --upstream http://127.0.0.1:8080
 
@@ -16,6 +20,7 @@ uvicorn comes with the ``bench`` extra (``bench/run.sh`` installs it). Ends on S
 from __future__ import annotations
 
 import argparse
+import asyncio
 from typing import Any, Awaitable, Callable
 
 import httpx
@@ -68,7 +73,6 @@ def make_app(upstream: str) -> Callable[[dict[str, Any], Receive, Send], Awaitab
 async def serve_aiohttp(upstream: str, host: str, port: int) -> None:
     """aiohttp's server and client joined the plainest way (low-level ``web.Server``, ``readany``
     then ``write``), as the door joined them when it was built on aiohttp, without its work."""
-    import asyncio
     import signal
 
     import aiohttp
@@ -102,17 +106,133 @@ async def serve_aiohttp(upstream: str, host: str, port: int) -> None:
     await session.close()
 
 
-def main() -> None:
-    import asyncio
+class _RelayUp(asyncio.Protocol):
+    """One kept-alive connection to the server: writes a request, re-frames its answer (chunked)."""
 
+    def __init__(self, idle: list["_RelayUp"]) -> None:
+        import httptools
+
+        self.idle, self.down, self.closed = idle, None, False
+        self.parser = httptools.HttpResponseParser(self)
+        self.headers: list[tuple[bytes, bytes]] = []
+
+    def connection_made(self, transport: Any) -> None:
+        self.transport = transport
+
+    def send(self, down: Any, request: bytes) -> None:
+        self.down, self.headers = down, []
+        self.transport.write(request)
+
+    def data_received(self, data: bytes) -> None:
+        self.parser.feed_data(data)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.headers.append((name, value))
+
+    def on_headers_complete(self) -> None:
+        head = [b"HTTP/1.1 %d OK\r\n" % self.parser.get_status_code()]
+        head += [k + b": " + v + b"\r\n" for k, v in self.headers if k.lower() not in HOP_BY_HOP]
+        self.down.transport.write(b"".join(head) + b"Transfer-Encoding: chunked\r\n\r\n")
+
+    def on_body(self, body: bytes) -> None:
+        self.down.transport.write(b"%x\r\n%b\r\n" % (len(body), body))
+
+    def on_message_complete(self) -> None:
+        down, self.down = self.down, None
+        down.transport.write(b"0\r\n\r\n")
+        self.idle.append(self)
+        down.transport.resume_reading()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        if self in self.idle:
+            self.idle.remove(self)
+        if self.down is not None:
+            self.down.transport.close()
+
+
+
+class _RelayDown(asyncio.Protocol):
+    """One client connection: parses a request and forwards it from the callback that completes it."""
+
+    def __init__(self, upstream: tuple[str, int], idle: list[_RelayUp]) -> None:
+        import httptools
+
+        self.upstream, self.idle = upstream, idle
+        self.parser = httptools.HttpRequestParser(self)
+        self.url, self.headers, self.body = b"", [], []  # type: ignore[var-annotated]
+
+    def connection_made(self, transport: Any) -> None:
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        self.parser.feed_data(data)
+
+    def on_url(self, url: bytes) -> None:
+        self.url += url
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.headers.append((name, value))
+
+    def on_body(self, body: bytes) -> None:
+        self.body.append(body)
+
+    def on_message_complete(self) -> None:
+        body = b"".join(self.body)
+        lines = [self.parser.get_method() + b" " + self.url + b" HTTP/1.1\r\nHost: upstream\r\n"]
+        lines += [k + b": " + v + b"\r\n" for k, v in self.headers if k.lower() not in HOP_BY_HOP]
+        request = b"".join(lines) + b"Content-Length: %d\r\n\r\n" % len(body) + body
+        self.url, self.headers, self.body = b"", [], []
+        self.transport.pause_reading()  # one request at a time per connection
+        while self.idle:
+            up = self.idle.pop()
+            if not up.closed:
+                up.send(self, request)
+                return
+        asyncio.get_running_loop().create_task(self._connect(request))
+
+    async def _connect(self, request: bytes) -> None:
+        _, up = await asyncio.get_running_loop().create_connection(lambda: _RelayUp(self.idle), *self.upstream)
+        up.send(self, request)
+
+    def connection_lost(self, exc: Exception | None) -> None: ...
+
+
+async def serve_relay(upstream: str, host: str, port: int) -> None:
+    """The bare relay (``--library relay``): no limits, no timeouts, no backpressure, no errors
+    handled; a measuring stick, not a proxy to run."""
+    import signal
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(upstream)
+    idle: list[_RelayUp] = []
+    address = (parts.hostname or "127.0.0.1", parts.port or 80)
+    server = await asyncio.get_running_loop().create_server(lambda: _RelayDown(address, idle), host, port)
+    stop = asyncio.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        asyncio.get_running_loop().add_signal_handler(signum, stop.set)
+    await stop.wait()
+    server.close()
+
+
+def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--library", choices=("uvicorn", "aiohttp"), default="uvicorn")
+    parser.add_argument("--library", choices=("uvicorn", "aiohttp", "relay"), default="uvicorn")
     parser.add_argument("--listen", required=True, help="HOST:PORT (loopback)")
     parser.add_argument("--upstream", required=True, help="the server's base URL")
+    parser.add_argument("--uvloop", action="store_true", help="relay only: on uvloop's event loop")
     args = parser.parse_args()
     host, _, port = args.listen.rpartition(":")
     if args.library == "aiohttp":
         asyncio.run(serve_aiohttp(args.upstream, host, int(port)))
+        return
+    if args.library == "relay":
+        if args.uvloop:
+            import uvloop
+
+            uvloop.run(serve_relay(args.upstream, host, int(port)))
+        else:
+            asyncio.run(serve_relay(args.upstream, host, int(port)))
         return
     import uvicorn
 

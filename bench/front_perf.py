@@ -280,9 +280,10 @@ def _wait_port(proc: Proc, port: int, timeout: float = 30.0) -> None:
 
 def start_proxy(kind: str, upstream: str, work: Path, nginx: str | None) -> tuple[Proc, str]:
     """A fresh proxy process in front of ``upstream``; (the process, the URL to send to)."""
-    d = Path(tempfile.mkdtemp(prefix=f"{kind}-", dir=work))
-    if kind == "door":
-        proc = Proc(_role_argv("door", "--upstream", upstream, "--ready", str(d / "port")), d / "door.log")
+    d = Path(tempfile.mkdtemp(prefix=f"{kind.replace('+', '-')}-", dir=work))
+    if kind in ("door", "door+uvloop"):  # door+uvloop: an experiment (bench/front_hop.py), what that loop buys
+        env = {**os.environ, "MLXWATCH_BENCH_UVLOOP": "1"} if kind == "door+uvloop" else None
+        proc = Proc(_role_argv("door", "--upstream", upstream, "--ready", str(d / "port")), d / "door.log", env=env)
         try:
             return proc, f"http://127.0.0.1:{_wait_ready(proc, d / 'port')}"
         except BaseException:
@@ -290,9 +291,11 @@ def start_proxy(kind: str, upstream: str, work: Path, nginx: str | None) -> tupl
             raise
     from lab.ports import free_port
     port = free_port()
-    if kind in ("aiohttp", "uvicorn"):  # the libraries weighed, as plain pass-throughs
-        proc = Proc([sys.executable, "-m", "bench.front_alternative", "--library", kind,
-                     "--listen", f"127.0.0.1:{port}", "--upstream", upstream], d / f"{kind}.log")
+    if kind in ("aiohttp", "uvicorn", "relay", "relay+uvloop"):  # plain pass-throughs (bench/front_alternative.py)
+        library, _, loop = kind.partition("+")
+        proc = Proc([sys.executable, "-m", "bench.front_alternative", "--library", library,
+                     "--listen", f"127.0.0.1:{port}", "--upstream", upstream] + (["--uvloop"] if loop else []),
+                    d / f"{library}.log")
     else:
         assert nginx is not None
         (d / "nginx.conf").write_text(NGINX_CONF.format(dir=d, port=port, upstream_port=upstream.rsplit(":", 1)[1]))

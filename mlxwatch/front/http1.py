@@ -24,7 +24,7 @@ import collections
 import logging
 import ssl
 from dataclasses import dataclass
-from typing import Callable, Coroutine, Protocol
+from typing import Callable, Coroutine, Protocol, cast
 from urllib.parse import urlsplit
 
 import httptools
@@ -150,8 +150,7 @@ class ClientConnection(asyncio.Protocol):
     # -- the transport's side ------------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        self.transport = cast(asyncio.Transport, transport)  # a TCP transport (uvloop's is no subclass)
         self._wait_for_request(self.limits.head_timeout, first=True)
 
     def data_received(self, data: bytes) -> None:
@@ -558,8 +557,7 @@ class UpstreamConnection(asyncio.Protocol):
             self.transport.resume_reading()
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        self.transport = cast(asyncio.Transport, transport)  # a TCP transport (uvloop's is no subclass)
 
     def data_received(self, data: bytes) -> None:
         if self._sink is None or self._complete:

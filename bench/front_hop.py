@@ -1,0 +1,253 @@
+"""What one hop through a proxy adds to a first token, alone: direct vs nginx vs a bare CPython
+relay vs the front door, on a server that answers at once.
+
+    .venvs/test/bin/python -m bench.front_hop [--rounds 8] [--requests 1000] [--idle-requests 200]
+    bash bench/run.sh front_hop ...           # the same, after installing nginx from Debian's package
+
+``bench/front_perf.py`` measures the door as clients meet it (streams of 50 tokens at 50 tok/s);
+there a hop's fraction of a millisecond sits under the stand-in's own timing noise, and a
+1-stream cell holds about ten first tokens. This bench takes the server's time out: an upstream
+that answers each streaming request at once (head, one token, finish, ``[DONE]``), and one client
+on one kept-alive connection timing, per request, send to the first token's arrival
+(raw sockets, no client library). Two modes:
+
+- **hot**: requests back to back (``--requests`` per cell): the hop's cost on a busy proxy;
+- **idle**: ``--pause`` s between requests (``--idle-requests`` per cell): the proxy has slept
+  since the last token, as it has between the tokens of a 50 tok/s stream, and wakes cold.
+
+Paths: direct; nginx (one worker, as in front_perf); ``relay``: asyncio's transports and httptools
+with nothing else (``bench/front_alternative.py --library relay``), the least any CPython proxy
+does, so the floor under the door; the door (``mlxwatch.front.FrontDoor``, its own process, as the
+daemon runs it); and the relay and the door on uvloop's event loop (what that loop would buy).
+Every proxy runs for the whole bench; the cells of a round run in a shuffled order, and each
+path's added latency is paired with direct's cell of the same round (median over rounds).
+
+Writes ``bench/front_hop.json`` and the section "The front door's hop, alone" of ``bench/RESULTS.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from bench.common import ROOT, VENVS, git_commit, load_average, log, machine, splice_section, write_json
+from bench.front_perf import Proc, _wait_ready, find_nginx, start_proxy
+
+SECTION = "## The front door's hop, alone (direct vs nginx vs a bare relay vs the door)"
+KINDS = ("direct", "nginx", "relay", "door", "relay+uvloop", "door+uvloop")
+LABELS = {"relay": "bare CPython relay (asyncio + httptools)", "door": "front door",
+          "relay+uvloop": "bare relay on uvloop", "door+uvloop": "front door on uvloop"}
+PATH_ = "/v1/chat/completions"
+BODY = json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "stream": True}).encode()
+REQUEST = (b"POST " + PATH_.encode() + b" HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\n"
+           b"Content-Length: %d\r\n\r\n%s" % (len(BODY), BODY))
+WARM = 20  # requests per cell before timing (the connection and the proxy's upstream connection made)
+
+
+def _event(delta: dict[str, Any], finish: str | None) -> bytes:
+    chunk = {"id": "c", "object": "chat.completion.chunk", "created": 1, "model": "m",
+             "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+    return b"data: " + json.dumps(chunk).encode() + b"\n\n"
+
+
+TOKEN = _event({"content": " tok"}, None)
+END = _event({}, "length") + b"data: [DONE]\n\n"
+
+
+async def _upstream(ready: Path) -> None:
+    """The instant server (role ``upstream``): each request answered at once, head and token in one
+    write, then the end; keep-alive."""
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = next((int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
+                               if line.lower().startswith(b"content-length:")), 0)
+                if length:
+                    await reader.readexactly(length)
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+                             + b"%x\r\n%b\r\n" % (len(TOKEN), TOKEN))
+                writer.write(b"%x\r\n%b\r\n0\r\n\r\n" % (len(END), END))
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    stop = asyncio.Event()
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+    tmp = ready.with_suffix(".tmp")
+    tmp.write_text(str(server.sockets[0].getsockname()[1]))
+    os.replace(tmp, ready)
+    await stop.wait()
+    server.close()
+
+
+def time_cell(port: int, requests: int, pause: float) -> list[float]:
+    """First-token times (µs) of ``requests`` requests on one new kept-alive connection."""
+    out = []
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        for i in range(WARM + requests):
+            if pause:
+                time.sleep(pause)
+            sent = time.perf_counter()
+            sock.sendall(REQUEST)
+            buf, first = b"", None
+            while not buf.endswith(b"0\r\n\r\n"):
+                data = sock.recv(65536)
+                if not data:
+                    raise RuntimeError(f"port {port}: the connection closed mid-answer")
+                buf += data
+                if first is None and b'"content"' in buf:
+                    first = time.perf_counter() - sent
+            if i >= WARM and first is not None:
+                out.append(first * 1e6)
+    return out
+
+
+def summarise(rounds: list[dict[str, float]], kinds: list[str]) -> dict[str, dict[str, float | None]]:
+    out: dict[str, dict[str, float | None]] = {}
+    for kind in kinds:
+        med = [r[kind] for r in rounds if kind in r]
+        added = [r[kind] - r["direct"] for r in rounds if kind in r and "direct" in r]
+        out[kind] = {"first_token_us": statistics.median(med) if med else None,
+                     "added_us": statistics.median(added) if added and kind != "direct" else None}
+    ngx = out.get("nginx", {}).get("added_us")
+    for kind in kinds:
+        a = out[kind]["added_us"]
+        out[kind]["x_nginx"] = a / ngx if a is not None and ngx and ngx > 0 else None
+    return out
+
+
+def render(data: dict[str, Any]) -> str:
+    m = data["machine"]
+    lines = [SECTION, "",
+             f"`{data['command']}` (`bench/front_hop.py`), run on {data['date']} from commit {data['commit']} on "
+             f"{m.get('cpus', '?')} cores; load average {data['load_before']} before, {data['load_after']} after "
+             f"({data.get('machine_note') or 'shared machine'}). Raw data in `bench/front_hop.json`. "
+             f"{data['rounds']} rounds; per round and path one cell of {data['requests']} requests back to back "
+             f"(hot) and one of {data['idle_requests']} requests {data['pause'] * 1e3:g} ms apart (idle), cells "
+             "in a shuffled order. First token: median of a cell, then the median over rounds; added: paired "
+             "with direct's cell of the same round. nginx " + (data.get("nginx_version") or "not found") + ".", "",
+             "| path | hot: first token (µs) | hot: added (µs) | hot: × nginx's | idle: first token (µs) "
+             "| idle: added (µs) | idle: × nginx's |", "|---|---|---|---|---|---|---|"]
+
+    def cell(row: dict[str, float | None], key: str, spec: str) -> str:
+        v = row.get(key)
+        return "–" if v is None else format(v, spec)
+
+    for kind in data["kinds"]:
+        hot, idle = data["summary"]["hot"][kind], data["summary"]["idle"][kind]
+        lines.append(f"| {LABELS.get(kind, kind)} | {cell(hot, 'first_token_us', '.0f')} | "
+                     f"{cell(hot, 'added_us', '+.0f')} | {cell(hot, 'x_nginx', '.1f')} | "
+                     f"{cell(idle, 'first_token_us', '.0f')} | {cell(idle, 'added_us', '+.0f')} | "
+                     f"{cell(idle, 'x_nginx', '.1f')} |")
+    lines += ["", *data.get("findings", []), ""]
+    return "\n".join(lines)
+
+
+def findings(data: dict[str, Any]) -> list[str]:
+    s = data["summary"]
+    if "nginx" not in data["kinds"]:
+        return []
+    out = []
+    for mode in ("hot", "idle"):
+        door, relay, ngx = (s[mode][k]["added_us"] for k in ("door", "relay", "nginx"))
+        if None in (door, relay, ngx):
+            continue
+        out.append(f"- **{mode}**: nginx adds {ngx:+.0f} µs, the bare CPython relay {relay:+.0f} µs, the door "
+                   f"{door:+.0f} µs (the door's own work over the relay: {door - relay:+.0f} µs)."
+                   + (" The bare relay alone is over twice nginx's hop: no proxy on CPython's event loop meets "
+                      "\"twice nginx's\" here." if ngx > 0 and relay > 2 * ngx else ""))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.front_hop", description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--requests", type=int, default=1000, help="hot: requests per cell, back to back")
+    parser.add_argument("--idle-requests", type=int, default=200, help="idle: requests per cell, --pause apart")
+    parser.add_argument("--pause", type=float, default=0.02, help="idle: seconds between requests")
+    parser.add_argument("--uvloop", action=argparse.BooleanOptionalAction, default=True,
+                        help="also the relay and the door on uvloop (needs the 'bench' extra)")
+    parser.add_argument("--machine-note")
+    parser.add_argument("--no-write", action="store_true")
+    parser.add_argument("--role", choices=("upstream",), help=argparse.SUPPRESS)
+    parser.add_argument("--ready", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.role == "upstream":
+        asyncio.run(_upstream(args.ready))
+        return 0
+
+    nginx = find_nginx(VENVS)
+    kinds = [k for k in KINDS if (nginx or k != "nginx") and (args.uvloop or "uvloop" not in k)]
+    nginx_version = None
+    if nginx:
+        import subprocess
+        v = subprocess.run([nginx, "-v"], capture_output=True, text=True)
+        nginx_version = (v.stderr or v.stdout).strip().split(":", 1)[-1].strip()
+    command = "python -m bench.front_hop " + " ".join(argv if argv is not None else sys.argv[1:])
+    data: dict[str, Any] = {
+        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"), "commit": git_commit(), "machine": machine(),
+        "command": command.strip(), "rounds": args.rounds, "requests": args.requests,
+        "idle_requests": args.idle_requests, "pause": args.pause, "kinds": kinds, "nginx_version": nginx_version,
+        "load_before": load_average(), "machine_note": args.machine_note}
+    work = Path(tempfile.mkdtemp(prefix="mlxwatch-front-hop-"))
+
+    def terminated(signum: int, _frame: Any) -> None:
+        raise SystemExit(128 + signum)  # unwinds through the finally blocks: every process we started is ended
+
+    signal.signal(signal.SIGTERM, terminated)
+    procs: list[Proc] = []
+    try:
+        up = Proc([sys.executable, "-m", "bench.front_hop", "--role", "upstream", "--ready", str(work / "up.port")],
+                  work / "upstream.log")
+        procs.append(up)
+        upstream = f"http://127.0.0.1:{_wait_ready(up, work / 'up.port')}"
+        ports = {"direct": int(upstream.rsplit(":", 1)[1])}
+        for kind in kinds[1:]:
+            proc, url = start_proxy(kind, upstream, work, nginx)
+            procs.append(proc)
+            ports[kind] = int(url.rsplit(":", 1)[1])
+        rounds: dict[str, list[dict[str, float]]] = {"hot": [], "idle": []}
+        for r in range(args.rounds):
+            for mode, n, pause in (("hot", args.requests, 0.0), ("idle", args.idle_requests, args.pause)):
+                order = random.sample(kinds, len(kinds))
+                medians = {kind: statistics.median(time_cell(ports[kind], n, pause)) for kind in order}
+                rounds[mode].append(medians)
+                log(f"front_hop r{r} {mode}: " + ", ".join(f"{k} {medians[k]:.0f}" for k in kinds) + " µs")
+        data["rounds_data"] = rounds
+        data["summary"] = {mode: summarise(rounds[mode], kinds) for mode in rounds}
+    finally:
+        for proc in reversed(procs):
+            proc.stop()
+    data["load_after"] = load_average()
+    data["findings"] = findings(data)
+    section = render(data)
+    if args.no_write:
+        print(section)
+        return 0
+    write_json(ROOT / "bench" / "front_hop.json", data)
+    md = ROOT / "bench" / "RESULTS.md"
+    tmp = md.with_suffix(".md.tmp")
+    tmp.write_text(splice_section(md.read_text(), SECTION, section))
+    os.replace(tmp, md)
+    log(f"front_hop: wrote bench/front_hop.json and the section in {md}")
+    print(section)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
