@@ -1,11 +1,12 @@
 """HTTP/1.1 for the front door: asyncio's transports and httptools' parsers, nothing between.
 
-The door is a hop every token crosses, so the hop must cost about what nginx's does. aiohttp's
-server and client, joined with none of the door's work, added 0.6-1.1 ms to the first token where
-nginx added 0.1-0.35 ms (bench/RESULTS.md); a plain byte relay on asyncio added what nginx adds.
-So the door keeps that shape: bytes are parsed by httptools (llhttp, the parser of Node.js, as
-uvicorn uses it) and written on by the protocol callbacks that receive them, with no stream object,
-task or copy between a chunk from the server and the ``write`` to the client.
+The door is a hop every token crosses, so the hop must cost as little as Python allows. aiohttp's
+server and client, joined with none of the door's work, added 0.7-1.4 ms to the first token where
+nginx added 0.06-0.35 ms (bench/RESULTS.md); a bare relay on asyncio's transports and httptools
+adds 1.8-2.0x nginx's hop (bench/front_hop.py), the least a CPython proxy adds. So the door keeps
+the relay's shape: bytes are parsed by httptools (llhttp, the parser of Node.js, as uvicorn uses
+it) and written on by the protocol callbacks that receive them, with no stream object, task or
+copy between a chunk from the server and the ``write`` to the client.
 
 - ``ClientConnection``: one client's connection. Parses its requests (limits and timeouts as
   nginx sets them), hands each complete request to the door in order, writes the answer with the
