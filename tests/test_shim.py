@@ -176,8 +176,13 @@ def test_heartbeat_counts_steps_tokens_and_requests_in_flight_and_keeps_the_pid(
 def test_livelock_shows_steps_without_tokens_and_a_growing_stall(standin):
     s = standin()
     s.wait_for(lambda h: h.tokens > 0, what="tokens")
+    switched = time.time()
     s.set_mode("spin")
-    first = s.wait_for(lambda h: h.stalled_for > 1.0, what="stall")
+    # A stall seen once the loop has stepped twice after a heartbeat published after the switch:
+    # every step since spins (a loop starved of CPU before the switch also shows a stall, then
+    # finishes the step that was in flight with tokens: seen once on a loaded machine).
+    after = s.wait_for(lambda h: h.published_at > switched + 0.1, what="a heartbeat after the switch")
+    first = s.wait_for(lambda h: h.steps > after.steps + 1 and h.stalled_for > 1.0, what="stall")
     second = s.wait_for(lambda h: h.published_at > first.published_at + 1, what="a later heartbeat")
     change = heartbeat.Change.between(first, second)
     assert change.steps > 10 and change.tokens == 0 and second.in_flight == 1
