@@ -257,6 +257,16 @@ def test_a_wall_clock_step_does_not_make_a_live_process_look_gone(tmp_path, monk
     assert bundle.partial_writer_alive(partial) is True
 
 
+def test_a_process_of_another_boot_is_never_the_recorded_one():
+    """On Linux a process's start counts from boot: after a reboot, a server started at the same
+    moment of the boot may have the recorded PID and start. The boot is recorded with them."""
+    recorded = ProcessIdentity.of(os.getpid())
+    assert recorded.boot is not None and recorded.alive()
+    earlier_boot = ProcessIdentity.from_dict({**recorded.to_dict(), "boot": "linux:an-earlier-boot"})
+    assert not earlier_boot.alive()
+    assert not lookagain.same_process(earlier_boot, recorded)
+
+
 def test_an_identity_recorded_before_start_stamps_still_proves_its_process(monkeypatch):
     """A state file from an earlier mlxwatch has no ``started``: it is compared by create time,
     as before (a reused PID is still told apart)."""

@@ -44,7 +44,7 @@ from typing import Any, Callable
 import psutil
 
 from mlxwatch.errors import BundleError
-from mlxwatch.host.process import ProcessIdentity, start_stamp
+from mlxwatch.host.process import ProcessIdentity, start_stamp, this_boot
 from mlxwatch.storage import free_bytes, fsync_dir, private_dir, write_new
 
 FORMAT_VERSION = 1
@@ -362,7 +362,8 @@ def prune(root: Path, keep: int, max_bytes: int, protect: Path | None = None,
 
 def _this_writer() -> dict[str, Any]:
     me = psutil.Process()
-    return {"pid": me.pid, "create_time": me.create_time(), "started": start_stamp(me), "host": socket.gethostname()}
+    return {"pid": me.pid, "create_time": me.create_time(), "started": start_stamp(me), "boot": this_boot(),
+            "host": socket.gethostname()}
 
 
 def partial_writer_alive(partial: Path) -> bool | None:

@@ -40,11 +40,18 @@ from urllib.parse import urlsplit
 
 import psutil
 
+from mlxwatch.clock import boot_id
 from mlxwatch.config import InstanceConfig, url_port
 from mlxwatch.errors import ProcessGoneError
 
 MLX_SERVER_DEFAULT_PORT = 8080  # mlx_lm.server's --port default
 SAME_START = 0.01  # seconds: the precision of a process's start on Linux (one clock tick)
+
+
+@lru_cache(maxsize=1)
+def this_boot() -> str:
+    """This boot of the machine (``clock.boot_id``), read once: it does not change under a process."""
+    return boot_id()
 
 
 def start_stamp(proc: psutil.Process) -> float:
@@ -65,14 +72,17 @@ class ProcessIdentity:
     ``(ip, port)`` it was seen listening on when it was proven to be the server.
 
     ``create_time`` is the wall time psutil gave when it was recorded (shown, and compared with
-    files' times); ``started`` (``start_stamp``) is what proves it is the same process later.
-    Identities recorded without ``started`` (state from before it) compare by create time."""
+    files' times); ``started`` (``start_stamp``) in ``boot`` (``clock.boot_id``: on Linux the start
+    counts from boot, so another boot's process may have the same) is what proves it is the same
+    process later. Identities recorded without ``started`` (state from before it) compare by
+    create time."""
 
     pid: int
     create_time: float
     cmdline: tuple[str, ...]
     address: tuple[str, int] | None = None
     started: float | None = None
+    boot: str | None = None
 
     @classmethod
     def of(cls, pid: int, address: tuple[str, int] | None = None) -> "ProcessIdentity":
@@ -81,7 +91,7 @@ class ProcessIdentity:
             with proc.oneshot():
                 if proc.status() == psutil.STATUS_ZOMBIE:
                     raise ProcessGoneError(f"process {pid} has exited (zombie)")
-                return cls(pid, proc.create_time(), tuple(_cmdline(proc)), address, start_stamp(proc))
+                return cls(pid, proc.create_time(), tuple(_cmdline(proc)), address, start_stamp(proc), this_boot())
         except psutil.NoSuchProcess:
             raise ProcessGoneError(f"no process with PID {pid}") from None
 
@@ -90,10 +100,10 @@ class ProcessIdentity:
         try:
             proc = psutil.Process(self.pid)
             with proc.oneshot():
-                if self.started is not None:
-                    same = abs(start_stamp(proc) - self.started) < SAME_START
-                else:
+                if self.started is None:
                     same = abs(proc.create_time() - self.create_time) < SAME_START
+                else:
+                    same = self.boot in (None, this_boot()) and abs(start_stamp(proc) - self.started) < SAME_START
                 return same and proc.status() != psutil.STATUS_ZOMBIE
         except psutil.Error:
             return False
@@ -103,7 +113,7 @@ class ProcessIdentity:
         if other is None or other.pid != self.pid:
             return False
         if self.started is not None and other.started is not None:
-            return abs(self.started - other.started) < SAME_START
+            return self.boot == other.boot and abs(self.started - other.started) < SAME_START
         return abs(self.create_time - other.create_time) < SAME_START
 
     def still_ours(self, url: str) -> bool:
@@ -114,15 +124,16 @@ class ProcessIdentity:
         return f"PID {self.pid}: {short_cmdline(self.cmdline)}"
 
     def to_dict(self) -> dict:
-        return {"pid": self.pid, "create_time": self.create_time, "started": self.started,
+        return {"pid": self.pid, "create_time": self.create_time, "started": self.started, "boot": self.boot,
                 "cmdline": list(self.cmdline), "address": list(self.address) if self.address else None}
 
     @classmethod
     def from_dict(cls, data: dict) -> "ProcessIdentity":
-        address, started = data.get("address"), data.get("started")
+        address, started, boot = data.get("address"), data.get("started"), data.get("boot")
         return cls(int(data["pid"]), float(data["create_time"]), tuple(str(a) for a in data.get("cmdline") or ()),
                    (str(address[0]), int(address[1])) if address else None,
-                   float(started) if isinstance(started, (int, float)) else None)
+                   float(started) if isinstance(started, (int, float)) else None,
+                   boot if isinstance(boot, str) else None)
 
 
 @dataclass(frozen=True)
@@ -401,7 +412,8 @@ def _loading_server(port: int) -> ProcessIdentity | None:
             if proc.info["status"] == psutil.STATUS_ZOMBIE or not is_mlx_server(cmdline):
                 continue
             if server_port(cmdline) == port:
-                return ProcessIdentity(proc.info["pid"], proc.info["create_time"], tuple(cmdline), None, start_stamp(proc))
+                return ProcessIdentity(proc.info["pid"], proc.info["create_time"], tuple(cmdline), None,
+                                       start_stamp(proc), this_boot())
         except (psutil.Error, TypeError):
             continue
     return None
