@@ -103,7 +103,7 @@ def test_stacks_shim_shows_the_generation_thread_without_py_spy(shim_lab, tmp_pa
     steps = {s["name"]: s for s in bundle.manifest["steps"]}
     assert steps["stacks"]["outcome"] == "ok", steps["stacks"]
     dumps = sorted((bundle.path / "stacks").glob("shim-*.txt"))
-    assert len(dumps) == 3 and not list((bundle.path / "stacks").glob("pyspy-*"))
+    assert len(dumps) == 3 and not list((bundle.path / "stacks").glob("pyspy-*")), (steps["stacks"], dumps)
     for dump in dumps:
         threads = parse_dump(dump.read_text(), hb_of(shim_lab).thread_names())
         gen = stacks.generation_thread(threads)
