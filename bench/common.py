@@ -258,6 +258,17 @@ def splice_section(md: str, heading: str, section: str) -> str:
     return md[:start] + section.rstrip("\n") + "\n" + rest
 
 
+def write_section(name: str, data: Any, heading: str, section: str) -> Path:
+    """A benchmark's own run: ``bench/<name>.json`` and its section of RESULTS.md (replaced
+    atomically); the RESULTS.md path."""
+    write_json(ROOT / "bench" / f"{name}.json", data)
+    md = ROOT / "bench" / "RESULTS.md"
+    tmp = md.with_suffix(".md.tmp")
+    tmp.write_text(splice_section(md.read_text(), heading, section))
+    os.replace(tmp, md)
+    return md
+
+
 def keep_other_sections(old_md: str, new_md: str) -> str:
     """``new_md`` plus every ``## `` section of ``old_md`` it does not have: the sections other
     benchmarks write into RESULTS.md by themselves (front_perf, front_detection, the slow soak)

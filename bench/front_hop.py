@@ -42,7 +42,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from bench.common import ROOT, VENVS, git_commit, load_average, log, machine, splice_section, write_json
+from bench.common import ROOT, VENVS, git_commit, load_average, log, machine, write_section
 from bench.front_perf import Proc, _wait_ready, find_nginx, start_proxy
 
 SECTION = "## The front door's hop, alone (direct vs nginx vs a bare relay vs the door)"
@@ -187,11 +187,7 @@ def _write(data: dict[str, Any], no_write: bool) -> None:
     print(section)
     if no_write:
         return
-    write_json(ROOT / "bench" / "front_hop.json", data)
-    md = ROOT / "bench" / "RESULTS.md"
-    tmp = md.with_suffix(".md.tmp")
-    tmp.write_text(splice_section(md.read_text(), SECTION, section))
-    os.replace(tmp, md)
+    md = write_section("front_hop", data, SECTION, section)
     log(f"front_hop: wrote bench/front_hop.json and the section in {md}")
 
 

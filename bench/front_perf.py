@@ -58,8 +58,7 @@ from bench.common import (
     log,
     machine,
     quantile,
-    splice_section,
-    write_json,
+    write_section,
 )
 from lab.nginx import NGINX_CONF, find_nginx
 
@@ -646,11 +645,7 @@ def _write(data: dict[str, Any], no_write: bool) -> None:
     if no_write:
         print(section)
     else:
-        write_json(ROOT / "bench" / "front_perf.json", data)
-        md = ROOT / "bench" / "RESULTS.md"
-        tmp = md.with_suffix(".md.tmp")
-        tmp.write_text(splice_section(md.read_text(), SECTION, section))
-        os.replace(tmp, md)
+        md = write_section("front_perf", data, SECTION, section)
         log(f"front_perf: wrote {ROOT / 'bench' / 'front_perf.json'} and the section in {md}")
     for t in data["targets"]:
         log(f"  {'MET ' if t['met'] else 'MISS'} {t['target']}: {t['measured']}")
