@@ -103,7 +103,7 @@ class ProcessIdentity:
                 if self.started is None:
                     same = abs(proc.create_time() - self.create_time) < SAME_START
                 else:
-                    same = self.boot in (None, this_boot()) and abs(start_stamp(proc) - self.started) < SAME_START
+                    same = self._same_start(start_stamp(proc), this_boot())
                 return same and proc.status() != psutil.STATUS_ZOMBIE
         except psutil.Error:
             return False
@@ -113,8 +113,13 @@ class ProcessIdentity:
         if other is None or other.pid != self.pid:
             return False
         if self.started is not None and other.started is not None:
-            return self.boot == other.boot and abs(self.started - other.started) < SAME_START
+            return self._same_start(other.started, other.boot)
         return abs(self.create_time - other.create_time) < SAME_START
+
+    def _same_start(self, started: float, boot: str | None) -> bool:
+        """The recorded start again, in the same boot (a side that recorded no boot is not asked)."""
+        assert self.started is not None
+        return (None in (self.boot, boot) or self.boot == boot) and abs(started - self.started) < SAME_START
 
     def still_ours(self, url: str) -> bool:
         """The recorded process, and still listening on ``url``'s exact address."""
