@@ -135,6 +135,12 @@ class Upstream:
             await reader.read()
             self.closed.set()
             return
+        if not streaming and mode in ("head-then-die", "part-then-die"):  # mlx-lm killed between its writes
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: "
+                         + str(len(NON_STREAM)).encode() + b"\r\n\r\n"
+                         + (NON_STREAM[:10] if mode == "part-then-die" else b""))
+            await writer.drain()
+            return
         if not streaming:
             writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nServer: standin\r\nDate: "
                          + DATE.encode() + b"\r\nContent-Length: " + str(len(NON_STREAM)).encode()
@@ -580,6 +586,35 @@ async def test_a_stream_the_server_cuts_short_ends_with_an_error(mode):
         assert door.view().outcomes["failed_loudly"] == 1
     assert got == TOKENS[:2]
     assert caught.value.body["code"] == "mlxwatch_upstream_truncated"
+
+
+@pytest.mark.parametrize("mode", ["head-then-die", "part-then-die"])
+async def test_a_non_streaming_answer_the_server_cuts_short_is_an_explicit_502(mode):
+    """mlx-lm writes a non-streaming answer's head and body in two writes; a server killed between
+    them (seen once in the real crash fault) must not leave the client a cut connection
+    (openai: APIConnectionError) but the door's JSON error."""
+    async with Upstream() as up, _door(up) as door:
+        client = _client(door, max_retries=0)
+        with pytest.raises(openai.APIStatusError) as caught:
+            await client.chat.completions.create(model="m", messages=MESSAGES, extra_headers={"X-Mode": mode})
+        await client.close()
+        assert door.view().outcomes["failed_loudly"] == 1
+    assert caught.value.status_code == 502
+    assert caught.value.body["code"] == "mlxwatch_upstream_truncated"
+
+
+async def test_a_whole_non_streaming_answer_is_sent_once_and_counted_once():
+    """The held head leaves with its body: the client reads the server's answer as sent, and its
+    tokens are counted once."""
+    async with Upstream() as up, _door(up) as door:
+        raw = await _raw(_url(door), b"POST /v1/chat/completions HTTP/1.1\r\nHost: h\r\nContent-Type: "
+                                     b"application/json\r\nContent-Length: 2\r\n\r\n{}")
+        await _until(lambda: door.view().outcomes["ok"] == 1, "the answer recorded")
+        view = door.view()
+    status, headers, body = _split(raw)
+    assert status.startswith("HTTP/1.1 200") and body == NON_STREAM
+    assert ("Content-Length", str(len(NON_STREAM))) in headers
+    assert view.tokens_total == 5  # its usage.completion_tokens, once
 
 
 async def test_upstream_refusing_connections_is_a_503_not_an_empty_answer():

@@ -404,8 +404,12 @@ class FrontDoor:
             conn.attach(None)
             upstream.detach()  # never reused half-read: a cancelled relay closes the server's request now
         if error is not None and not conn.started:
-            conn.answer(http1.error_answer(503, f"the server at {self._upstream} did not answer ({error})",
-                                           wire.UNREACHABLE, retry_after=RETRY_AFTER))
+            if relay.status:  # its head came, held until the body was whole, which it never was
+                conn.answer(http1.error_answer(502, f"the server ended its answer early ({error})",
+                                               wire.TRUNCATED))
+            else:
+                conn.answer(http1.error_answer(503, f"the server at {self._upstream} did not answer ({error})",
+                                               wire.UNREACHABLE, retry_after=RETRY_AFTER))
             return FAILED_LOUDLY
         if error is not None:
             live.failure = (f"the server ended the response early ({error})", wire.TRUNCATED)
@@ -446,7 +450,12 @@ class FrontDoor:
 class _Relay:
     """One answer from the server on its way to the client (an ``http1.Sink``): what one read
     from the server brings is sent to the client in one write, then counted (the client never
-    waits for the door's bookkeeping)."""
+    waits for the door's bookkeeping).
+
+    A non-streaming generation answer is the exception: its head is held until its body is whole
+    (the server writes both at once when the generation is done, so the client waits no longer).
+    Once a length is promised to the client a body cut short can only be a cut connection; held,
+    a server that dies between head and body gets the client an explicit 502 instead."""
 
     def __init__(self, door: FrontDoor, conn: http1.ClientConnection, live: _Live, parsed: _Parsed, *,
                  head_only: bool) -> None:
@@ -455,6 +464,8 @@ class _Relay:
         self.status = 0
         self.collected: bytearray | None = None  # a generation's whole JSON answer, to count its tokens
         self._sent: list[bytes] | None = None  # chunks of the current read, counted once they are sent
+        self._held: tuple[int, str, list[tuple[str, str]], int] | None = None  # a head sent with its whole body
+        self._held_body = bytearray()
 
     def begin_read(self) -> None:
         self.conn.hold_writes()
@@ -476,9 +487,25 @@ class _Relay:
         out = wire.end_to_end(headers)
         if length is None and not self.head_only:  # the door frames this body itself
             out = [(k, v) for k, v in out if k.lower() != "content-length"]
+        if self.collected is not None and length is not None and length <= MAX_BODY_READ and not self.head_only:
+            self._held = (status, reason, out, length)
+            return
         self.conn.start(status, reason, out, length=length, head_only=self.head_only)
 
+    def _release(self) -> None:
+        assert self._held is not None
+        status, reason, out, length = self._held
+        body, self._held, self._held_body = bytes(self._held_body), None, bytearray()
+        self.conn.start(status, reason, out, length=length, head_only=False)
+        if body:
+            self.on_body(body)
+
     def on_body(self, chunk: bytes) -> None:
+        if self._held is not None:
+            self._held_body += chunk
+            if len(self._held_body) >= self._held[3]:
+                self._release()
+            return
         self.conn.write(chunk)  # backpressure: a client that does not read pauses the server's side
         if self._sent is not None:
             self._sent.append(chunk)
@@ -493,6 +520,8 @@ class _Relay:
         self.door._delivered(live, tokens, len(chunk))
 
     def on_end(self, error: str | None) -> None:
+        if self._held is not None and error is None:
+            self._release()  # an empty body (a shorter one ends with an error)
         if not self.done.done():
             self.done.set_result(error)
 
