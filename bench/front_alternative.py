@@ -11,6 +11,8 @@ never imported by ``mlxwatch``. The HTTP libraries weighed for the door (docs/fr
   request forwarded from the callback that completes it, each read of the answer written on from
   the callback that receives it. The least a CPython proxy does: the floor under the door's cost.
   ``--uvloop`` runs it on uvloop's event loop.
+- ``--library threads``: the relay's work on a thread per client connection with blocking
+  sockets, no event loop: what another I/O model of CPython would buy.
 
     python -m bench.front_alternative --library uvicorn --listen 127.0.0.1:8082 --upstream http://127.0.0.1:8080
 
@@ -215,9 +217,104 @@ async def serve_relay(upstream: str, host: str, port: int) -> None:
     server.close()
 
 
+class _Answer:
+    """httptools' callbacks for one answer read by a relay thread: each piece is written to the
+    client from the ``recv`` that brought it."""
+
+    def __init__(self, client: Any) -> None:
+        self.client, self.headers, self.done = client, [], False  # type: ignore[var-annotated]
+        self.out: list[bytes] = []
+        self.parser: Any = None
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.headers.append((name, value))
+
+    def on_headers_complete(self) -> None:
+        head = [b"HTTP/1.1 %d OK\r\n" % self.parser.get_status_code()]
+        head += [k + b": " + v + b"\r\n" for k, v in self.headers if k.lower() not in HOP_BY_HOP]
+        self.out.append(b"".join(head) + b"Transfer-Encoding: chunked\r\n\r\n")
+
+    def on_body(self, body: bytes) -> None:
+        self.out.append(b"%x\r\n%b\r\n" % (len(body), body))
+
+    def on_message_complete(self) -> None:
+        self.out.append(b"0\r\n\r\n")
+        self.done = True
+
+
+def _relay_thread(client: Any, address: tuple[str, int]) -> None:
+    """One client connection on its own thread with blocking sockets: no event loop between a
+    byte's arrival and its ``send`` on."""
+    import socket
+
+    import httptools
+
+    class Request:
+        def __init__(self) -> None:
+            self.url, self.headers, self.body, self.complete = b"", [], [], False  # type: ignore[var-annotated]
+
+        def on_url(self, url: bytes) -> None:
+            self.url += url
+
+        def on_header(self, name: bytes, value: bytes) -> None:
+            self.headers.append((name, value))
+
+        def on_body(self, body: bytes) -> None:
+            self.body.append(body)
+
+        def on_message_complete(self) -> None:
+            self.complete = True
+
+    up = socket.create_connection(address)
+    up.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    client.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    with client, up:
+        while True:
+            req = Request()
+            parser = httptools.HttpRequestParser(req)
+            while not req.complete:
+                data = client.recv(65536)
+                if not data:
+                    return
+                parser.feed_data(data)
+            body = b"".join(req.body)
+            lines = [parser.get_method() + b" " + req.url + b" HTTP/1.1\r\nHost: upstream\r\n"]
+            lines += [k + b": " + v + b"\r\n" for k, v in req.headers if k.lower() not in HOP_BY_HOP]
+            up.sendall(b"".join(lines) + b"Content-Length: %d\r\n\r\n" % len(body) + body)
+            answer = _Answer(client)
+            answer.parser = reader = httptools.HttpResponseParser(answer)
+            while not answer.done:
+                data = up.recv(65536)
+                if not data:
+                    return
+                reader.feed_data(data)
+                client.sendall(b"".join(answer.out))
+                answer.out.clear()
+
+
+def serve_threads(upstream: str, host: str, port: int) -> None:
+    """The threaded relay (``--library threads``): a measuring stick like the relay."""
+    import signal
+    import socket
+    import threading
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(upstream)
+    address = (parts.hostname or "127.0.0.1", parts.port or 80)
+    listener = socket.create_server((host, port), backlog=512)
+    signal.signal(signal.SIGTERM, lambda *_: listener.close())
+    try:
+        while True:
+            client, _ = listener.accept()
+            threading.Thread(target=_relay_thread, args=(client, address), daemon=True).start()
+    except OSError:
+        return
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--library", choices=("uvicorn", "aiohttp", "relay"), default="uvicorn")
+    parser.add_argument("--library", choices=("uvicorn", "aiohttp", "relay", "threads"),
+                        default="uvicorn")
     parser.add_argument("--listen", required=True, help="HOST:PORT (loopback)")
     parser.add_argument("--upstream", required=True, help="the server's base URL")
     parser.add_argument("--uvloop", action="store_true", help="relay only: on uvloop's event loop")
@@ -225,6 +322,9 @@ def main() -> None:
     host, _, port = args.listen.rpartition(":")
     if args.library == "aiohttp":
         asyncio.run(serve_aiohttp(args.upstream, host, int(port)))
+        return
+    if args.library == "threads":
+        serve_threads(args.upstream, host, int(port))
         return
     if args.library == "relay":
         if args.uvloop:

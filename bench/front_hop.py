@@ -46,9 +46,10 @@ from bench.common import ROOT, VENVS, git_commit, load_average, log, machine, wr
 from bench.front_perf import Proc, _wait_ready, find_nginx, start_proxy
 
 SECTION = "## The front door's hop, alone (direct vs nginx vs a bare relay vs the door)"
-KINDS = ("direct", "nginx", "relay", "door", "relay+uvloop", "door+uvloop")
+KINDS = ("direct", "nginx", "relay", "door", "relay+uvloop", "door+uvloop", "threads")
 LABELS = {"relay": "bare CPython relay (asyncio + httptools)", "door": "front door",
-          "relay+uvloop": "bare relay on uvloop", "door+uvloop": "front door on uvloop"}
+          "relay+uvloop": "bare relay on uvloop", "door+uvloop": "front door on uvloop",
+          "threads": "bare relay on threads (blocking sockets)"}
 PATH_ = "/v1/chat/completions"
 BODY = json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "stream": True}).encode()
 REQUEST = (b"POST " + PATH_.encode() + b" HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\n"
@@ -199,6 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pause", type=float, default=0.02, help="idle: seconds between requests")
     parser.add_argument("--uvloop", action=argparse.BooleanOptionalAction, default=True,
                         help="also the relay and the door on uvloop (needs the 'bench' extra)")
+    parser.add_argument("--kinds", help="comma-separated paths to measure (default: all; direct is always measured)")
     parser.add_argument("--machine-note")
     parser.add_argument("--no-write", action="store_true", help="print the section; write neither JSON nor RESULTS.md")
     parser.add_argument("--render-only", action="store_true",
@@ -215,6 +217,12 @@ def main(argv: list[str] | None = None) -> int:
 
     nginx = find_nginx(VENVS)
     kinds = [k for k in KINDS if (nginx or k != "nginx") and (args.uvloop or "uvloop" not in k)]
+    if args.kinds:
+        wanted = {"direct", *args.kinds.split(",")}
+        unknown = wanted - set(KINDS)
+        if unknown:
+            parser.error(f"--kinds: unknown path(s) {', '.join(sorted(unknown))} (known: {', '.join(KINDS)})")
+        kinds = [k for k in kinds if k in wanted]
     nginx_version = None
     if nginx:
         import subprocess

@@ -290,7 +290,7 @@ def start_proxy(kind: str, upstream: str, work: Path, nginx: str | None) -> tupl
             raise
     from lab.ports import free_port
     port = free_port()
-    if kind in ("aiohttp", "uvicorn", "relay", "relay+uvloop"):  # plain pass-throughs (bench/front_alternative.py)
+    if kind in ("aiohttp", "uvicorn", "relay", "relay+uvloop", "threads"):  # plain pass-throughs (bench/front_alternative.py)
         library, _, loop = kind.partition("+")
         proc = Proc([sys.executable, "-m", "bench.front_alternative", "--library", library,
                      "--listen", f"127.0.0.1:{port}", "--upstream", upstream] + (["--uvloop"] if loop else []),
