@@ -16,9 +16,11 @@ on one kept-alive connection timing, per request, send to the first token's arri
   since the last token, as it has between the tokens of a 50 tok/s stream, and wakes cold.
 
 Paths: direct; nginx (one worker, as in front_perf); ``relay``: asyncio's transports and httptools
-with nothing else (``bench/front_alternative.py --library relay``), the least any CPython proxy
+with nothing else (``bench/front_alternative.py --library relay``), the least an asyncio proxy
 does, so the floor under the door; the door (``mlxwatch.front.FrontDoor``, its own process, as the
-daemon runs it); and the relay and the door on uvloop's event loop (what that loop would buy).
+daemon runs it); the relay and the door on uvloop's event loop (what that loop would buy); and
+``threads``: the relay's work on a thread per connection with blocking sockets (what CPython's
+other I/O model would buy). ``--kinds`` measures some of them only.
 Every proxy runs for the whole bench; the cells of a round run in a shuffled order, and each
 path's added latency is paired with direct's cell of the same round (median over rounds).
 

@@ -66,8 +66,9 @@ SECTION = "## The front door's cost (direct vs nginx vs the door)"
 # The HTTP libraries weighed for the door, each joined as a plain pass-through with none of the
 # door's work (bench/front_alternative.py): aiohttp (server and client, what the door was first
 # built on) and uvicorn+httpx.
-KINDS = ("direct", "nginx", "door", "aiohttp", "uvicorn")
-LABELS = {"aiohttp": "aiohttp alone", "uvicorn": "uvicorn+httpx"}
+KINDS = ("direct", "nginx", "door", "aiohttp", "uvicorn", "relay", "relay+uvloop", "threads")  # table order
+LABELS = {"aiohttp": "aiohttp alone", "uvicorn": "uvicorn+httpx", "relay": "bare relay (asyncio)",
+          "relay+uvloop": "bare relay (uvloop)", "threads": "bare relay (threads)"}
 GAP_TARGET_MS = 1.0  # added p99 inter-token gap at the most streams
 RATE_TARGET = 0.97  # tokens/s, fraction of direct
 TTFT_TARGET_X = 2.0  # added first-token latency, times nginx's
@@ -543,6 +544,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--libraries", action=argparse.BooleanOptionalAction, default=True,
                         help="also the HTTP libraries weighed for the door as plain pass-throughs: aiohttp "
                              "alone and uvicorn + httpx (needs the 'bench' extra; bench/front_alternative.py)")
+    parser.add_argument("--also", default="", help="more paths, comma-separated: relay, relay+uvloop, threads "
+                                                   "(bench/front_alternative.py's measuring sticks)")
     parser.add_argument("--machine-note", help="how loaded the machine was, for the section (default: shared)")
     parser.add_argument("--no-write", action="store_true", help="print the section; write neither JSON nor RESULTS.md")
     parser.add_argument("--render-only", action="store_true",
@@ -575,6 +578,11 @@ def main(argv: list[str] | None = None) -> int:
     kinds = ["direct", "nginx", "door"] if nginx else ["direct", "door"]
     if args.libraries:
         kinds += ["aiohttp", "uvicorn"]
+    also = [k for k in args.also.split(",") if k]
+    unknown = set(also) - {"relay", "relay+uvloop", "threads"}
+    if unknown:
+        parser.error(f"--also: unknown path(s) {', '.join(sorted(unknown))} (known: relay, relay+uvloop, threads)")
+    kinds += also
     if nginx is None:
         log("front_perf: nginx NOT FOUND (on PATH or in $MLXWATCH_VENVS/tools/bin; `bash bench/run.sh front_perf` "
             "installs it from Debian's package): measuring direct and the door only")

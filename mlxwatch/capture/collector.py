@@ -76,6 +76,7 @@ from mlxwatch.capture.runner import R, StepCallback, StepResult, StepRunner
 from mlxwatch.capture.summary import render_summary
 from mlxwatch.capture.versions import server_versions
 from mlxwatch.config import CaptureConfig, ProbeConfig
+from mlxwatch.errors import ProcessGoneError
 from mlxwatch.host.commands import CommandResult, Runner, run_command
 from mlxwatch.host.process import ProcessIdentity
 from mlxwatch.probes import CheckReport
@@ -320,13 +321,19 @@ async def _shim_stacks(req: CaptureRequest, pid: int, process: ProcessResult, fi
     and ``.json``). With ``required`` (``capture.stacks: shim``) a missing shim is the step's
     failure; in ``auto`` it is silence, and the caller goes on with py-spy."""
     hb, problem = await asyncio.to_thread(shim_stacks.find_dumper, pid, process.create_time)
-    if hb is None:
+    identity = None
+    if hb is not None:
+        try:  # what each dump request proves again before it signals (the PID, by its kernel start)
+            identity = await asyncio.to_thread(ProcessIdentity.of, pid)
+        except ProcessGoneError as exc:
+            hb, problem = None, str(exc)
+    if hb is None or identity is None:
         return StacksResult(outcome="failed", error=f"shim stacks: {problem}") if required else StacksResult()
     errors: list[str] = []
     async for i in _snapshot_schedule(req.snapshots, req.spacing):
         at = now()
         try:
-            dump = await asyncio.to_thread(shim_stacks.request_dump, pid, process.create_time, hb)
+            dump = await asyncio.to_thread(shim_stacks.request_dump, identity, hb)
         except (ShimError, OSError) as exc:
             errors.append(f"snapshot {i}: {exc}")
             if shim_stacks.dumps_are_over(exc):

@@ -9,7 +9,7 @@ by a process without the shim is never mistaken for the shimmed one, and never s
     hb, problem = find(pid, create_time)
     if hb and hb.seam_ok:
         print(hb.tokens_per_s, hb.since_last_token, hb.stalled_for)
-    text = request_stacks(hb, create_time)   # faulthandler's dump of every thread
+    text = request_stacks(hb, ProcessIdentity.of(pid))   # faulthandler's dump of every thread
 
 Reads are bounded (a regular file of at most ``MAX_BYTES``) and blocking: call them from a
 worker thread in async code.
@@ -28,6 +28,7 @@ from typing import Any
 
 import psutil
 
+from mlxwatch.host.process import ProcessIdentity
 from mlxwatch.shim import layout
 
 MAX_BYTES = 1024 * 1024
@@ -291,24 +292,21 @@ def find(pid: int, create_time: float | None = None) -> tuple[Heartbeat | None, 
     return None, "; ".join(dict.fromkeys(problems))
 
 
-def request_stacks(hb: Heartbeat, create_time: float | None, timeout: float = DUMP_TIMEOUT) -> str:
+def request_stacks(hb: Heartbeat, identity: ProcessIdentity | None, timeout: float = DUMP_TIMEOUT) -> str:
     """Send the shim's stack signal and return the dump it appends to its stacks file.
 
-    Sent only to the process the heartbeat belongs to (``create_time`` checked again right
-    before), and only when the heartbeat names the signal: a process without the shim would be
-    killed by it. Captures that ask at the same time take turns (a lock on the stacks file).
-    Raises ShimError when nothing came within ``timeout`` (a stopped process runs no handler)."""
+    Sent only to the process the heartbeat belongs to (``identity``, proven again right before
+    by its kernel start, which no clock step moves), and only when the heartbeat names the
+    signal: a process without the shim would be killed by it. Captures that ask at the same time
+    take turns (a lock on the stacks file). Raises ShimError when nothing came within
+    ``timeout`` (a stopped process runs no handler)."""
     signum, path = hb.stack_signal, hb.stacks_file
     if signum is None or path is None:
         raise ShimError("the shim offers no stack signal in this process")
     if os.path.dirname(os.path.abspath(path)) != os.path.dirname(os.path.abspath(hb.path)):
         raise ShimError(f"the heartbeat names a stacks file outside its own dir: {path}")
-    if create_time is not None:
-        try:
-            if abs(psutil.Process(hb.pid).create_time() - create_time) > 1.0:
-                raise ShimError(f"PID {hb.pid} is another process now")
-        except psutil.NoSuchProcess:
-            raise ShimError(f"PID {hb.pid} is gone") from None
+    if identity is not None and not identity.alive():
+        raise ShimError(f"PID {hb.pid} is " + ("another process now" if psutil.pid_exists(hb.pid) else "gone"))
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):

@@ -14,7 +14,7 @@ starting with ``shim:`` so a bundle says which evidence came from inside the ser
 Usage::
 
     hb, why_not = find_dumper(pid, create_time)
-    dump = request_dump(pid, create_time, hb)          # blocking: call it from a worker thread
+    dump = request_dump(ProcessIdentity.of(pid), hb)   # blocking: call it from a worker thread
     window = await heartbeat_window(pid, create_time, seconds=4.5)
     window.findings(probe_tokens=0).blocked
 """
@@ -27,6 +27,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
+from mlxwatch.host.process import ProcessIdentity
 from mlxwatch.shim import heartbeat
 from mlxwatch.shim.heartbeat import Change, Heartbeat
 from mlxwatch.stacks import Frame, ThreadStack
@@ -84,12 +85,12 @@ class ShimDump:
     threads: list[ThreadStack]
 
 
-def request_dump(pid: int, create_time: float | None, known: Heartbeat) -> ShimDump:
+def request_dump(identity: ProcessIdentity, known: Heartbeat) -> ShimDump:
     """Ask the shim for an all-thread dump now, naming threads from its newest heartbeat (or
     ``known``, if it no longer publishes). Blocking; raises ShimError or OSError."""
-    fresh, _ = heartbeat.find(pid, create_time)
+    fresh, _ = heartbeat.find(identity.pid, identity.create_time)
     hb = fresh or known
-    text = heartbeat.request_stacks(hb, create_time)
+    text = heartbeat.request_stacks(hb, identity)
     return ShimDump(text, parse_dump(text, hb.thread_names()))
 
 
