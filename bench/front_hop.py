@@ -180,6 +180,9 @@ def findings(data: dict[str, Any]) -> list[str]:
         uv_door, uv_relay = (s[mode].get(k, {}).get("added_us") for k in ("door+uvloop", "relay+uvloop"))
         if uv_door is not None and uv_relay is not None:
             line += f" On uvloop: the relay {uv_relay:+.0f} µs, the door {uv_door:+.0f} µs."
+        threaded = s[mode].get("threads", {}).get("added_us")
+        if threaded is not None:
+            line += f" On threads: the relay {threaded:+.0f} µs ({threaded / ngx:.1f}x nginx's)."
         out.append(line)
     return out
 

@@ -3,7 +3,7 @@
 The door is a hop every token crosses, so the hop must cost as little as Python allows. aiohttp's
 server and client, joined with none of the door's work, added 0.7-1.4 ms to the first token where
 nginx added 0.06-0.35 ms (bench/RESULTS.md); a bare relay on asyncio's transports and httptools
-adds 1.8-2.0x nginx's hop (bench/front_hop.py), the least a CPython proxy adds. So the door keeps
+adds 1.5-2.0x nginx's hop (bench/front_hop.py), the least an asyncio proxy adds. So the door keeps
 the relay's shape: bytes are parsed by httptools (llhttp, the parser of Node.js, as uvicorn uses
 it) and written on by the protocol callbacks that receive them, with no stream object, task or
 copy between a chunk from the server and the ``write`` to the client.
