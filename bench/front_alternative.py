@@ -108,6 +108,38 @@ async def serve_aiohttp(upstream: str, host: str, port: int) -> None:
     await session.close()
 
 
+def _head(status: int, headers: list[tuple[bytes, bytes]]) -> bytes:
+    """An answer's head as the relays send it on: end-to-end headers, the body re-framed chunked."""
+    head = [b"HTTP/1.1 %d OK\r\n" % status]
+    head += [k + b": " + v + b"\r\n" for k, v in headers if k.lower() not in HOP_BY_HOP]
+    return b"".join(head) + b"Transfer-Encoding: chunked\r\n\r\n"
+
+
+class _RequestParts:
+    """httptools' callbacks gathering one request, and the request as the server gets it."""
+
+    def __init__(self) -> None:
+        self.url, self.headers, self.body, self.complete = b"", [], [], False  # type: ignore[var-annotated]
+
+    def on_url(self, url: bytes) -> None:
+        self.url += url
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.headers.append((name, value))
+
+    def on_body(self, body: bytes) -> None:
+        self.body.append(body)
+
+    def on_message_complete(self) -> None:
+        self.complete = True
+
+    def upstream_request(self, method: bytes) -> bytes:
+        body = b"".join(self.body)
+        lines = [method + b" " + self.url + b" HTTP/1.1\r\nHost: upstream\r\n"]
+        lines += [k + b": " + v + b"\r\n" for k, v in self.headers if k.lower() not in HOP_BY_HOP]
+        return b"".join(lines) + b"Content-Length: %d\r\n\r\n" % len(body) + body
+
+
 class _RelayUp(asyncio.Protocol):
     """One kept-alive connection to the server: writes a request, re-frames its answer (chunked)."""
 
@@ -132,9 +164,7 @@ class _RelayUp(asyncio.Protocol):
         self.headers.append((name, value))
 
     def on_headers_complete(self) -> None:
-        head = [b"HTTP/1.1 %d OK\r\n" % self.parser.get_status_code()]
-        head += [k + b": " + v + b"\r\n" for k, v in self.headers if k.lower() not in HOP_BY_HOP]
-        self.down.transport.write(b"".join(head) + b"Transfer-Encoding: chunked\r\n\r\n")
+        self.down.transport.write(_head(self.parser.get_status_code(), self.headers))
 
     def on_body(self, body: bytes) -> None:
         self.down.transport.write(b"%x\r\n%b\r\n" % (len(body), body))
@@ -154,15 +184,15 @@ class _RelayUp(asyncio.Protocol):
 
 
 
-class _RelayDown(asyncio.Protocol):
+class _RelayDown(asyncio.Protocol, _RequestParts):
     """One client connection: parses a request and forwards it from the callback that completes it."""
 
     def __init__(self, upstream: tuple[str, int], idle: list[_RelayUp]) -> None:
         import httptools
 
+        _RequestParts.__init__(self)
         self.upstream, self.idle = upstream, idle
         self.parser = httptools.HttpRequestParser(self)
-        self.url, self.headers, self.body = b"", [], []  # type: ignore[var-annotated]
 
     def connection_made(self, transport: Any) -> None:
         self.transport = transport
@@ -170,21 +200,9 @@ class _RelayDown(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         self.parser.feed_data(data)
 
-    def on_url(self, url: bytes) -> None:
-        self.url += url
-
-    def on_header(self, name: bytes, value: bytes) -> None:
-        self.headers.append((name, value))
-
-    def on_body(self, body: bytes) -> None:
-        self.body.append(body)
-
     def on_message_complete(self) -> None:
-        body = b"".join(self.body)
-        lines = [self.parser.get_method() + b" " + self.url + b" HTTP/1.1\r\nHost: upstream\r\n"]
-        lines += [k + b": " + v + b"\r\n" for k, v in self.headers if k.lower() not in HOP_BY_HOP]
-        request = b"".join(lines) + b"Content-Length: %d\r\n\r\n" % len(body) + body
-        self.url, self.headers, self.body = b"", [], []
+        request = self.upstream_request(self.parser.get_method())
+        _RequestParts.__init__(self)
         self.transport.pause_reading()  # one request at a time per connection
         while self.idle:
             up = self.idle.pop()
@@ -218,11 +236,11 @@ async def serve_relay(upstream: str, host: str, port: int) -> None:
 
 
 class _Answer:
-    """httptools' callbacks for one answer read by a relay thread: each piece is written to the
-    client from the ``recv`` that brought it."""
+    """httptools' callbacks for one answer read by a relay thread: what one ``recv`` brings is
+    sent on to the client before the next."""
 
-    def __init__(self, client: Any) -> None:
-        self.client, self.headers, self.done = client, [], False  # type: ignore[var-annotated]
+    def __init__(self) -> None:
+        self.headers, self.done = [], False  # type: ignore[var-annotated]
         self.out: list[bytes] = []
         self.parser: Any = None
 
@@ -230,9 +248,7 @@ class _Answer:
         self.headers.append((name, value))
 
     def on_headers_complete(self) -> None:
-        head = [b"HTTP/1.1 %d OK\r\n" % self.parser.get_status_code()]
-        head += [k + b": " + v + b"\r\n" for k, v in self.headers if k.lower() not in HOP_BY_HOP]
-        self.out.append(b"".join(head) + b"Transfer-Encoding: chunked\r\n\r\n")
+        self.out.append(_head(self.parser.get_status_code(), self.headers))
 
     def on_body(self, body: bytes) -> None:
         self.out.append(b"%x\r\n%b\r\n" % (len(body), body))
@@ -249,39 +265,20 @@ def _relay_thread(client: Any, address: tuple[str, int]) -> None:
 
     import httptools
 
-    class Request:
-        def __init__(self) -> None:
-            self.url, self.headers, self.body, self.complete = b"", [], [], False  # type: ignore[var-annotated]
-
-        def on_url(self, url: bytes) -> None:
-            self.url += url
-
-        def on_header(self, name: bytes, value: bytes) -> None:
-            self.headers.append((name, value))
-
-        def on_body(self, body: bytes) -> None:
-            self.body.append(body)
-
-        def on_message_complete(self) -> None:
-            self.complete = True
-
     up = socket.create_connection(address)
     up.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     client.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     with client, up:
         while True:
-            req = Request()
+            req = _RequestParts()
             parser = httptools.HttpRequestParser(req)
             while not req.complete:
                 data = client.recv(65536)
                 if not data:
                     return
                 parser.feed_data(data)
-            body = b"".join(req.body)
-            lines = [parser.get_method() + b" " + req.url + b" HTTP/1.1\r\nHost: upstream\r\n"]
-            lines += [k + b": " + v + b"\r\n" for k, v in req.headers if k.lower() not in HOP_BY_HOP]
-            up.sendall(b"".join(lines) + b"Content-Length: %d\r\n\r\n" % len(body) + body)
-            answer = _Answer(client)
+            up.sendall(req.upstream_request(parser.get_method()))
+            answer = _Answer()
             answer.parser = reader = httptools.HttpResponseParser(answer)
             while not answer.done:
                 data = up.recv(65536)
