@@ -18,13 +18,14 @@ import psutil
 import pytest
 
 from mlxwatch import stacks
-from mlxwatch.capture import CaptureRequest, capture_bundle, pyspy
+from mlxwatch.capture import CaptureRequest, capture_bundle, collector, pyspy
 from mlxwatch.capture.classify import Evidence, classify
+from mlxwatch.capture.results import ProcessResult
 from mlxwatch.errors import UsageError
 from mlxwatch.host.process import ProcessIdentity
 from mlxwatch.shim import heartbeat, layout
 from mlxwatch.shim.launcher import BOOT_DIR, check_python_flags, clean_runtime_dir, plan
-from mlxwatch.shim.stacks import ShimFindings, ShimWindow, parse_dump
+from mlxwatch.shim.stacks import ShimFindings, ShimWindow, dumps_are_over, parse_dump
 from mlxwatch.shim.watch import ShimWatch
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -498,6 +499,56 @@ def _write_heartbeat(directory: Path, file_pid: int, **over) -> None:
     data = {"format": layout.FORMAT, "pid": pid, "started_at": time.time(), "published_at": time.time(),
             "interval": 1.0, "seam": {"state": "ok"}, "loop": {"tokens": 5, "steps": 5, "in_flight": 0}, **over}
     (directory / f"{file_pid}.json").write_text(json.dumps(data))
+
+
+@pytest.mark.parametrize("recorded", ["the server's", "none"])
+async def test_a_pid_reused_since_the_capture_recorded_it_is_never_signalled(tmp_path, monkeypatch, recorded):
+    """Found in review: the server SIGKILLed (its heartbeat stays on disk) and its PID reused by
+    a process without the shim. The stacks step must not send that process the shim's signal,
+    which would kill it, whether or not the capture could read the server's create time."""
+    run = tmp_path / "run"
+    monkeypatch.setenv(layout.RUNTIME_ENV, str(run))
+    stranger = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        earlier = psutil.Process(stranger.pid).create_time() - 600  # the server that had this PID
+        _write_heartbeat(run, stranger.pid, started_at=earlier + 0.5, published_at=earlier + 60,
+                         stacks={"signal": "SIGUSR2", "signum": int(signal.SIGUSR2),
+                                 "file": str(run / f"{stranger.pid}.stacks")})
+        (run / f"{stranger.pid}.stacks").write_text("")
+        process = ProcessResult(info={"pid": stranger.pid, "errors": {},
+                                      **({"create_time": earlier} if recorded != "none" else {})})
+        result = await collector._shim_stacks(CaptureRequest(pid=stranger.pid, out_dir=tmp_path, snapshots=1,
+                                                             spacing=0.1), stranger.pid, process, None,
+                                              lambda: 0.0, [], required=True)
+        time.sleep(0.3)
+        assert stranger.poll() is None, f"the stranger was signalled ({stranger.returncode})"
+        assert result.outcome == "failed" and not result.snapshots, result
+    finally:
+        stranger.kill()
+        stranger.wait()
+
+
+def test_a_server_that_died_unreaped_is_gone_and_the_dumps_stop(tmp_path):
+    """A zombie runs no signal handler: its dump requests say "gone", which ends the step's
+    schedule, rather than "another process now" for every remaining snapshot."""
+    run = tmp_path / "run"
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.5)"])
+    try:
+        identity = ProcessIdentity.of(child.pid)
+        _write_heartbeat(run, child.pid, stacks={"signal": "SIGUSR2", "signum": int(signal.SIGUSR2),
+                                                 "file": str(run / f"{child.pid}.stacks")})
+        (run / f"{child.pid}.stacks").write_text("")
+        hb, _ = heartbeat.read(child.pid, None, str(run))
+        deadline = time.monotonic() + 15
+        while psutil.Process(child.pid).status() != psutil.STATUS_ZOMBIE:
+            assert time.monotonic() < deadline, "the child never exited"
+            time.sleep(0.05)
+        with pytest.raises(heartbeat.ShimError, match="is gone") as caught:
+            heartbeat.request_stacks(hb, identity)
+        assert dumps_are_over(caught.value)
+    finally:
+        child.kill()
+        child.wait()
 
 
 def test_a_heartbeat_is_taken_only_for_the_process_it_belongs_to(tmp_path):

@@ -99,6 +99,9 @@ from mlxwatch.shim.stacks import ShimWindow
 from mlxwatch.verdict.progress import prompt_advances
 
 DUMP_TIMEOUT = 10.0
+# The stacks step holds the live process to the one the capture recorded, read milliseconds
+# apart: a reused PID started after the recorded process ended, by far more than this.
+REUSED_PID_SLACK = 1.0
 FINISH_RESERVE = 2.0  # seconds of the ceiling kept for classifying and writing
 LOG_RESERVE = 2.0  # the log is read at the latest this long before the steps are cut off
 PROBE_MARGIN = 1.0  # the capture's probe waits for a first token this long past the window's end
@@ -320,13 +323,7 @@ async def _shim_stacks(req: CaptureRequest, pid: int, process: ProcessResult, fi
     """Stacks from the launch shim's faulthandler dumps, on py-spy's schedule (``stacks/shim-N.txt``
     and ``.json``). With ``required`` (``capture.stacks: shim``) a missing shim is the step's
     failure; in ``auto`` it is silence, and the caller goes on with py-spy."""
-    hb, problem = await asyncio.to_thread(shim_stacks.find_dumper, pid, process.create_time)
-    identity = None
-    if hb is not None:
-        try:  # what each dump request proves again before it signals (the PID, by its kernel start)
-            identity = await asyncio.to_thread(ProcessIdentity.of, pid)
-        except ProcessGoneError as exc:
-            hb, problem = None, str(exc)
+    hb, identity, problem = await asyncio.to_thread(_shim_dumper, pid, process.create_time)
     if hb is None or identity is None:
         return StacksResult(outcome="failed", error=f"shim stacks: {problem}") if required else StacksResult()
     errors: list[str] = []
@@ -351,6 +348,22 @@ async def _shim_stacks(req: CaptureRequest, pid: int, process: ProcessResult, fi
     if not taken and not required:
         return StacksResult(error=error)  # auto: py-spy is tried next and decides the outcome
     return StacksResult(snapshots=tuple(taken), outcome="ok" if taken else "failed", error=error)
+
+
+def _shim_dumper(pid: int, recorded: float | None) -> tuple[Heartbeat | None, ProcessIdentity | None, str | None]:
+    """The shim that can dump ``pid``'s stacks, and the identity each dump request proves again
+    before it signals (by the kernel start, which no clock step moves). Taken from the live
+    process, then held to the capture's: a PID reused since is refused here, and a heartbeat left
+    by a process now gone must belong to the live one (a process without the shim would be killed
+    by the signal)."""
+    try:
+        identity = ProcessIdentity.of(pid)
+    except ProcessGoneError as exc:
+        return None, None, str(exc)
+    if recorded is not None and abs(identity.create_time - recorded) > REUSED_PID_SLACK:
+        return None, None, f"PID {pid} is another process now"
+    hb, problem = shim_stacks.find_dumper(pid, identity.create_time)
+    return hb, identity, problem
 
 
 def _missing_or_denied(error: str | None) -> bool:

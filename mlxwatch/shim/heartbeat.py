@@ -292,6 +292,14 @@ def find(pid: int, create_time: float | None = None) -> tuple[Heartbeat | None, 
     return None, "; ".join(dict.fromkeys(problems))
 
 
+def _gone(pid: int) -> bool:
+    """No such process, or one that has exited and waits to be reaped (it runs no handler)."""
+    try:
+        return bool(psutil.Process(pid).status() == psutil.STATUS_ZOMBIE)
+    except psutil.NoSuchProcess:
+        return True
+
+
 def request_stacks(hb: Heartbeat, identity: ProcessIdentity | None, timeout: float = DUMP_TIMEOUT) -> str:
     """Send the shim's stack signal and return the dump it appends to its stacks file.
 
@@ -305,8 +313,8 @@ def request_stacks(hb: Heartbeat, identity: ProcessIdentity | None, timeout: flo
         raise ShimError("the shim offers no stack signal in this process")
     if os.path.dirname(os.path.abspath(path)) != os.path.dirname(os.path.abspath(hb.path)):
         raise ShimError(f"the heartbeat names a stacks file outside its own dir: {path}")
-    if identity is not None and not identity.alive():
-        raise ShimError(f"PID {hb.pid} is " + ("another process now" if psutil.pid_exists(hb.pid) else "gone"))
+    if identity is not None and (identity.pid != hb.pid or not identity.alive()):
+        raise ShimError(f"PID {hb.pid} is " + ("gone" if _gone(hb.pid) else "another process now"))
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
