@@ -28,7 +28,7 @@ from mlxwatch.config import (
 from mlxwatch.daemon.supervisor import Daemon
 from mlxwatch.journal.incidents import Journal
 from lab.ports import free_port
-from lab.server import LabServer, make_tiny_model, relaunch_argv
+from lab.server import LabServer, make_tiny_model, relaunch_argv, relaunches_started
 
 pytestmark = pytest.mark.real_server
 
@@ -318,8 +318,12 @@ instances:
             server.refresh()
             old_pid = server.pid
             mark = len(daemon.records())
+            hooks = relaunches_started(server.workdir)
             await fault("block")
             await daemon.until_event("restarting", mark, 60)
+            # The daemon journals "restarting" before it starts the hook: kill it once the hook runs
+            # (killed before, there is no hook to finish anything; seen once in CI under load).
+            await wait_until(lambda: relaunches_started(server.workdir) > hooks, 60, "the restart hook to start")
             daemon.stop(signal.SIGKILL)
             status = daemon.status()
             assert status["daemon"]["running"] is False

@@ -5,17 +5,20 @@
 
 ``relaunch`` stops the server recorded in ``WORKDIR/lab.json`` (by that PID and create time
 only) and starts it again on the same port with the same arguments and shim; exit 0 once it
-generates, 1 otherwise, 2 on bad usage.
+generates, 1 otherwise, 2 on bad usage. It first appends a line to ``WORKDIR/relaunches``
+(``relaunches_started``), so a test can tell that the hook is running, not only that the daemon
+has said it is about to run it.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: `lab` is tests/lab
 
-from lab.server import LabServer
+from lab.server import RELAUNCHES, LabServer
 
 USAGE = "usage: python tests/lab/cli.py start PYTHON WORKDIR | relaunch WORKDIR"
 
@@ -26,6 +29,8 @@ def main(argv: list[str]) -> int:
         print(server.url, server.pid, flush=True)
         return 0
     if argv[:1] == ["relaunch"] and len(argv) == 2:
+        with open(Path(argv[1]) / RELAUNCHES, "a") as marks:
+            marks.write(f"relaunch started by PID {os.getpid()}\n")
         server = LabServer.load(Path(argv[1]))
         try:
             server.relaunch()

@@ -30,6 +30,17 @@ CLI = Path(__file__).resolve().with_name("cli.py")
 DELAY_INJECT_DIR = Path(__file__).resolve().with_name("inject")  # sleeps, then runs INJECT_DIR's
 
 
+RELAUNCHES = "relaunches"  # in a workdir: a line per relaunch hook started (tests/lab/cli.py)
+
+
+def relaunches_started(workdir: Path) -> int:
+    """How many relaunch hooks have started in ``workdir`` (finished or not)."""
+    try:
+        return len((workdir / RELAUNCHES).read_text().splitlines())
+    except FileNotFoundError:
+        return 0
+
+
 def relaunch_argv(workdir: Path) -> tuple[str, ...]:
     """A watchdog restart command that relaunches the lab server recorded in ``workdir``."""
     return (sys.executable, str(CLI), "relaunch", str(workdir))
