@@ -575,11 +575,11 @@ def test_a_stale_heartbeat_and_a_signal_that_is_not_offered(tmp_path):
     hb, _ = heartbeat.read(os.getpid(), None, str(run))
     assert hb.stale and hb.age > 25
     with pytest.raises(heartbeat.ShimError, match="no stack signal"):
-        heartbeat.request_stacks(hb, None)
+        heartbeat.request_stacks(hb, ProcessIdentity.of(os.getpid()))
     _write_heartbeat(run, os.getpid(), stacks={"signal": "SIGUSR2", "signum": 12, "file": "/etc/passwd"})
     hb, _ = heartbeat.read(os.getpid(), None, str(run))
     with pytest.raises(heartbeat.ShimError, match="outside its own dir"):
-        heartbeat.request_stacks(hb, None)
+        heartbeat.request_stacks(hb, ProcessIdentity.of(os.getpid()))
 
 
 # --- pure parts

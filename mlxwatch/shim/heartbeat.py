@@ -300,7 +300,7 @@ def _gone(pid: int) -> bool:
         return True
 
 
-def request_stacks(hb: Heartbeat, identity: ProcessIdentity | None, timeout: float = DUMP_TIMEOUT) -> str:
+def request_stacks(hb: Heartbeat, identity: ProcessIdentity, timeout: float = DUMP_TIMEOUT) -> str:
     """Send the shim's stack signal and return the dump it appends to its stacks file.
 
     Sent only to the process the heartbeat belongs to (``identity``, proven again right before
@@ -313,7 +313,7 @@ def request_stacks(hb: Heartbeat, identity: ProcessIdentity | None, timeout: flo
         raise ShimError("the shim offers no stack signal in this process")
     if os.path.dirname(os.path.abspath(path)) != os.path.dirname(os.path.abspath(hb.path)):
         raise ShimError(f"the heartbeat names a stacks file outside its own dir: {path}")
-    if identity is not None and (identity.pid != hb.pid or not identity.alive()):
+    if identity.pid != hb.pid or not identity.alive():
         raise ShimError(f"PID {hb.pid} is " + ("gone" if _gone(hb.pid) else "another process now"))
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
     try:
