@@ -241,6 +241,17 @@ class DaemonProcess:
             time.sleep(poll)
 
 
+def paths_option(parser: Any, option: str, value: str | None, known: Iterable[str]) -> list[str]:
+    """A comma-separated list of bench paths from ``option``, each one of ``known`` (else the
+    parser's one-line usage error)."""
+    known = tuple(known)
+    wanted = [k for k in (value or "").split(",") if k]
+    unknown = sorted(set(wanted) - set(known))
+    if unknown:
+        parser.error(f"{option}: unknown path(s) {', '.join(unknown)} (known: {', '.join(known)})")
+    return wanted
+
+
 def write_json(path: Path, data: Any) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=1, default=str))

@@ -44,7 +44,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from bench.common import ROOT, VENVS, git_commit, load_average, log, machine, write_section
+from bench.common import ROOT, VENVS, git_commit, load_average, log, machine, paths_option, write_section
 from bench.front_perf import Proc, _wait_ready, find_nginx, start_proxy
 
 SECTION = "## The front door's hop, alone (direct vs nginx vs a bare relay vs the door)"
@@ -223,10 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     nginx = find_nginx(VENVS)
     kinds = [k for k in KINDS if (nginx or k != "nginx") and (args.uvloop or "uvloop" not in k)]
     if args.kinds:
-        wanted = {"direct", *args.kinds.split(",")}
-        unknown = wanted - set(KINDS)
-        if unknown:
-            parser.error(f"--kinds: unknown path(s) {', '.join(sorted(unknown))} (known: {', '.join(KINDS)})")
+        wanted = {"direct", *paths_option(parser, "--kinds", args.kinds, KINDS)}
         kinds = [k for k in kinds if k in wanted]
     nginx_version = None
     if nginx:

@@ -57,6 +57,7 @@ from bench.common import (
     load_average,
     log,
     machine,
+    paths_option,
     quantile,
     write_section,
 )
@@ -66,7 +67,11 @@ SECTION = "## The front door's cost (direct vs nginx vs the door)"
 # The HTTP libraries weighed for the door, each joined as a plain pass-through with none of the
 # door's work (bench/front_alternative.py): aiohttp (server and client, what the door was first
 # built on) and uvicorn+httpx.
-KINDS = ("direct", "nginx", "door", "aiohttp", "uvicorn", "relay", "relay+uvloop", "threads")  # table order
+# bench/front_alternative.py's pass-throughs: the libraries weighed for the door, and the bare
+# relays measured beside it with --also (what the door's hop could cost at least)
+MEASURING_STICKS = ("relay", "relay+uvloop", "threads")
+ALTERNATIVES = ("aiohttp", "uvicorn", *MEASURING_STICKS)
+KINDS = ("direct", "nginx", "door", *ALTERNATIVES)  # table order
 LABELS = {"aiohttp": "aiohttp alone", "uvicorn": "uvicorn+httpx", "relay": "bare relay (asyncio)",
           "relay+uvloop": "bare relay (uvloop)", "threads": "bare relay (threads)"}
 GAP_TARGET_MS = 1.0  # added p99 inter-token gap at the most streams
@@ -291,7 +296,7 @@ def start_proxy(kind: str, upstream: str, work: Path, nginx: str | None) -> tupl
             raise
     from lab.ports import free_port
     port = free_port()
-    if kind in ("aiohttp", "uvicorn", "relay", "relay+uvloop", "threads"):  # plain pass-throughs (bench/front_alternative.py)
+    if kind in ALTERNATIVES:
         library, _, loop = kind.partition("+")
         proc = Proc([sys.executable, "-m", "bench.front_alternative", "--library", library,
                      "--listen", f"127.0.0.1:{port}", "--upstream", upstream] + (["--uvloop"] if loop else []),
@@ -544,7 +549,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--libraries", action=argparse.BooleanOptionalAction, default=True,
                         help="also the HTTP libraries weighed for the door as plain pass-throughs: aiohttp "
                              "alone and uvicorn + httpx (needs the 'bench' extra; bench/front_alternative.py)")
-    parser.add_argument("--also", default="", help="more paths, comma-separated: relay, relay+uvloop, threads "
+    parser.add_argument("--also", default="", help=f"more paths, comma-separated: {', '.join(MEASURING_STICKS)} "
                                                    "(bench/front_alternative.py's measuring sticks)")
     parser.add_argument("--machine-note", help="how loaded the machine was, for the section (default: shared)")
     parser.add_argument("--no-write", action="store_true", help="print the section; write neither JSON nor RESULTS.md")
@@ -578,11 +583,7 @@ def main(argv: list[str] | None = None) -> int:
     kinds = ["direct", "nginx", "door"] if nginx else ["direct", "door"]
     if args.libraries:
         kinds += ["aiohttp", "uvicorn"]
-    also = [k for k in args.also.split(",") if k]
-    unknown = set(also) - {"relay", "relay+uvloop", "threads"}
-    if unknown:
-        parser.error(f"--also: unknown path(s) {', '.join(sorted(unknown))} (known: relay, relay+uvloop, threads)")
-    kinds += also
+    kinds += paths_option(parser, "--also", args.also, MEASURING_STICKS)
     if nginx is None:
         log("front_perf: nginx NOT FOUND (on PATH or in $MLXWATCH_VENVS/tools/bin; `bash bench/run.sh front_perf` "
             "installs it from Debian's package): measuring direct and the door only")
