@@ -24,7 +24,13 @@ other I/O model would buy). ``--kinds`` measures some of them only.
 Every proxy runs for the whole bench; the cells of a round run in a shuffled order, and each
 path's added latency is paired with direct's cell of the same round (median over rounds).
 
-Writes ``bench/front_hop.json`` and the section "The front door's hop, alone" of ``bench/RESULTS.md``.
+``--upstream-closes``: the upstream answers as mlx_lm.server does (``http.server``: HTTP/1.0, the
+body until it closes the connection), so every proxy connects to it once per request, and a
+direct client too (its time counts from its connect). This is the hop mlx_lm.server's users get;
+the bare relays, which keep their server connections, are not measured in this mode.
+
+Writes ``bench/front_hop.json`` and the section "The front door's hop, alone" of ``bench/RESULTS.md``
+(with ``--upstream-closes``: ``bench/front_hop_closing.json`` and its own section).
 """
 
 from __future__ import annotations
@@ -48,6 +54,8 @@ from bench.common import ROOT, VENVS, git_commit, load_average, log, machine, pa
 from bench.front_perf import Proc, _wait_ready, find_nginx, start_proxy
 
 SECTION = "## The front door's hop, alone (direct vs nginx vs a bare relay vs the door)"
+SECTION_CLOSING = "## The front door's hop in front of a server that closes every connection (as mlx_lm.server)"
+CLOSING_KINDS = ("direct", "nginx", "door", "door+uvloop")  # the relays keep their server connections
 KINDS = ("direct", "nginx", "relay", "door", "relay+uvloop", "door+uvloop", "threads")
 LABELS = {"relay": "bare CPython relay (asyncio + httptools)", "door": "front door",
           "relay+uvloop": "bare relay on uvloop", "door+uvloop": "front door on uvloop",
@@ -70,17 +78,23 @@ TOKEN = _event({"content": " tok"}, None)
 END = _event({}, "length") + b"data: [DONE]\n\n"
 
 
-async def _upstream(ready: Path) -> None:
+async def _upstream(ready: Path, closes: bool) -> None:
     """The instant server (role ``upstream``): each request answered at once, head and token in one
-    write, then the end; keep-alive."""
+    write, then the end; keep-alive, or (``closes``) HTTP/1.0 ending each answer with the connection."""
     async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
+            while closes:
+                head = await reader.readuntil(b"\r\n\r\n")
+                await reader.readexactly(_length(head))
+                writer.write(b"HTTP/1.0 200 OK\r\nContent-type: text/event-stream\r\nCache-Control: no-cache\r\n\r\n"
+                             + TOKEN)
+                writer.write(END)
+                await writer.drain()
+                writer.close()
+                return
             while True:
                 head = await reader.readuntil(b"\r\n\r\n")
-                length = next((int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
-                               if line.lower().startswith(b"content-length:")), 0)
-                if length:
-                    await reader.readexactly(length)
+                await reader.readexactly(_length(head))
                 writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
                              + b"%x\r\n%b\r\n" % (len(TOKEN), TOKEN))
                 writer.write(b"%x\r\n%b\r\n0\r\n\r\n" % (len(END), END))
@@ -96,6 +110,34 @@ async def _upstream(ready: Path) -> None:
     os.replace(tmp, ready)
     await stop.wait()
     server.close()
+
+
+def _length(head: bytes) -> int:
+    return next((int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
+                 if line.lower().startswith(b"content-length:")), 0)
+
+
+def time_direct_closing(port: int, requests: int, pause: float) -> list[float]:
+    """First-token times (µs) straight to a server that closes every connection: a client
+    connects for each request, so its time counts from the connect."""
+    out: list[float] = []
+    for i in range(WARM + requests):
+        if pause:
+            time.sleep(pause)
+        sent = time.perf_counter()
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.sendall(REQUEST)
+            buf, first = b"", None
+            while data := sock.recv(65536):
+                buf += data
+                if first is None and b'"content"' in buf:
+                    first = time.perf_counter() - sent
+        if first is None:
+            raise RuntimeError(f"port {port}: an answer without its token")
+        if i >= WARM:
+            out.append(first * 1e6)
+    return out
 
 
 def time_cell(port: int, requests: int, pause: float) -> list[float]:
@@ -139,14 +181,18 @@ def summarise(rounds: list[dict[str, float]], kinds: list[str]) -> dict[str, dic
 
 def render(data: dict[str, Any]) -> str:
     m = data["machine"]
-    lines = [SECTION, "",
+    closes = data.get("upstream_closes", False)
+    lines = [SECTION_CLOSING if closes else SECTION, "",
              f"`{data['command']}` (`bench/front_hop.py`), run on {data['date']} from commit {data['commit']} on "
              f"{m.get('cpus', '?')} cores; load average {data['load_before']} before, {data['load_after']} after "
              f"({data.get('machine_note') or 'shared machine'}). Raw data in `bench/front_hop.json`. "
              f"{data['rounds']} rounds; per round and path one cell of {data['requests']} requests back to back "
              f"(hot) and one of {data['idle_requests']} requests {data['pause'] * 1e3:g} ms apart (idle), cells "
              "in a shuffled order. First token: median of a cell, then the median over rounds; added: paired "
-             "with direct's cell of the same round. nginx " + (data.get("nginx_version") or "not found") + ".", "",
+             "with direct's cell of the same round. nginx " + (data.get("nginx_version") or "not found") + "."
+             + (" The upstream answers as mlx_lm.server does (HTTP/1.0, the body until it closes the connection): "
+                "each proxy connects to it for every request, and so does a direct client, timed from its connect; "
+                "nginx as in front_perf (HTTP/1.1 to the upstream, which answers HTTP/1.0)." if closes else ""), "",
              "| path | hot: first token (µs) | hot: added (µs) | hot: × nginx's | idle: first token (µs) "
              "| idle: added (µs) | idle: × nginx's |", "|---|---|---|---|---|---|---|"]
 
@@ -170,7 +216,13 @@ def findings(data: dict[str, Any]) -> list[str]:
         return []
     out = []
     for mode in ("hot", "idle"):
-        door, relay, ngx = (s[mode][k]["added_us"] for k in ("door", "relay", "nginx"))
+        if data.get("upstream_closes"):
+            door, ngx = (s[mode].get(k, {}).get("added_us") for k in ("door", "nginx"))
+            if door is not None and ngx is not None and ngx > 0:
+                out.append(f"- **{mode}**: nginx adds {ngx:+.0f} µs, the door {door:+.0f} µs ({door / ngx:.1f}x "
+                           "nginx's), each connecting to the server for every request.")
+            continue
+        door, relay, ngx = (s[mode].get(k, {}).get("added_us") for k in ("door", "relay", "nginx"))
         if None in (door, relay, ngx) or ngx <= 0:
             continue
         line = (f"- **{mode}**: nginx adds {ngx:+.0f} µs, the bare CPython relay {relay:+.0f} µs ({relay / ngx:.1f}x "
@@ -193,8 +245,10 @@ def _write(data: dict[str, Any], no_write: bool) -> None:
     print(section)
     if no_write:
         return
-    md = write_section("front_hop", data, SECTION, section)
-    log(f"front_hop: wrote bench/front_hop.json and the section in {md}")
+    closes = data.get("upstream_closes", False)
+    name = "front_hop_closing" if closes else "front_hop"
+    md = write_section(name, data, SECTION_CLOSING if closes else SECTION, section)
+    log(f"front_hop: wrote bench/{name}.json and the section in {md}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -206,24 +260,29 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--uvloop", action=argparse.BooleanOptionalAction, default=True,
                         help="also the relay and the door on uvloop (needs the 'bench' extra)")
     parser.add_argument("--kinds", help="comma-separated paths to measure (default: all; direct is always measured)")
+    parser.add_argument("--upstream-closes", action="store_true",
+                        help="the upstream closes every connection, as mlx_lm.server does (direct, nginx, the door)")
     parser.add_argument("--machine-note")
     parser.add_argument("--no-write", action="store_true", help="print the section; write neither JSON nor RESULTS.md")
     parser.add_argument("--render-only", action="store_true",
                         help="measure nothing: the section again from bench/front_hop.json, into RESULTS.md")
     parser.add_argument("--role", choices=("upstream",), help=argparse.SUPPRESS)
+    parser.add_argument("--closes", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--ready", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.role == "upstream":
-        asyncio.run(_upstream(args.ready))
+        asyncio.run(_upstream(args.ready, args.closes))
         return 0
     if args.render_only:
-        _write(json.loads((ROOT / "bench" / "front_hop.json").read_text()), args.no_write)
+        name = "front_hop_closing" if args.upstream_closes else "front_hop"
+        _write(json.loads((ROOT / "bench" / f"{name}.json").read_text()), args.no_write)
         return 0
 
     nginx = find_nginx(VENVS)
-    kinds = [k for k in KINDS if (nginx or k != "nginx") and (args.uvloop or "uvloop" not in k)]
+    offered = CLOSING_KINDS if args.upstream_closes else KINDS
+    kinds = [k for k in offered if (nginx or k != "nginx") and (args.uvloop or "uvloop" not in k)]
     if args.kinds:
-        wanted = {"direct", *paths_option(parser, "--kinds", args.kinds, KINDS)}
+        wanted = {"direct", *paths_option(parser, "--kinds", args.kinds, offered)}
         kinds = [k for k in kinds if k in wanted]
     nginx_version = None
     if nginx:
@@ -235,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"), "commit": git_commit(), "machine": machine(),
         "command": command.strip(), "rounds": args.rounds, "requests": args.requests,
         "idle_requests": args.idle_requests, "pause": args.pause, "kinds": kinds, "nginx_version": nginx_version,
-        "load_before": load_average(), "machine_note": args.machine_note}
+        "load_before": load_average(), "machine_note": args.machine_note, "upstream_closes": args.upstream_closes}
     work = Path(tempfile.mkdtemp(prefix="mlxwatch-front-hop-"))
 
     def terminated(signum: int, _frame: Any) -> None:
@@ -244,8 +303,8 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, terminated)
     procs: list[Proc] = []
     try:
-        up = Proc([sys.executable, "-m", "bench.front_hop", "--role", "upstream", "--ready", str(work / "up.port")],
-                  work / "upstream.log")
+        up = Proc([sys.executable, "-m", "bench.front_hop", "--role", "upstream", "--ready", str(work / "up.port")]
+                  + (["--closes"] if args.upstream_closes else []), work / "upstream.log")
         procs.append(up)
         upstream = f"http://127.0.0.1:{_wait_ready(up, work / 'up.port')}"
         ports = {"direct": int(upstream.rsplit(":", 1)[1])}
@@ -257,7 +316,9 @@ def main(argv: list[str] | None = None) -> int:
         for r in range(args.rounds):
             for mode, n, pause in (("hot", args.requests, 0.0), ("idle", args.idle_requests, args.pause)):
                 order = random.sample(kinds, len(kinds))
-                medians = {kind: statistics.median(time_cell(ports[kind], n, pause)) for kind in order}
+                medians = {kind: statistics.median(
+                    (time_direct_closing if kind == "direct" and args.upstream_closes else time_cell)(ports[kind], n, pause))
+                    for kind in order}
                 rounds[mode].append(medians)
                 log(f"front_hop r{r} {mode}: " + ", ".join(f"{k} {medians[k]:.0f}" for k in kinds) + " µs")
         data["rounds_data"] = rounds
