@@ -260,15 +260,16 @@ class _Answer:
 
 def _relay_thread(client: Any, address: tuple[str, int]) -> None:
     """One client connection on its own thread with blocking sockets: no event loop between a
-    byte's arrival and its ``send`` on."""
+    byte's arrival and its ``send`` on. The server connection is kept while the server keeps it,
+    and made again for the next request when it closes (as mlx_lm.server does after each answer,
+    its body ending with the connection)."""
     import socket
 
     import httptools
 
-    up = socket.create_connection(address)
-    up.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     client.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    with client, up:
+    up = None
+    try:
         while True:
             req = _RequestParts()
             parser = httptools.HttpRequestParser(req)
@@ -277,16 +278,28 @@ def _relay_thread(client: Any, address: tuple[str, int]) -> None:
                 if not data:
                     return
                 parser.feed_data(data)
+            if up is None:
+                up = socket.create_connection(address)
+                up.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             up.sendall(req.upstream_request(parser.get_method()))
             answer = _Answer()
             answer.parser = reader = httptools.HttpResponseParser(answer)
             while not answer.done:
                 data = up.recv(65536)
-                if not data:
-                    return
-                reader.feed_data(data)
+                if not data:  # the body ran until the server closed
+                    answer.out.append(b"0\r\n\r\n")
+                    answer.done = True
+                else:
+                    reader.feed_data(data)
                 client.sendall(b"".join(answer.out))
                 answer.out.clear()
+            if not data or not reader.should_keep_alive():
+                up.close()
+                up = None
+    finally:
+        client.close()
+        if up is not None:
+            up.close()
 
 
 def serve_threads(upstream: str, host: str, port: int) -> None:

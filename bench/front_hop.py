@@ -26,8 +26,9 @@ path's added latency is paired with direct's cell of the same round (median over
 
 ``--upstream-closes``: the upstream answers as mlx_lm.server does (``http.server``: HTTP/1.0, the
 body until it closes the connection), so every proxy connects to it once per request, and a
-direct client too (its time counts from its connect). This is the hop mlx_lm.server's users get;
-the bare relays, which keep their server connections, are not measured in this mode.
+direct client too (its time counts from its connect). This is the hop mlx_lm.server's users get.
+The threaded relay connects again after each close; the asyncio relay, which only keeps its
+server connections, is not measured in this mode.
 
 Writes ``bench/front_hop.json`` and the section "The front door's hop, alone" of ``bench/RESULTS.md``
 (with ``--upstream-closes``: ``bench/front_hop_closing.json`` and its own section).
@@ -55,7 +56,7 @@ from bench.front_perf import Proc, _wait_ready, find_nginx, start_proxy
 
 SECTION = "## The front door's hop, alone (direct vs nginx vs a bare relay vs the door)"
 SECTION_CLOSING = "## The front door's hop in front of a server that closes every connection (as mlx_lm.server)"
-CLOSING_KINDS = ("direct", "nginx", "door", "door+uvloop")  # the relays keep their server connections
+CLOSING_KINDS = ("direct", "nginx", "door", "door+uvloop", "threads")  # the asyncio relay keeps its server connections
 KINDS = ("direct", "nginx", "relay", "door", "relay+uvloop", "door+uvloop", "threads")
 LABELS = {"relay": "bare CPython relay (asyncio + httptools)", "door": "front door",
           "relay+uvloop": "bare relay on uvloop", "door+uvloop": "front door on uvloop",
@@ -217,10 +218,18 @@ def findings(data: dict[str, Any]) -> list[str]:
     out = []
     for mode in ("hot", "idle"):
         if data.get("upstream_closes"):
-            door, ngx = (s[mode].get(k, {}).get("added_us") for k in ("door", "nginx"))
-            if door is not None and ngx is not None and ngx > 0:
-                out.append(f"- **{mode}**: nginx adds {ngx:+.0f} µs, the door {door:+.0f} µs ({door / ngx:.1f}x "
-                           "nginx's), each connecting to the server for every request.")
+            door, ngx, uv_door, threaded = (s[mode].get(k, {}).get("added_us")
+                                            for k in ("door", "nginx", "door+uvloop", "threads"))
+            if door is None or ngx is None or ngx <= 0:
+                continue
+            line = (f"- **{mode}**: nginx adds {ngx:+.0f} µs, the door {door:+.0f} µs ({door / ngx:.1f}x nginx's), "
+                    "each connecting to the server for every request.")
+            if uv_door is not None:
+                line += f" The door on uvloop {uv_door:+.0f} µs ({uv_door / ngx:.1f}x)."
+            if threaded is not None:
+                line += (f" The bare relay on threads, connecting as the door does, {threaded:+.0f} µs "
+                         f"({threaded / ngx:.1f}x).")
+            out.append(line)
             continue
         door, relay, ngx = (s[mode].get(k, {}).get("added_us") for k in ("door", "relay", "nginx"))
         if None in (door, relay, ngx) or ngx <= 0:
