@@ -626,6 +626,24 @@ def _list(value: Any) -> list:
     return value
 
 
+# What a restart command's arguments may name, filled in when it runs (restart/methods.py):
+# "{pid}" is the proven server's PID; "{{pid}}" is the text "{pid}". Other braces are left as written.
+HOOK_FIELDS = ("name", "pid", "url", "bundle")
+HOOK_FIELD = re.compile(r"\{\{([A-Za-z0-9_]+)\}\}|\{([A-Za-z0-9_]+)\}")
+
+
+def _hook_argv(value: Any) -> tuple[str, ...]:
+    """A restart command: an argv whose {fields} are all ones mlxwatch fills (a typo such as
+    {PID} would otherwise reach the command as written, at restart time)."""
+    argv = _argv(value)
+    for i, arg in enumerate(argv):
+        for m in HOOK_FIELD.finditer(arg):
+            if m.group(2) is not None and m.group(2) not in HOOK_FIELDS:
+                raise ValueError(f"argument {i} has {{{m.group(2)}}}, which mlxwatch does not fill (it fills "
+                                 "{name}, {pid}, {url} and {bundle}; write {{x}} for a literal {x})")
+    return argv
+
+
 def _argv(value: Any) -> tuple[str, ...]:
     if not isinstance(value, list) or not value or not all(isinstance(a, str) for a in value):
         raise ValueError("must be a non-empty list of strings (an argv, run without a shell)")
@@ -645,6 +663,20 @@ def _path(base: Path) -> Callable[[Any], Path]:
         return p if p.is_absolute() else base / p
 
     return read
+
+
+def _log_file(base: Path) -> Callable[[Any], Path]:
+    """A server's log file: it may not exist yet (the server creates it), but a directory is
+    never one the daemon could follow."""
+    read = _path(base)
+
+    def check(value: Any) -> Path:
+        path = read(value)
+        if path.is_dir():
+            raise ValueError("is a directory; give the file the server writes its log to")
+        return path
+
+    return check
 
 
 def parse_base_url(value: Any) -> str:
@@ -803,7 +835,7 @@ def _restart(raw: Any, path: str, file: str) -> RestartConfig:
         kwargs["target"] = sec.require("systemd", _string)
         kwargs.update(sec.take_present({"user": _bool}))
     elif method == "command":
-        kwargs["argv"] = sec.require("command", _argv)
+        kwargs["argv"] = sec.require("command", _hook_argv)
     elif method == "signal":
         kwargs["signal_name"] = sec.require("signal", _signal_name)
         kwargs.update(sec.take_present({"grace": _positive_duration}))
@@ -854,7 +886,7 @@ def _signal_name(value: Any) -> str:
 def _instance(sec: _Section, base: Path) -> InstanceConfig:
     name = sec.require("name", _name)
     url = sec.require("url", parse_base_url)
-    log = sec.take("log", _path(base), None)
+    log = sec.take("log", _log_file(base), None)
     pid_file = sec.take("pid_file", _path(base), None)
     probe = _probe(sec.section("probe"))
     restart = _restart(sec.data.pop("restart", None), sec.key_path("restart"), sec.file)

@@ -107,6 +107,16 @@ BAD = [
      " (got ['launchd', 'systemd'])"),
     ("instances: [{name: a, url: 'http://127.0.0.1:1', restart: {command: 'restart.sh now'}}]",
      "instances[0].restart.command: must be a non-empty list of strings (an argv, run without a shell) (got 'restart.sh now')"),
+    # a placeholder mlxwatch does not fill: refused at load, not passed to the hook at restart time
+    ("instances: [{name: a, url: 'http://127.0.0.1:1', restart: {command: [kickstart, 'gui/501/{label}']}}]",
+     "instances[0].restart.command: argument 1 has {label}, which mlxwatch does not fill (it fills {name}, "
+     "{pid}, {url} and {bundle}; write {{x}} for a literal {x}) (got ['kickstart', 'gui/501/{label}'])"),
+    ("instances: [{name: a, url: 'http://127.0.0.1:1', restart: {command: [kill, '{PID}']}}]",
+     "instances[0].restart.command: argument 1 has {PID}, which mlxwatch does not fill (it fills {name}, "
+     "{pid}, {url} and {bundle}; write {{x}} for a literal {x}) (got ['kill', '{PID}'])"),
+    # the config's own directory: a log the daemon could never follow
+    ("instances: [{name: a, url: 'http://127.0.0.1:1', log: .}]",
+     "instances[0].log: is a directory; give the file the server writes its log to (got '.')"),
     ("instances: [{name: a, url: 'http://127.0.0.1:1', restart: {launchd: x, domain: root}}]",
      "instances[0].restart.domain: must be one of gui, user, system (got 'root')"),
     ("instances: [{name: a, url: 'http://127.0.0.1:1', restart: {signal: SIGUSR9}}]",

@@ -1,22 +1,24 @@
 """Restart methods: launchd, systemd, a custom command, a signal, or none.
 
 Commands are argv lists, never a shell string. ``{name}``, ``{pid}``, ``{url}`` and
-``{bundle}`` are substituted inside each argument; ``{pid}`` is the proven server process,
-checked alive (same PID and create time) right before the hook runs, or empty: never a guess,
-never a dead process's PID. ``signal`` re-checks the process identity (same PID, same create
-time) before every signal it sends, and continues a stopped process first (SIGTERM stays
-pending on a SIGSTOPped one). A restart that found no process to restart says so: it is
-recorded as ``nothing_to_restart``, not ``ok``.
+``{bundle}`` are substituted inside each argument, and ``{{pid}}`` is the text ``{pid}``; the
+config refuses any other ``{word}`` (a typo would reach the command as written). ``{pid}`` is
+the proven server process, checked alive (same PID, same start) right before the hook runs, or
+empty: never a guess, never a dead process's PID. ``signal`` re-checks the process identity
+before every signal it sends, and continues a stopped process first (SIGTERM stays pending on a
+SIGSTOPped one). A restart that found no process to restart says so: it is recorded as
+``nothing_to_restart``, not ``ok``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal as signals
 from dataclasses import dataclass, replace
 
-from mlxwatch.config import InstanceConfig, RestartConfig
+from mlxwatch.config import HOOK_FIELD, InstanceConfig, RestartConfig
 from mlxwatch.errors import RestartError
 from mlxwatch.host import launchctl
 from mlxwatch.host.commands import Runner, run_command
@@ -56,17 +58,18 @@ def systemd_command(cfg: RestartConfig) -> list[str]:
 
 def custom_command(cfg: RestartConfig, ctx: RestartContext) -> list[str]:
     values = {
-        "{name}": ctx.instance.name,
-        "{pid}": str(ctx.identity.pid) if ctx.identity else "",
-        "{url}": ctx.instance.url,
-        "{bundle}": ctx.bundle or "",
+        "name": ctx.instance.name,
+        "pid": str(ctx.identity.pid) if ctx.identity else "",
+        "url": ctx.instance.url,
+        "bundle": ctx.bundle or "",
     }
-    out = []
-    for arg in cfg.argv:
-        for key, value in values.items():
-            arg = arg.replace(key, value)
-        out.append(arg)
-    return out
+
+    def fill(m: re.Match[str]) -> str:
+        if m.group(1) is not None:
+            return "{" + m.group(1) + "}"  # {{x}}: the text {x}
+        return values.get(m.group(2), m.group(0))  # one config refused: left as written
+
+    return [HOOK_FIELD.sub(fill, arg) for arg in cfg.argv]
 
 
 def describe(cfg: RestartConfig) -> str:
