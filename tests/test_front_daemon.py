@@ -71,6 +71,10 @@ class FakeDoor:
     async def stop(self, drain: float = 5.0) -> None:
         self.stopped = True
 
+    def reconfigure(self, cfg: FrontConfig) -> None:
+        assert cfg.listen == self.cfg.listen
+        self.cfg = cfg
+
     def view(self) -> DeliveryView:
         if self.flowing:
             self.tokens_total += 1
@@ -291,9 +295,10 @@ async def test_a_stall_cleared_by_a_good_probe_is_no_verdict(tmp_path, standin):
 
 
 async def test_doors_follow_the_config(tmp_path):
-    """Started with the watcher; kept when other settings change; replaced when its front
-    settings change; stopped when the instance goes, and at shutdown; an instance without a
-    front section has none."""
+    """Started with the watcher; kept when other settings change; given new front settings in
+    place (a reload to change a timeout cut every request in flight); replaced when its address
+    changes; stopped when the instance goes, and at shutdown; an instance without a front
+    section has none."""
     url = f"http://127.0.0.1:{free_port()}"
     slow = replace(FAST, interval=30.0)
     cfg = cfg_with(tmp_path / "state", url, probe=slow)
@@ -308,9 +313,15 @@ async def test_doors_follow_the_config(tmp_path):
         assert len(FakeDoor.made) == 1 and not first.stopped
         run.cfg = cfg_with(tmp_path / "state", url, probe=slow, front=replace(FRONT, stall_timeout=5.0))
         run.reload.set()
+        await run.until(lambda: first.cfg.stall_timeout == 5.0, what="the door's new settings")
+        await run.until(lambda: run.daemon.watchers["gone"].inst.front.stall_timeout == 5.0, what="the reload")
+        await run.until(lambda: run.daemon.watchers["gone"].door is first, what="the door kept")
+        assert len(FakeDoor.made) == 1 and not first.stopped
+        run.cfg = cfg_with(tmp_path / "state", url, probe=slow, front=replace(FRONT, listen=("127.0.0.1", 2)))
+        run.reload.set()
         await run.until(lambda: len(FakeDoor.made) == 2 and FakeDoor.made[1].started, what="a new door")
         second = FakeDoor.made[1]
-        assert first.stopped and second.cfg.stall_timeout == 5.0
+        assert first.stopped and second.cfg.listen == ("127.0.0.1", 2)
         await run.until(lambda: run.daemon.watchers["gone"].door is second, what="the new door")
         run.cfg = cfg_with(tmp_path / "state", url, probe=slow, front=None)
         run.reload.set()

@@ -656,6 +656,36 @@ async def test_with_hold_a_request_waits_for_the_gate_and_goes_through():
     assert answer.choices[0].message.content == "".join(TOKENS)
 
 
+async def test_new_settings_in_place_keep_a_stream_in_flight_and_apply_to_new_requests():
+    """A reload that changed a front timeout replaced the door, failing every request in flight
+    (mlxwatch_stopping) and refusing connections meanwhile. In place: the stream goes on, and
+    the next request is refused with the new hold's Retry-After."""
+    async with Upstream() as up, _door(up) as door:
+        client = _client(door)
+        up.release.put_nowait(1)
+        stream = await client.chat.completions.create(model="m", messages=MESSAGES, stream=True,
+                                                      extra_headers={"X-Mode": "step"})
+        seen = []
+        async for event in stream:
+            if event.choices and event.choices[0].delta.content:
+                seen.append(event.choices[0].delta.content)
+                if len(seen) == 1:
+                    door.reconfigure(_cfg(hold=BOUND, request_stall_timeout=5.0))
+                up.release.put_nowait(1)
+        await client.close()
+        assert door.view().outcomes["ok"] == 1 and door.view().outcomes["failed_loudly"] == 0
+        door.set_gate(Gate.RESTARTING)  # the new hold: the next request waits for the gate (before: 503 at once)
+        held = asyncio.create_task(_raw(_url(door), b"GET /v1/models HTTP/1.1\r\nHost: h\r\n\r\n"))
+        await _until(lambda: held.done() or any(conn._task is not None for conn in door._conns),
+                     "the request to reach the door")
+        door.set_gate(Gate.OPEN)
+        status, _, _ = _split(await held)
+        with pytest.raises(ValueError):
+            door.reconfigure(_cfg(listen=("127.0.0.1", 1)))
+    assert seen == TOKENS
+    assert status.startswith("HTTP/1.1 200")
+
+
 async def test_replay_resends_only_a_request_that_had_received_no_byte():
     """With replay, a request the server never answered is sent again once the gate reopens and
     succeeds; a stream that had delivered a token is failed loudly, never replayed."""

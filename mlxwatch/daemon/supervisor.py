@@ -26,9 +26,9 @@ the loop wakes on them or on its heartbeat, and does the work:
   once (their incident closed as ``removed``), and the outcome is recorded (a log line, a
   ``config_reload`` journal note, ``last_reload`` in the state file). See docs/deciding.md.
 - **Front doors** (``instances[].front``): each is served beside its instance's watcher,
-  started before it, replaced when its ``url`` or ``front`` settings change (when the watcher
-  takes the change), stopped when the instance goes and at shutdown; read for the metrics
-  every few seconds. See docs/front-door.md.
+  started before it, given new ``front`` settings in place, replaced when its ``url`` or
+  ``front.listen`` change (when the watcher takes the change), stopped when the instance goes
+  and at shutdown; read for the metrics every few seconds. See docs/front-door.md.
 """
 
 from __future__ import annotations
@@ -286,14 +286,22 @@ class Daemon:
 
     async def _sync_doors(self, instances: Iterable[InstanceConfig]) -> None:
         """Each of ``instances`` (the watchers') with a ``front`` section has its door serving; a door whose
-        instance is gone, or whose front settings or server URL changed, is stopped (its requests
+        front settings changed on the same address and server takes them in place; one whose
+        instance is gone, or whose address or server URL changed, is stopped (its requests
         drained, then failed loudly) and, if still wanted, started anew. A door that cannot start
         is said once (ERROR, the journal, ``front_error`` in the state file) and tried again at the
         next tick; the watcher watches on without it. Doors follow the watchers: a change that
         waits for an incident to end reaches the door when it reaches the watcher."""
         wanted = {i.name: (i.url, i.front) for i in instances if i.front is not None}
         for name in [n for n, (spec, _) in self.doors.items() if wanted.get(n) != spec]:
-            _, door = self.doors.pop(name)
+            (url, front), door = self.doors[name]
+            spec = wanted.get(name)
+            if spec is not None and spec[0] == url and spec[1].listen == front.listen:
+                door.reconfigure(spec[1])  # the same server and address: no request is cut for a new timeout
+                self.doors[name] = (spec, door)
+                log.info("%s: front door settings changed in place", name)
+                continue
+            self.doors.pop(name)
             watcher = self.watchers.get(name)
             if watcher is not None and watcher.door is door:
                 watcher.door, watcher.frontwatch = None, None

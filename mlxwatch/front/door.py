@@ -169,6 +169,14 @@ class FrontDoor:
             conn.abort()  # a client that does not take the rest of its answer keeps no descriptor past stop
         self._server = self._pool = self._monitor = None
 
+    def reconfigure(self, cfg: FrontConfig) -> None:
+        """Take new settings on the same address in place: requests in flight and open
+        connections go on (a connection keeps the size limits it was opened with); new requests
+        get the new timeouts, hold and replay. A new address needs a new door."""
+        if cfg.listen != self._cfg.listen:
+            raise ValueError(f"front door {self.name}: a new address ({cfg.listen}) needs a new door")
+        self._cfg = cfg
+
     # -- what the daemon reads and decides -------------------------------------------------------
 
     def view(self) -> DeliveryView:
@@ -246,9 +254,8 @@ class FrontDoor:
         self._monitor = self._start_monitor()
 
     async def _sweep_forever(self) -> None:
-        tick = min(1.0, max(0.05, self._cfg.request_stall_timeout / 4))
         while True:
-            await asyncio.sleep(tick)
+            await asyncio.sleep(min(1.0, max(0.05, self._cfg.request_stall_timeout / 4)))  # a reconfigure may change it
             try:
                 self.sweep()
             except Exception:  # the watchdog side never stops the door
