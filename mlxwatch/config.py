@@ -487,17 +487,34 @@ def _check_front_port(inst: InstanceConfig, i: int, earlier: list[InstanceConfig
         mine = f"http://{_hostport(inst.front.listen)}"
         if metrics.listen is not None:
             taken.append(("metrics.listen", f"http://{_hostport(metrics.listen)}"))
+        binds = {f"instances[{j}].front.listen" for j, other in enumerate(earlier)} | {"metrics.listen"}
         for where, url in taken:
-            if same_address(mine, url):
+            if same_address(mine, url) or _wildcard_overlap(mine, url, both_bound=where in binds):
                 raise ConfigError(file, f"instances[{i}].front.listen",
                                   f"same address as {where} (got {_hostport(inst.front.listen)!r})")
     for j, other in enumerate(earlier):
-        if other.front is not None and same_address(inst.url, f"http://{_hostport(other.front.listen)}"):
+        theirs = f"http://{_hostport(other.front.listen)}" if other.front is not None else ""
+        if theirs and (same_address(inst.url, theirs) or _wildcard_overlap(theirs, inst.url, both_bound=False)):
             raise ConfigError(file, f"instances[{i}].url",
                               f"same address as instances[{j}].front.listen (got {_show(inst.url)})")
 
 
 _LOOPBACKS = frozenset({"127.0.0.1", "::1"})
+_WILDCARDS = frozenset({"0.0.0.0", "::"})
+
+
+def _wildcard_overlap(a: str, b: str, *, both_bound: bool) -> bool:
+    """Whether a wildcard bind (``0.0.0.0`` or ``::``, a door with ``expose: true``) takes the
+    port of the other address: every other bind on that port, and a server on it here (a
+    loopback, ``localhost`` or wildcard URL). A server URL naming another host is not judged:
+    it may be another machine (a conflict with this one's own address fails at bind)."""
+    if url_port(a) != url_port(b):
+        return False
+    ha, hb = (_host(urlsplit(u).hostname or "") for u in (a, b))
+    if ha not in _WILDCARDS and hb not in _WILDCARDS:
+        return False
+    here = _LOOPBACKS | _WILDCARDS | {"localhost"}
+    return both_bound or (ha in here and hb in here)
 
 
 def same_address(a: str, b: str) -> bool:
@@ -894,7 +911,8 @@ def _instance(sec: _Section, base: Path) -> InstanceConfig:
     front = _front(sec.section("front")) if sec.data.get("front") is not None else None
     sec.data.pop("front", None)
     sec.done()
-    if front is not None and same_address(url, f"http://{_hostport(front.listen)}"):
+    if front is not None and (same_address(url, f"http://{_hostport(front.listen)}")
+                              or _wildcard_overlap(f"http://{_hostport(front.listen)}", url, both_bound=False)):
         raise ConfigError(sec.file, f"{sec.path}.front.listen",
                           "is the server's own address; the front door needs a port of its own"
                           f" (got {_hostport(front.listen)!r})")
@@ -914,6 +932,9 @@ def _front(sec: _Section) -> FrontConfig:
         "max_header": _size,
     }))
     sec.done()
+    if front.replay and front.hold <= 0:
+        raise sec.error("replay", "needs front.hold above 0: a replayed request waits up to hold for the recovered "
+                                  "server, so with hold 0 nothing would ever be replayed (got true)")
     if not front.expose and not ipaddress.ip_address(front.listen[0]).is_loopback:
         raise sec.error("listen", f"{front.listen[0]} is not a loopback address; set front.expose: true to serve "
                                   f"the front door beyond this machine (got {_hostport(front.listen)!r})")

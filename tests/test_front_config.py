@@ -30,9 +30,9 @@ def test_front_defaults_come_from_the_dataclass(config_file):
 
 
 def test_front_settings_are_read(config_file):
-    inst = _one("    front: {listen: 9081, stall_timeout: 5s, request_stall_timeout: 2m, hold: 0, replay: true,"
+    inst = _one("    front: {listen: 9081, stall_timeout: 5s, request_stall_timeout: 2m, hold: 30s, replay: true,"
                 " max_body: 1MiB, max_header: 8KiB}\n", config_file)
-    assert inst.front == FrontConfig(("127.0.0.1", 9081), False, 5.0, 120.0, 0.0, True, 1024**2, 8 * 1024)
+    assert inst.front == FrontConfig(("127.0.0.1", 9081), False, 5.0, 120.0, 30.0, True, 1024**2, 8 * 1024)
 
 
 @pytest.mark.parametrize("front, key, message", [
@@ -47,6 +47,13 @@ def test_front_settings_are_read(config_file):
     ("{listen: 9081, max_body: lots}", "instances[0].front.max_body",
      "must be a positive size such as 500MB or 2GB (got 'lots')"),
     ("{listen: 9081, replay: 1}", "instances[0].front.replay", "must be true or false (got 1)"),
+    # replay waits up to hold for the recovered server: with hold 0 it silently never replayed
+    ("{listen: 9081, replay: true}", "instances[0].front.replay",
+     "needs front.hold above 0: a replayed request waits up to hold for the recovered server, so with hold 0 "
+     "nothing would ever be replayed (got true)"),
+    # a wildcard door takes the server's port on every address: it validated, then failed to bind
+    ("{listen: '0.0.0.0:8080', expose: true}", "instances[0].front.listen",
+     "is the server's own address; the front door needs a port of its own (got '0.0.0.0:8080')"),
     ("{listen: 9081, port: 1}", "instances[0].front.port", "unknown key (got 1)"),
 ])
 def test_bad_front_values_are_one_line(config_file, front, key, message):
@@ -73,6 +80,19 @@ def test_a_front_door_may_listen_beyond_loopback_when_exposed(config_file):
     ("instances:\n  - {name: a, url: 'http://127.0.0.1:8080', front: {listen: 8082}}\n"
      "  - {name: b, url: 'http://127.0.0.1:8082'}\n",
      "instances[1].url", "instances[0].front.listen"),
+    # a wildcard door (expose: true) takes its port on every address: these validated, then failed to bind
+    ("metrics: {listen: 9081}\ninstances:\n  - {name: a, url: 'http://127.0.0.1:8080', "
+     "front: {listen: '0.0.0.0:9081', expose: true}}\n",
+     "instances[0].front.listen", "metrics.listen"),
+    ("instances:\n  - {name: a, url: 'http://127.0.0.1:8080', front: {listen: 9081}}\n"
+     "  - {name: b, url: 'http://127.0.0.1:8082', front: {listen: '[::]:9081', expose: true}}\n",
+     "instances[1].front.listen", "instances[0].front.listen"),
+    ("instances:\n  - {name: a, url: 'http://localhost:8080'}\n"
+     "  - {name: b, url: 'http://127.0.0.1:8082', front: {listen: '0.0.0.0:8080', expose: true}}\n",
+     "instances[1].front.listen", "instances[0].url"),
+    ("instances:\n  - {name: a, url: 'http://127.0.0.1:8080', front: {listen: '0.0.0.0:8082', expose: true}}\n"
+     "  - {name: b, url: 'http://127.0.0.1:8082'}\n",
+     "instances[1].url", "instances[0].front.listen"),
 ])
 def test_a_front_door_address_is_its_own(config_file, text, key, where):
     """Two listeners on one port would fail at start, or send a client to the wrong server."""
@@ -80,6 +100,14 @@ def test_a_front_door_address_is_its_own(config_file, text, key, where):
     with pytest.raises(ConfigError) as err:
         load_config(path)
     assert str(err.value).startswith(f"{path}: {key}: same address as {where}")
+
+
+def test_a_wildcard_door_beside_a_server_on_another_host_validates(config_file):
+    """A server URL naming another host may be another machine: same port number, no conflict here."""
+    cfg = load_config(config_file("instances:\n  - {name: a, url: 'http://10.0.0.7:9081'}\n"
+                                  "  - {name: b, url: 'http://127.0.0.1:8082', front: {listen: '0.0.0.0:9081', "
+                                  "expose: true}}\n"))
+    assert cfg.instances[1].front.listen == ("0.0.0.0", 9081)
 
 
 def test_capture_requests_setting(config_file):
