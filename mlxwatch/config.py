@@ -489,7 +489,8 @@ def _check_front_port(inst: InstanceConfig, i: int, earlier: list[InstanceConfig
             taken.append(("metrics.listen", f"http://{_hostport(metrics.listen)}"))
         binds = {f"instances[{j}].front.listen" for j, other in enumerate(earlier)} | {"metrics.listen"}
         for where, url in taken:
-            if same_address(mine, url) or _wildcard_overlap(mine, url, both_bound=where in binds):
+            if same_address(mine, url) or _wildcard_overlap(mine, url, both_bound=where in binds,
+                                                            b_dual_stack=where == "metrics.listen"):
                 raise ConfigError(file, f"instances[{i}].front.listen",
                                   f"same address as {where} (got {_hostport(inst.front.listen)!r})")
     for j, other in enumerate(earlier):
@@ -503,18 +504,33 @@ _LOOPBACKS = frozenset({"127.0.0.1", "::1"})
 _WILDCARDS = frozenset({"0.0.0.0", "::"})
 
 
-def _wildcard_overlap(a: str, b: str, *, both_bound: bool) -> bool:
-    """Whether a wildcard bind (``0.0.0.0`` or ``::``, a door with ``expose: true``) takes the
-    port of the other address: every other bind on that port, and a server on it here (a
-    loopback, ``localhost`` or wildcard URL). A server URL naming another host is not judged:
-    it may be another machine (a conflict with this one's own address fails at bind)."""
+def _wildcard_overlap(a: str, b: str, *, both_bound: bool, b_dual_stack: bool = False) -> bool:
+    """Whether a wildcard bind (``0.0.0.0``, or ``::``, as a door with ``expose: true`` binds)
+    takes the port of the other address, in the families it covers: ``0.0.0.0`` IPv4; ``::``
+    IPv6 only for a door (asyncio sets IPV6_V6ONLY), both for the metrics (``b_dual_stack``);
+    ``localhost`` may be either. The other address is another bind (``both_bound``), or a server
+    judged only when its URL is this machine's (loopback, ``localhost``, a wildcard): a URL
+    naming another host may be another machine, and a clash with this one's fails at bind."""
     if url_port(a) != url_port(b):
         return False
     ha, hb = (_host(urlsplit(u).hostname or "") for u in (a, b))
     if ha not in _WILDCARDS and hb not in _WILDCARDS:
         return False
-    here = _LOOPBACKS | _WILDCARDS | {"localhost"}
-    return both_bound or (ha in here and hb in here)
+    if not both_bound and not {ha, hb} <= _LOOPBACKS | _WILDCARDS | {"localhost"}:
+        return False
+    fa, fb = _families(ha, dual_stack=False), _families(hb, dual_stack=b_dual_stack)
+    return fa is not None and fb is not None and bool(fa & fb)
+
+
+def _families(host: str, *, dual_stack: bool) -> frozenset[int] | None:
+    """The IP versions an address takes a port in (None: a name, not judged)."""
+    if host == "localhost":
+        return frozenset({4, 6})
+    try:
+        version = ipaddress.ip_address(host).version
+    except ValueError:
+        return None
+    return frozenset({4, 6}) if host == "::" and dual_stack else frozenset({version})
 
 
 def same_address(a: str, b: str) -> bool:
@@ -643,21 +659,23 @@ def _list(value: Any) -> list:
     return value
 
 
-# What a restart command's arguments may name, filled in when it runs (restart/methods.py):
-# "{pid}" is the proven server's PID; "{{pid}}" is the text "{pid}". Other braces are left as written.
+# What a restart command's arguments may name, filled in when it runs (restart/methods.py).
 HOOK_FIELDS = ("name", "pid", "url", "bundle")
-HOOK_FIELD = re.compile(r"\{\{([A-Za-z0-9_]+)\}\}|\{([A-Za-z0-9_]+)\}")
+HOOK_FIELD = re.compile(r"\{(" + "|".join(HOOK_FIELDS) + r")\}")
+_BRACED_WORD = re.compile(r"(?<!\$)\{([A-Za-z0-9_]+)\}")  # not ${VAR}: the shell's
 
 
 def _hook_argv(value: Any) -> tuple[str, ...]:
-    """A restart command: an argv whose {fields} are all ones mlxwatch fills (a typo such as
-    {PID} would otherwise reach the command as written, at restart time)."""
+    """A restart command. A field in the wrong case ({PID}) is refused: it would reach the
+    command as written, at restart time. Other braces (a shell's ${VAR}, awk's {print}, JSON)
+    are the command's own and pass as written."""
     argv = _argv(value)
     for i, arg in enumerate(argv):
-        for m in HOOK_FIELD.finditer(arg):
-            if m.group(2) is not None and m.group(2) not in HOOK_FIELDS:
-                raise ValueError(f"argument {i} has {{{m.group(2)}}}, which mlxwatch does not fill (it fills "
-                                 "{name}, {pid}, {url} and {bundle}; write {{x}} for a literal {x})")
+        for m in _BRACED_WORD.finditer(arg):
+            word = m.group(1)
+            if word not in HOOK_FIELDS and word.lower() in HOOK_FIELDS:
+                raise ValueError(f"argument {i} has {{{word}}}, which mlxwatch does not fill; its fields are "
+                                 "{name}, {pid}, {url} and {bundle}, in lower case")
     return argv
 
 

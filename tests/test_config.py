@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from pathlib import Path
@@ -107,13 +108,13 @@ BAD = [
      " (got ['launchd', 'systemd'])"),
     ("instances: [{name: a, url: 'http://127.0.0.1:1', restart: {command: 'restart.sh now'}}]",
      "instances[0].restart.command: must be a non-empty list of strings (an argv, run without a shell) (got 'restart.sh now')"),
-    # a placeholder mlxwatch does not fill: refused at load, not passed to the hook at restart time
-    ("instances: [{name: a, url: 'http://127.0.0.1:1', restart: {command: [kickstart, 'gui/501/{label}']}}]",
-     "instances[0].restart.command: argument 1 has {label}, which mlxwatch does not fill (it fills {name}, "
-     "{pid}, {url} and {bundle}; write {{x}} for a literal {x}) (got ['kickstart', 'gui/501/{label}'])"),
+    # a field in the wrong case: refused at load, not passed to the hook as written at restart time
     ("instances: [{name: a, url: 'http://127.0.0.1:1', restart: {command: [kill, '{PID}']}}]",
-     "instances[0].restart.command: argument 1 has {PID}, which mlxwatch does not fill (it fills {name}, "
-     "{pid}, {url} and {bundle}; write {{x}} for a literal {x}) (got ['kill', '{PID}'])"),
+     "instances[0].restart.command: argument 1 has {PID}, which mlxwatch does not fill; its fields are "
+     "{name}, {pid}, {url} and {bundle}, in lower case (got ['kill', '{PID}'])"),
+    ("instances: [{name: a, url: 'http://127.0.0.1:1', restart: {command: [restart, '--server={Name}']}}]",
+     "instances[0].restart.command: argument 1 has {Name}, which mlxwatch does not fill; its fields are "
+     "{name}, {pid}, {url} and {bundle}, in lower case (got ['restart', '--server={Name}'])"),
     # the config's own directory: a log the daemon could never follow
     ("instances: [{name: a, url: 'http://127.0.0.1:1', log: .}]",
      "instances[0].log: is a directory; give the file the server writes its log to (got '.')"),
@@ -210,6 +211,14 @@ def test_bad_config_names_file_key_path_and_value(config_file, text, message):
         load_config(path)
     assert str(info.value) == f"{path}: {message}"
     assert "\n" not in str(info.value)
+
+
+def test_a_restart_commands_own_braces_pass_as_written(config_file):
+    """The shell's ${VAR} (even ${PID}), awk's {print} and JSON are the command's, not fields."""
+    argv = ["sh", "-c", "launchctl kickstart -k gui/${UID}/x; kill ${PID} {pid}", "awk '{print}'", '{"a": {"b": 1}}']
+    cfg = load_config(config_file("instances: [{name: a, url: 'http://127.0.0.1:1', restart: {command: %s}}]"
+                                  % json.dumps(argv)))
+    assert list(cfg.instances[0].restart.argv) == argv
 
 
 def test_missing_file_is_one_line(tmp_path):

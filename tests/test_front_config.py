@@ -84,9 +84,12 @@ def test_a_front_door_may_listen_beyond_loopback_when_exposed(config_file):
     ("metrics: {listen: 9081}\ninstances:\n  - {name: a, url: 'http://127.0.0.1:8080', "
      "front: {listen: '0.0.0.0:9081', expose: true}}\n",
      "instances[0].front.listen", "metrics.listen"),
-    ("instances:\n  - {name: a, url: 'http://127.0.0.1:8080', front: {listen: 9081}}\n"
+    ("instances:\n  - {name: a, url: 'http://127.0.0.1:8080', front: {listen: '[::1]:9081'}}\n"
      "  - {name: b, url: 'http://127.0.0.1:8082', front: {listen: '[::]:9081', expose: true}}\n",
      "instances[1].front.listen", "instances[0].front.listen"),
+    ("metrics: {listen: '[::]:9081', expose: true}\ninstances:\n  - {name: a, url: 'http://127.0.0.1:8080', "
+     "front: {listen: '0.0.0.0:9081', expose: true}}\n",
+     "instances[0].front.listen", "metrics.listen"),  # the metrics' [::] is dual-stack
     ("instances:\n  - {name: a, url: 'http://localhost:8080'}\n"
      "  - {name: b, url: 'http://127.0.0.1:8082', front: {listen: '0.0.0.0:8080', expose: true}}\n",
      "instances[1].front.listen", "instances[0].url"),
@@ -102,12 +105,20 @@ def test_a_front_door_address_is_its_own(config_file, text, key, where):
     assert str(err.value).startswith(f"{path}: {key}: same address as {where}")
 
 
-def test_a_wildcard_door_beside_a_server_on_another_host_validates(config_file):
-    """A server URL naming another host may be another machine: same port number, no conflict here."""
-    cfg = load_config(config_file("instances:\n  - {name: a, url: 'http://10.0.0.7:9081'}\n"
-                                  "  - {name: b, url: 'http://127.0.0.1:8082', front: {listen: '0.0.0.0:9081', "
-                                  "expose: true}}\n"))
-    assert cfg.instances[1].front.listen == ("0.0.0.0", 9081)
+@pytest.mark.parametrize("text", [
+    # a server URL naming another host may be another machine: same port number, no clash here
+    "instances:\n  - {name: a, url: 'http://10.0.0.7:9081'}\n"
+    "  - {name: b, url: 'http://127.0.0.1:8082', front: {listen: '0.0.0.0:9081', expose: true}}\n",
+    # the door's [::] is IPv6 only (asyncio sets IPV6_V6ONLY) and 0.0.0.0 IPv4 only: both bind beside these
+    "instances:\n  - {name: a, url: 'http://127.0.0.1:8080', front: {listen: '[::]:8080', expose: true}}\n",
+    "instances:\n  - {name: a, url: 'http://[::1]:8080', front: {listen: '0.0.0.0:8080', expose: true}}\n",
+    "instances:\n  - {name: a, url: 'http://127.0.0.1:8080', front: {listen: '0.0.0.0:9081', expose: true}}\n"
+    "  - {name: b, url: 'http://127.0.0.1:8082', front: {listen: '[::1]:9081'}}\n",
+    "instances:\n  - {name: a, url: 'http://127.0.0.1:8080', front: {listen: '[::]:9081', expose: true}}\n"
+    "  - {name: b, url: 'http://127.0.0.1:8082', front: {listen: '127.0.0.1:9081'}}\n",
+])
+def test_a_wildcard_door_beside_addresses_it_does_not_take_validates(config_file, text):
+    assert load_config(config_file(text)).instances
 
 
 def test_capture_requests_setting(config_file):

@@ -95,9 +95,9 @@ def test_restart_command_construction():
     ctx = RestartContext(inst(cfg), ProcessIdentity(4242, 1.0, ()), "/b/1")
     assert custom_command(cfg, ctx) == ["/bin/restart", "--name=gemma", "4242", "http://127.0.0.1:8082", "/b/1",
                                         "{unknown}; rm -rf /"]  # one argv element, never a shell
-    # {{x}} is the text {x}; braces that name no field (JSON, awk) are passed as written
-    cfg = RestartConfig("command", argv=("sh", "-c", "echo {{pid}}={pid}", '{"a": {"b": "{name}"}}', "awk '{print $1}'"))
-    assert custom_command(cfg, ctx) == ["sh", "-c", "echo {pid}=4242", '{"a": {"b": "gemma"}}', "awk '{print $1}'"]
+    # braces that name no field (JSON, awk, the shell's) are passed as written
+    cfg = RestartConfig("command", argv=("sh", "-c", "echo ${pid} {pid}", '{"a": {"b": "{name}"}}', "awk '{print $1}'"))
+    assert custom_command(cfg, ctx) == ["sh", "-c", "echo $4242 4242", '{"a": {"b": "gemma"}}', "awk '{print $1}'"]
 
 
 async def test_command_restart_failure_and_timeout_raise():

@@ -171,8 +171,9 @@ class FrontDoor:
 
     def reconfigure(self, cfg: FrontConfig) -> None:
         """Take new settings on the same address in place: requests in flight and open
-        connections go on (a connection keeps the size limits it was opened with); new requests
-        get the new timeouts, hold and replay. A new address needs a new door."""
+        connections go on; the timeouts, hold and replay apply from now on, to them too (each is
+        read when it acts); a connection keeps the size limits it was opened with. A new address
+        needs a new door."""
         if cfg.listen != self._cfg.listen:
             raise ValueError(f"front door {self.name}: a new address ({cfg.listen}) needs a new door")
         self._cfg = cfg

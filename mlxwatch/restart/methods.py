@@ -1,20 +1,19 @@
 """Restart methods: launchd, systemd, a custom command, a signal, or none.
 
 Commands are argv lists, never a shell string. ``{name}``, ``{pid}``, ``{url}`` and
-``{bundle}`` are substituted inside each argument, and ``{{pid}}`` is the text ``{pid}``; the
-config refuses any other ``{word}`` (a typo would reach the command as written). ``{pid}`` is
-the proven server process, checked alive (same PID, same start) right before the hook runs, or
-empty: never a guess, never a dead process's PID. ``signal`` re-checks the process identity
-before every signal it sends, and continues a stopped process first (SIGTERM stays pending on a
-SIGSTOPped one). A restart that found no process to restart says so: it is recorded as
-``nothing_to_restart``, not ``ok``.
+``{bundle}`` are substituted inside each argument; the config refuses them in another case
+(``{PID}`` would reach the command as written). ``{pid}`` is the proven server process,
+checked alive (same PID, same start) right before the hook runs, or empty: never a guess,
+never a dead process's PID. ``signal`` re-checks the process identity before every signal it
+sends, and continues a stopped process first (SIGTERM stays pending on a SIGSTOPped one). A
+restart that found no process to restart says so: it is recorded as ``nothing_to_restart``,
+not ``ok``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
-import re
 import signal as signals
 from dataclasses import dataclass, replace
 
@@ -63,13 +62,7 @@ def custom_command(cfg: RestartConfig, ctx: RestartContext) -> list[str]:
         "url": ctx.instance.url,
         "bundle": ctx.bundle or "",
     }
-
-    def fill(m: re.Match[str]) -> str:
-        if m.group(1) is not None:
-            return "{" + m.group(1) + "}"  # {{x}}: the text {x}
-        return values.get(m.group(2), m.group(0))  # one config refused: left as written
-
-    return [HOOK_FIELD.sub(fill, arg) for arg in cfg.argv]
+    return [HOOK_FIELD.sub(lambda m: values[m.group(1)], arg) for arg in cfg.argv]  # one pass: no value is read again
 
 
 def describe(cfg: RestartConfig) -> str:
