@@ -276,6 +276,26 @@ async def test_reload_mid_incident_applies_when_it_ends_and_never_orphans_it(tmp
     assert run.journal.open_incidents() == []
 
 
+async def test_a_reload_back_mid_incident_voids_the_change_still_waiting(tmp_path, standin):
+    """Found in review: reloaded to B mid-incident, then back to A, the watcher took B once the
+    incident ended (the waiting change was never dropped)."""
+    (url,), mode, _ = standin("hang")
+    cfg = config(tmp_path / "state", url)
+    async with Running(cfg) as run:
+        await run.until(lambda: "awaiting_recovery" in run.events())
+        old_watcher = run.daemon.watchers["gone"]
+        run.cfg = replace(cfg, instances=(replace(cfg.instances[0], probe=replace(FAST, interval=0.3)),))
+        run.reload.set()
+        await run.until(lambda: "gone" in run.daemon.pending, what="pending change")
+        run.cfg = cfg
+        run.reload.set()
+        await run.until(lambda: "gone" not in run.daemon.pending, what="the change voided")
+        mode.write_text("ok")
+        await run.until(lambda: "recovered" in run.events())
+        assert run.daemon.watchers["gone"] is old_watcher
+        assert run.daemon.watchers["gone"].inst == cfg.instances[0]
+
+
 async def test_reload_applies_top_level_settings_and_refuses_a_new_state_dir(tmp_path):
     """Measured: notify and capture changes never reached unchanged instances."""
     cfg = config(tmp_path / "state", f"http://127.0.0.1:{free_port()}", RestartConfig("command", argv=("true",)))

@@ -215,8 +215,10 @@ class Daemon:
 
     def _start(self, inst: InstanceConfig) -> None:
         door = self.doors.get(inst.name)
+        kept = (door is not None and inst.front is not None and door[0][0] == inst.url
+                and door[0][1].listen == inst.front.listen)  # the door _sync_doors keeps (new settings in place)
         self.watchers[inst.name] = InstanceWatcher(inst, self.shared, asyncio.Event(),
-                                                   door=door[1] if door and door[0] == (inst.url, inst.front) else None)
+                                                   door=door[1] if door is not None and kept else None)
         self.tasks[inst.name] = asyncio.create_task(self._supervise(inst.name), name=f"watch-{inst.name}")
 
     async def _supervise(self, name: str) -> None:
@@ -385,6 +387,8 @@ class Daemon:
         for name, watcher in self.watchers.items():
             if wanted.get(name) != watcher.inst:
                 self.pending[name] = wanted.get(name)
+            elif self.pending.pop(name, None) is not None:  # reloaded back to what it runs: the waiting change is void
+                self._errors_logged.discard(f"pending:{name}")
         for name, inst in wanted.items():
             if name not in self.watchers:
                 self.pending[name] = inst  # started by _apply_pending: maybe after an incident ends
