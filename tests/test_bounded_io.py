@@ -313,3 +313,21 @@ async def test_a_hook_still_running_at_shutdown_is_ended_not_left_behind(tmp_pat
     await asyncio.sleep(0.1)
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)
+
+
+async def test_notify_hooks_run_one_at_a_time_in_event_order(tmp_path):
+    """Seen in CI: the hook heard 'captured' before 'verdict' (each event ran its own hook at
+    once). A slow first run must not let the next event overtake it."""
+    import sys
+
+    from mlxwatch.daemon.notify import Notifier
+
+    out = tmp_path / "events.txt"
+    script = ("import json, sys, time\nevent = json.load(sys.stdin)['event']\n"
+              "time.sleep(0.5 if event == 'verdict' else 0)\n"
+              f"open({str(out)!r}, 'a').write(event + '\\n')\n")
+    notifier = Notifier([sys.executable, "-c", script])
+    for event in ("verdict", "captured", "recovered"):
+        notifier.fire(event, {})
+    await notifier.drain(timeout=60)
+    assert out.read_text().split() == ["verdict", "captured", "recovered"]

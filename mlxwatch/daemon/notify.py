@@ -1,7 +1,7 @@
 """The ``notify`` hook: run on verdict, recovery and gave-up with the incident as JSON on stdin.
 
-It runs in its own task with a timeout; a failing or hanging hook is logged and never blocks
-the watchdog.
+Runs go one at a time, in event order, on one worker task, each with a timeout; a failing or
+hanging hook is logged and never blocks the watchdog (it only delays the next hook run).
 """
 
 from __future__ import annotations
@@ -48,24 +48,34 @@ async def run_notify(argv: Sequence[str], event: str, payload: dict[str, Any], t
 
 
 class Notifier:
-    """Fire-and-forget hook runs, tracked so a clean shutdown can wait for them briefly."""
+    """Hook runs in event order, one at a time (a chat hook must not post ``captured`` before
+    ``verdict``), on a worker the watchers never wait for; a clean shutdown waits briefly."""
 
     def __init__(self, argv: Sequence[str]) -> None:
         self.argv = tuple(argv)
-        self.tasks: set[asyncio.Task] = set()
+        self._queue: asyncio.Queue[tuple[str, dict[str, Any]]] = asyncio.Queue()
+        self._worker: asyncio.Task | None = None
 
     def fire(self, event: str, payload: dict[str, Any]) -> None:
         if not self.argv:
             return
-        task = asyncio.get_running_loop().create_task(run_notify(self.argv, event, payload))
-        self.tasks.add(task)
-        task.add_done_callback(self.tasks.discard)
+        self._queue.put_nowait((event, payload))
+        if self._worker is None or self._worker.done():
+            self._worker = asyncio.get_running_loop().create_task(self._run(), name="notify")
+
+    async def _run(self) -> None:
+        while not self._queue.empty():
+            event, payload = self._queue.get_nowait()
+            await run_notify(self.argv, event, payload)  # never raises; each run bounded by its timeout
 
     async def drain(self, timeout: float = 5.0) -> None:
-        """Give running hooks ``timeout`` seconds, then end the rest (their process groups)."""
-        if self.tasks:
-            _, pending = await asyncio.wait(list(self.tasks), timeout=timeout)
-            for task in pending:
-                log.warning("notify hook still running at shutdown; ended")
-                task.cancel()
-            await asyncio.gather(*pending, return_exceptions=True)
+        """Give the hooks still to run ``timeout`` seconds, then end the one running (its process
+        group) and drop the rest."""
+        worker = self._worker
+        if worker is None or worker.done():
+            return
+        _, pending = await asyncio.wait([worker], timeout=timeout)
+        if pending:
+            log.warning("notify hook still running at shutdown; ended (%d more not run)", self._queue.qsize())
+            worker.cancel()
+            await asyncio.gather(worker, return_exceptions=True)
