@@ -429,22 +429,32 @@ async def test_a_stream_is_identical_with_and_without_the_door_and_keeps_the_con
     assert view.tokens_total == 2 * len(TOKENS) and view.outcomes["ok"] == 2 and view.in_flight == ()
 
 
+async def _stream_in_steps(door: FrontDoor, up: Upstream, at_token) -> list[str]:
+    """A stream through the door whose server sends each token only once the client has seen the
+    one before; ``at_token(seen)`` runs at each token, before the server may send the next."""
+    client = _client(door)
+    up.release.put_nowait(1)
+    stream = await client.chat.completions.create(model="m", messages=MESSAGES, stream=True,
+                                                  extra_headers={"X-Mode": "step"})
+    seen: list[str] = []
+    async for event in stream:
+        if event.choices and event.choices[0].delta.content:
+            seen.append(event.choices[0].delta.content)
+            at_token(seen)
+            up.release.put_nowait(1)
+    await client.close()
+    return seen
+
+
 async def test_chunks_reach_the_client_before_the_server_sends_the_next():
     """No buffering: each token is read by the client while the server still holds the next
     (the server sends chunk n+1 only after the client has seen chunk n)."""
+    def counted(seen: list[str]) -> None:
+        view = door.view().in_flight[0]
+        assert view.tokens == len(seen) and view.first_token_mono is not None
+
     async with Upstream() as up, _door(up) as door:
-        client = _client(door)
-        up.release.put_nowait(1)
-        stream = await client.chat.completions.create(model="m", messages=MESSAGES, stream=True,
-                                                      extra_headers={"X-Mode": "step"})
-        seen = []
-        async for event in stream:
-            if event.choices and event.choices[0].delta.content:
-                seen.append(event.choices[0].delta.content)
-                view = door.view().in_flight[0]
-                assert view.tokens == len(seen) and view.first_token_mono is not None
-                up.release.put_nowait(1)  # only now may the server send the next token
-        await client.close()
+        seen = await _stream_in_steps(door, up, counted)
     assert seen == TOKENS
 
 
@@ -659,20 +669,13 @@ async def test_with_hold_a_request_waits_for_the_gate_and_goes_through():
 async def test_new_settings_in_place_keep_a_stream_in_flight_and_apply_to_new_requests():
     """A reload that changed a front timeout replaced the door, failing every request in flight
     (mlxwatch_stopping) and refusing connections meanwhile. In place: the stream goes on, and
-    the next request is refused with the new hold's Retry-After."""
+    the next request is held under the new hold until the gate opens (before: 503 at once)."""
+    def reconfigure_at_first(seen: list[str]) -> None:
+        if len(seen) == 1:
+            door.reconfigure(_cfg(hold=BOUND, request_stall_timeout=5.0))
+
     async with Upstream() as up, _door(up) as door:
-        client = _client(door)
-        up.release.put_nowait(1)
-        stream = await client.chat.completions.create(model="m", messages=MESSAGES, stream=True,
-                                                      extra_headers={"X-Mode": "step"})
-        seen = []
-        async for event in stream:
-            if event.choices and event.choices[0].delta.content:
-                seen.append(event.choices[0].delta.content)
-                if len(seen) == 1:
-                    door.reconfigure(_cfg(hold=BOUND, request_stall_timeout=5.0))
-                up.release.put_nowait(1)
-        await client.close()
+        seen = await _stream_in_steps(door, up, reconfigure_at_first)
         assert door.view().outcomes["ok"] == 1 and door.view().outcomes["failed_loudly"] == 0
         door.set_gate(Gate.RESTARTING)  # the new hold: the next request waits for the gate (before: 503 at once)
         held = asyncio.create_task(_raw(_url(door), b"GET /v1/models HTTP/1.1\r\nHost: h\r\n\r\n"))
