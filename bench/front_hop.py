@@ -41,6 +41,7 @@ import asyncio
 import json
 import os
 import random
+import shutil
 import signal
 import socket
 import statistics
@@ -335,6 +336,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for proc in reversed(procs):
             proc.stop()
+        shutil.rmtree(work, ignore_errors=True)  # the proxies' configs and logs: nothing is kept
     data["load_after"] = load_average()
     _write(data, args.no_write)
     return 0
