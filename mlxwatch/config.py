@@ -487,21 +487,24 @@ def _check_front_port(inst: InstanceConfig, i: int, earlier: list[InstanceConfig
         mine = f"http://{_hostport(inst.front.listen)}"
         if metrics.listen is not None:
             taken.append(("metrics.listen", f"http://{_hostport(metrics.listen)}"))
-        binds = {f"instances[{j}].front.listen" for j, other in enumerate(earlier)} | {"metrics.listen"}
-        for where, url in taken:
-            if same_address(mine, url) or _wildcard_overlap(mine, url, both_bound=where in binds,
-                                                            b_dual_stack=where == "metrics.listen"):
+        for where, url in taken:  # a server's url, or another bind (a door's, the metrics')
+            if _takes_port(mine, url, both_bound=not where.endswith(".url"), b_dual_stack=where == "metrics.listen"):
                 raise ConfigError(file, f"instances[{i}].front.listen",
                                   f"same address as {where} (got {_hostport(inst.front.listen)!r})")
     for j, other in enumerate(earlier):
-        theirs = f"http://{_hostport(other.front.listen)}" if other.front is not None else ""
-        if theirs and (same_address(inst.url, theirs) or _wildcard_overlap(theirs, inst.url, both_bound=False)):
+        if other.front is not None and _takes_port(f"http://{_hostport(other.front.listen)}", inst.url,
+                                                   both_bound=False):
             raise ConfigError(file, f"instances[{i}].url",
                               f"same address as instances[{j}].front.listen (got {_show(inst.url)})")
 
 
 _LOOPBACKS = frozenset({"127.0.0.1", "::1"})
 _WILDCARDS = frozenset({"0.0.0.0", "::"})
+
+
+def _takes_port(a: str, b: str, *, both_bound: bool, b_dual_stack: bool = False) -> bool:
+    """Whether the listener at ``a`` and the address ``b`` are one socket or contend for its port."""
+    return same_address(a, b) or _wildcard_overlap(a, b, both_bound=both_bound, b_dual_stack=b_dual_stack)
 
 
 def _wildcard_overlap(a: str, b: str, *, both_bound: bool, b_dual_stack: bool = False) -> bool:
@@ -929,8 +932,7 @@ def _instance(sec: _Section, base: Path) -> InstanceConfig:
     front = _front(sec.section("front")) if sec.data.get("front") is not None else None
     sec.data.pop("front", None)
     sec.done()
-    if front is not None and (same_address(url, f"http://{_hostport(front.listen)}")
-                              or _wildcard_overlap(f"http://{_hostport(front.listen)}", url, both_bound=False)):
+    if front is not None and _takes_port(f"http://{_hostport(front.listen)}", url, both_bound=False):
         raise ConfigError(sec.file, f"{sec.path}.front.listen",
                           "is the server's own address; the front door needs a port of its own"
                           f" (got {_hostport(front.listen)!r})")

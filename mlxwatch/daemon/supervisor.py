@@ -215,8 +215,7 @@ class Daemon:
 
     def _start(self, inst: InstanceConfig) -> None:
         door = self.doors.get(inst.name)
-        kept = (door is not None and inst.front is not None and door[0][0] == inst.url
-                and door[0][1].listen == inst.front.listen)  # the door _sync_doors keeps (new settings in place)
+        kept = door is not None and _keeps_door(door[0], (inst.url, inst.front))  # settings, if new, follow in place
         self.watchers[inst.name] = InstanceWatcher(inst, self.shared, asyncio.Event(),
                                                    door=door[1] if door is not None and kept else None)
         self.tasks[inst.name] = asyncio.create_task(self._supervise(inst.name), name=f"watch-{inst.name}")
@@ -296,9 +295,9 @@ class Daemon:
         waits for an incident to end reaches the door when it reaches the watcher."""
         wanted = {i.name: (i.url, i.front) for i in instances if i.front is not None}
         for name in [n for n, (spec, _) in self.doors.items() if wanted.get(n) != spec]:
-            (url, front), door = self.doors[name]
+            serving, door = self.doors[name]
             spec = wanted.get(name)
-            if spec is not None and spec[0] == url and spec[1].listen == front.listen:
+            if spec is not None and _keeps_door(serving, spec):
                 door.reconfigure(spec[1])  # the same server and address: no request is cut for a new timeout
                 self.doors[name] = (spec, door)
                 log.info("%s: front door settings changed in place", name)
@@ -487,3 +486,9 @@ async def _wait_any(*events: asyncio.Event, timeout: float) -> None:
     finally:
         for w in waiters:
             w.cancel()
+
+
+def _keeps_door(serving: tuple[str, FrontConfig], wanted: tuple[str, FrontConfig | None]) -> bool:
+    """A door serving ``serving`` (server URL, front settings) stays for ``wanted``: the same
+    server on the same address, other settings taken in place (``FrontDoor.reconfigure``)."""
+    return wanted[1] is not None and serving[0] == wanted[0] and serving[1].listen == wanted[1].listen
