@@ -85,7 +85,7 @@ async def _upstream(ready: Path, closes: bool) -> None:
     write, then the end; keep-alive, or (``closes``) HTTP/1.0 ending each answer with the connection."""
     async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
-            while closes:
+            if closes:  # one answer, its body ending with the connection
                 head = await reader.readuntil(b"\r\n\r\n")
                 await reader.readexactly(_length(head))
                 writer.write(b"HTTP/1.0 200 OK\r\nContent-type: text/event-stream\r\nCache-Control: no-cache\r\n\r\n"
@@ -181,13 +181,19 @@ def summarise(rounds: list[dict[str, float]], kinds: list[str]) -> dict[str, dic
     return out
 
 
+def _output(closes: bool) -> tuple[str, str]:
+    """Where a run writes: its JSON's name (``bench/<name>.json``) and its RESULTS.md section."""
+    return ("front_hop_closing", SECTION_CLOSING) if closes else ("front_hop", SECTION)
+
+
 def render(data: dict[str, Any]) -> str:
     m = data["machine"]
     closes = data.get("upstream_closes", False)
-    lines = [SECTION_CLOSING if closes else SECTION, "",
+    name, section = _output(closes)
+    lines = [section, "",
              f"`{data['command']}` (`bench/front_hop.py`), run on {data['date']} from commit {data['commit']} on "
              f"{m.get('cpus', '?')} cores; load average {data['load_before']} before, {data['load_after']} after "
-             f"({data.get('machine_note') or 'shared machine'}). Raw data in `bench/front_hop.json`. "
+             f"({data.get('machine_note') or 'shared machine'}). Raw data in `bench/{name}.json`. "
              f"{data['rounds']} rounds; per round and path one cell of {data['requests']} requests back to back "
              f"(hot) and one of {data['idle_requests']} requests {data['pause'] * 1e3:g} ms apart (idle), cells "
              "in a shuffled order. First token: median of a cell, then the median over rounds; added: paired "
@@ -255,9 +261,8 @@ def _write(data: dict[str, Any], no_write: bool) -> None:
     print(section)
     if no_write:
         return
-    closes = data.get("upstream_closes", False)
-    name = "front_hop_closing" if closes else "front_hop"
-    md = write_section(name, data, SECTION_CLOSING if closes else SECTION, section)
+    name, heading = _output(data.get("upstream_closes", False))
+    md = write_section(name, data, heading, section)
     log(f"front_hop: wrote bench/{name}.json and the section in {md}")
 
 
@@ -271,7 +276,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="also the relay and the door on uvloop (needs the 'bench' extra)")
     parser.add_argument("--kinds", help="comma-separated paths to measure (default: all; direct is always measured)")
     parser.add_argument("--upstream-closes", action="store_true",
-                        help="the upstream closes every connection, as mlx_lm.server does (direct, nginx, the door)")
+                        help="the upstream closes every connection, as mlx_lm.server does (paths: "
+                             + ", ".join(CLOSING_KINDS) + ")")
     parser.add_argument("--machine-note")
     parser.add_argument("--no-write", action="store_true", help="print the section; write neither JSON nor RESULTS.md")
     parser.add_argument("--render-only", action="store_true",
@@ -284,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
         asyncio.run(_upstream(args.ready, args.closes))
         return 0
     if args.render_only:
-        name = "front_hop_closing" if args.upstream_closes else "front_hop"
+        name, _ = _output(args.upstream_closes)
         _write(json.loads((ROOT / "bench" / f"{name}.json").read_text()), args.no_write)
         return 0
 
