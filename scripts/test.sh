@@ -76,6 +76,6 @@ check() {
 check lint "$VENVS/test/bin/ruff" check mlxwatch tests bench
 check types "$VENVS/test/bin/python" -m mypy
 check "types (the in-server shim on Python 3.10)" "$VENVS/test/bin/python" -m mypy --python-version 3.10 \
-    mlxwatch/shim/agent.py mlxwatch/shim/layout.py mlxwatch/shim/boot/sitecustomize.py
+    mlxwatch/shim/agent.py mlxwatch/shim/dumps.py mlxwatch/shim/layout.py mlxwatch/shim/boot/sitecustomize.py
 echo "== tests: pytest $*"
 exec "$VENVS/test/bin/python" -m pytest "$@"

@@ -224,6 +224,54 @@ def test_a_held_gil_stales_the_heartbeat_but_faulthandler_still_dumps(standin):
     assert findings.stale and "GIL" in findings.stale[0]
 
 
+BUSY_THREADS = """
+import threading, time
+def busy():
+    def down(n):
+        return 0 if n == 0 else down(n - 1) + 1
+    while True:
+        down(30)
+def come_and_go():
+    while True:
+        t = threading.Thread(target=sum, args=(range(100),))
+        t.start()
+        t.join()
+for target in (busy,) * 2 + (come_and_go,) * 3:
+    threading.Thread(target=target, daemon=True).start()
+time.sleep(600)
+"""
+
+
+def test_many_dumps_of_a_busy_process_whose_threads_come_and_go_never_crash_it(standin):
+    """CI saw an mlx-lm 0.31.3 server die right after a shim dump, twice: faulthandler's dump from
+    the signal handler reads every thread's frames without the GIL while they change
+    (python/cpython#116008). By the signal, this process died within 270-550 dumps (5 runs); the shim's
+    dump thread takes them under the GIL."""
+    s = standin(argv=[sys.executable, "-c", BUSY_THREADS])
+    hb = s.wait_for(lambda h: h.dumps_offered, what="a heartbeat")
+    identity = ProcessIdentity.of(s.pid)
+    for i in range(1000):
+        text = heartbeat.request_stacks(hb, identity)
+        assert s.proc.poll() is None, f"the process died after {i + 1} dumps: {s.proc.returncode}"
+    busy = [t for t in parse_dump(text) if any(f.name == "busy" for f in t.frames)]
+    assert len(busy) == 2
+    assert os.path.getsize(hb.stacks_file) == 0  # no stack signal was needed
+
+
+def test_the_dump_thread_comes_back_when_a_cleaner_removes_its_files(standin):
+    s = standin()
+    hb = s.wait_for(lambda h: h.tokens > 0, what="tokens")
+    identity = ProcessIdentity.of(s.pid)
+    old = os.stat(hb.ask_path).st_ino
+    os.unlink(hb.ask_path)
+    os.unlink(hb.answers_path)
+    s.wait_for(lambda h: os.path.exists(h.ask_path) and os.stat(h.ask_path).st_ino != old, what="a new FIFO")
+    assert "in _generate" in heartbeat.request_stacks(s.heartbeat(), identity)
+    assert os.path.getsize(hb.stacks_file) == 0  # answered by the thread, not by the signal
+    s.wait_for(lambda h: [n for n, _ in h.thread_names().values()].count("mlxwatch-shim-dumps") == 1,
+               what="the retired dump thread gone, one left")
+
+
 @pytest.mark.parametrize("step", [1.0, HOUR])
 def test_a_wall_clock_step_does_not_stop_stack_dumps_and_a_reused_pid_is_never_signalled(standin, monkeypatch,
                                                                                           step):

@@ -2,12 +2,13 @@
 
 Started by ``boot/sitecustomize.py`` before the server's own code runs (``start``). It
 
-- registers ``faulthandler`` on ``SIGUSR2`` for all threads, writing into ``<pid>.stacks`` in
-  the runtime dir (``layout``). faulthandler writes from the C signal handler without taking
-  the GIL, so a dump comes even while a native call holds the GIL or the generation thread is
-  blocked. mlx-lm, mlx and ``http.server`` install no handler for it (checked in mlx-lm 0.31.3
-  and 0.32.2); if the signal already has a handler, or one is installed later, the heartbeat
-  says ``stacks: null`` and mlxwatch never sends it. ``faulthandler.enable`` (fatal signals)
+- answers stack dump requests on a FIFO from a thread of its own, under the GIL (``dumps``:
+  the safe way, asked first), and registers ``faulthandler`` on ``SIGUSR2`` for all threads,
+  writing into ``<pid>.stacks`` in the runtime dir (``layout``): the way that works while a
+  native call holds the GIL, asked only when the thread does not answer. mlx-lm, mlx and
+  ``http.server`` install no handler for the signal (checked in mlx-lm 0.31.3 and 0.32.2); if
+  it already has a handler, or one is installed later, the heartbeat's ``stacks.signal`` is
+  null and mlxwatch never sends it. ``faulthandler.enable`` (fatal signals)
   goes to ``<pid>.fatal`` unless faulthandler is already enabled (``-X faulthandler``): then
   it is left alone;
 - counts, at the seam the server's batch loop calls once per step (``BatchGenerator.next``,
@@ -56,6 +57,7 @@ from collections import deque
 from typing import Any
 
 from . import layout
+from .dumps import Dumper
 
 MAX_TRACEBACK = 20000  # characters of a traceback kept in the heartbeat (the end)
 GENERATE_MODULE, SERVER_MODULE = "mlx_lm.generate", "mlx_lm.server"
@@ -127,12 +129,13 @@ class Agent:
         self.stacks_file: io.FileIO | None = None
         self.stacks_ino: int | None = None
         self.fatal_file: io.FileIO | None = None
+        self.dumper: Dumper | None = None
 
     # --- files
 
     def path(self, kind: str) -> str:
-        return {"json": layout.heartbeat_path, "stacks": layout.stacks_path,
-                "fatal": layout.fatal_path}[kind](self.directory, self.pid)
+        return {"json": layout.heartbeat_path, "stacks": layout.stacks_path, "fatal": layout.fatal_path,
+                "ask": layout.ask_path, "answers": layout.answers_path}[kind](self.directory, self.pid)
 
     def prepare_dir(self) -> bool:
         problem = layout.ensure_private_dir(self.directory)
@@ -158,6 +161,26 @@ class Agent:
         self.stack_signum = signum
         if old is not None:
             old.close()
+
+    def open_dumper(self) -> None:
+        """(Re)open the dump thread's FIFO and answers file; a dumper they replace ends."""
+        if not hasattr(os, "mkfifo") or not hasattr(sys, "_current_frames"):
+            self.note_once("no FIFO or no sys._current_frames here: stacks only by the signal")
+            return
+        dumper = Dumper(self.path("ask"), self.path("answers"))
+        try:
+            dumper.open()
+        except OSError as exc:
+            self.note_once(f"no dump thread ({exc}): stacks only by the signal")
+            return
+        old, self.dumper = self.dumper, dumper
+        if old is not None:
+            old.retire()
+
+    def check_dumper(self) -> None:
+        """Its files may be removed under us (a /tmp cleaner): open new ones then."""
+        if self.dumper is not None and not self.dumper.intact():
+            self.open_dumper()
 
     def check_stacks_file(self) -> None:
         """The file may be removed under us (a /tmp cleaner): open a new one then."""
@@ -352,6 +375,7 @@ class Agent:
         if self.dir_problem and not self.prepare_dir():
             return
         self.check_stacks_file()
+        self.check_dumper()
         try:
             self.publish()
         except FileNotFoundError:  # the runtime dir was removed: make it again next time
@@ -438,8 +462,12 @@ class Agent:
             },
             "threads": {str(t.ident): {"name": t.name, "native_id": getattr(t, "native_id", None)}
                         for t in threading.enumerate() if t.ident is not None},
-            "stacks": None if self.stack_signum is None else {
-                "signal": layout.STACK_SIGNAL, "signum": int(self.stack_signum), "file": self.path("stacks")},
+            "stacks": None if self.stack_signum is None and self.dumper is None else {
+                "signal": layout.STACK_SIGNAL if self.stack_signum is not None else None,
+                "signum": int(self.stack_signum) if self.stack_signum is not None else None,
+                "file": self.path("stacks") if self.stack_signum is not None else None,
+                "ask": self.dumper.ask_path if self.dumper is not None else None,
+                "answers": self.dumper.answers_path if self.dumper is not None else None},
             "fatal_file": self.path("fatal") if self.fatal_file is not None else None,
         }
 
@@ -710,11 +738,12 @@ def start(started_at: float | None = None, env=None) -> Agent | None:
                       env.get(layout.EXIT_ENV) == "1", layout.runtime_dir(env))
         _agent = agent
         if agent.prepare_dir():
+            agent.open_dumper()
             try:
                 agent.open_stacks()
                 agent.enable_fatal()
             except OSError as exc:
-                _say(f"stacks on demand unavailable: {exc}")
+                _say(f"stacks on demand by signal unavailable: {exc}")
         _chain_excepthook(agent)
         already = [sys.modules[n] for n in (GENERATE_MODULE, SERVER_MODULE) if n in sys.modules]
         sys.meta_path.insert(0, _PostImportFinder(agent))

@@ -9,7 +9,7 @@ by a process without the shim is never mistaken for the shimmed one, and never s
     hb, problem = find(pid, create_time)
     if hb and hb.seam_ok:
         print(hb.tokens_per_s, hb.since_last_token, hb.stalled_for)
-    text = request_stacks(hb, ProcessIdentity.of(pid))   # faulthandler's dump of every thread
+    text = request_stacks(hb, ProcessIdentity.of(pid))   # every thread, in faulthandler's format
 
 Reads are bounded (a regular file of at most ``MAX_BYTES``) and blocking: call them from a
 worker thread in async code.
@@ -21,6 +21,8 @@ import errno
 import fcntl
 import json
 import os
+import re
+import secrets
 import stat
 import time
 from dataclasses import dataclass
@@ -29,13 +31,15 @@ from typing import Any
 import psutil
 
 from mlxwatch.host.process import ProcessIdentity
-from mlxwatch.shim import layout
+from mlxwatch.shim import dumps, layout
 
 MAX_BYTES = 1024 * 1024
 STALE_AFTER = 5.0  # seconds without a new heartbeat (interval 1 s): GIL held, stopped, or gone
 START_SLACK = (-2.0, 120.0)  # shim start minus process create time (exec by launch, slow start, clock rounding)
 DUMP_TIMEOUT = 3.0  # a dump takes milliseconds; none within this: the process cannot run its signal handler
 DUMP_SETTLE = 0.1  # the dump is complete when the file stopped growing for this long
+ANSWER_WAIT = 1.0  # the dump thread answers in milliseconds when it can run; not by then: the GIL is held
+_ANSWER = re.compile(rf"^{re.escape(dumps.HEADER)} ([0-9a-f ]+)\n(.*?)^{re.escape(dumps.FOOTER)}", re.M | re.S)
 
 
 class ShimError(Exception):
@@ -182,8 +186,25 @@ class Heartbeat:
 
     @property
     def stacks_file(self) -> str | None:
+        return self._stacks_path("file")
+
+    @property
+    def ask_path(self) -> str | None:
+        """The shim's dump thread's FIFO (``mlxwatch.shim.dumps``); None from a shim without one."""
+        return self._stacks_path("ask") if self._stacks_path("answers") else None
+
+    @property
+    def answers_path(self) -> str | None:
+        return self._stacks_path("answers") if self._stacks_path("ask") else None
+
+    @property
+    def dumps_offered(self) -> bool:
+        """Can this shim dump its threads by either way?"""
+        return self.stack_signal is not None or self.ask_path is not None
+
+    def _stacks_path(self, key: str) -> str | None:
         s = self.data.get("stacks")
-        return s.get("file") if isinstance(s, dict) and isinstance(s.get("file"), str) else None
+        return s.get(key) if isinstance(s, dict) and isinstance(s.get(key), str) else None
 
     def thread_names(self) -> dict[int, tuple[str, int | None]]:
         """Thread ident (as faulthandler prints it) -> (name, native id)."""
@@ -301,21 +322,84 @@ def _gone(pid: int) -> bool:
 
 
 def request_stacks(hb: Heartbeat, identity: ProcessIdentity, timeout: float = DUMP_TIMEOUT) -> str:
-    """Send the shim's stack signal and return the dump it appends to its stacks file.
+    """Ask the shim for a dump of every thread and return it (faulthandler's format).
 
-    Sent only to the process the heartbeat belongs to (``identity``, proven again right before
-    by its kernel start, which no clock step moves), and only when the heartbeat names the
-    signal: a process without the shim would be killed by it. Captures that ask at the same time
-    take turns (a lock on the stacks file). Raises ShimError when nothing came within
-    ``timeout`` (a stopped process runs no handler)."""
+    First its dump thread, which dumps under the GIL (``mlxwatch.shim.dumps``: the stack signal's
+    dump, taken without the GIL, can crash a busy server). It answers in milliseconds unless a
+    native call holds the GIL; then, after ``ANSWER_WAIT``, the stack signal, whose dump is safe
+    exactly then. Only the process the heartbeat belongs to is asked (``identity``, proven again
+    right before by its kernel start, which no clock step moves), and the signal is sent only
+    when the heartbeat names it: a process without the shim would be killed by it. Raises
+    ShimError when no dump came (the signal's within ``timeout``: a stopped process runs no
+    handler)."""
+    if identity.pid != hb.pid or not identity.alive():
+        raise ShimError(f"PID {hb.pid} is " + ("gone" if _gone(hb.pid) else "another process now"))
+    if hb.ask_path is not None and hb.answers_path is not None:
+        text = _ask_dump_thread(hb, hb.ask_path, hb.answers_path)
+        if text is not None:
+            return text
+        if hb.stack_signal is None:
+            raise ShimError(f"the shim's dump thread did not answer within {ANSWER_WAIT:g}s and the process "
+                            "offers no stack signal")
+        if not identity.alive():
+            raise ShimError(f"PID {hb.pid} is " + ("gone" if _gone(hb.pid) else "another process now"))
+    return _signal_dump(hb, timeout)
+
+
+def _own_file(hb: Heartbeat, path: str) -> str:
+    if os.path.dirname(os.path.abspath(path)) != os.path.dirname(os.path.abspath(hb.path)):
+        raise ShimError(f"the heartbeat names a file outside its own dir: {path}")
+    return path
+
+
+def _ask_dump_thread(hb: Heartbeat, ask: str, answers: str, wait: float = ANSWER_WAIT) -> str | None:
+    """The dump thread's answer to a fresh token, or None if it did not answer within ``wait``
+    (the GIL is held, the process is stopped, or the thread is gone)."""
+    token = secrets.token_hex(8)
+    nofollow = getattr(os, "O_NOFOLLOW", 0)
+    afd = os.open(_own_file(hb, answers), os.O_RDONLY | os.O_NONBLOCK | nofollow)
+    try:
+        if not stat.S_ISREG(os.fstat(afd).st_mode):
+            raise ShimError(f"{answers} is not a regular file")
+        pos = os.fstat(afd).st_size
+        try:
+            qfd = os.open(_own_file(hb, ask), os.O_WRONLY | os.O_NONBLOCK | nofollow)
+        except OSError as exc:
+            if exc.errno in (errno.ENXIO, errno.ENOENT):  # no thread reads it (any more)
+                return None
+            raise
+        try:
+            if not stat.S_ISFIFO(os.fstat(qfd).st_mode):
+                raise ShimError(f"{ask} is not a FIFO")
+            os.write(qfd, f"{token}\n".encode())
+        except BlockingIOError:  # its pipe is full: the thread has not read for a while
+            return None
+        finally:
+            os.close(qfd)
+        deadline = time.monotonic() + wait
+        seen = ""
+        while True:
+            chunk = os.pread(afd, MAX_BYTES, pos)
+            pos += len(chunk)
+            seen = (seen + chunk.decode("utf-8", "replace"))[-4 * MAX_BYTES:]
+            for m in _ANSWER.finditer(seen):
+                if token in m.group(1).split():
+                    return m.group(2)
+            if not chunk and time.monotonic() > deadline:
+                return None
+            if not chunk:
+                time.sleep(0.002)  # it answers in about 1 ms when it can run
+    finally:
+        os.close(afd)
+
+
+def _signal_dump(hb: Heartbeat, timeout: float) -> str:
+    """Send the stack signal and return what faulthandler appends to the stacks file. Captures
+    that ask at the same time take turns (a lock on the stacks file)."""
     signum, path = hb.stack_signal, hb.stacks_file
     if signum is None or path is None:
         raise ShimError("the shim offers no stack signal in this process")
-    if os.path.dirname(os.path.abspath(path)) != os.path.dirname(os.path.abspath(hb.path)):
-        raise ShimError(f"the heartbeat names a stacks file outside its own dir: {path}")
-    if identity.pid != hb.pid or not identity.alive():
-        raise ShimError(f"PID {hb.pid} is " + ("gone" if _gone(hb.pid) else "another process now"))
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
+    fd = os.open(_own_file(hb, path), os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise ShimError(f"{path} is not a regular file")

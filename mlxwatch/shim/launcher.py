@@ -34,7 +34,7 @@ from mlxwatch.shim import layout
 
 BOOT_DIR = Path(__file__).resolve().parent / "boot"
 _PYTHON_NAME = re.compile(r"^python(\d+(\.\d+)*)?[tw]?$")
-_FILE = re.compile(r"^\.?(\d+)\.(json|stacks|fatal|json\.tmp)$")
+_FILE = re.compile(r"^\.?(\d+)\.(json|stacks|fatal|ask|answers|json\.tmp)$")
 _DISABLING = {"I": "-I (isolated mode ignores PYTHONPATH)", "E": "-E (ignores PYTHONPATH)",
               "S": "-S (skips sitecustomize)"}
 

@@ -14,6 +14,8 @@ says so once on stderr, and the reader refuses it. Per server process:
     <pid>.json      the heartbeat, replaced atomically about once a second
     <pid>.stacks    faulthandler's all-thread dumps, appended on each stack signal
     <pid>.fatal     faulthandler's dump on a fatal signal (SIGSEGV, SIGABRT, ...), if any
+    <pid>.ask       a FIFO: dump requests to the shim's dump thread (``dumps``)
+    <pid>.answers   that thread's all-thread dumps, appended per request
 
 Files of a process that ended stay (its heartbeat holds the generation thread's traceback);
 ``mlxwatch launch`` removes those of processes gone for more than ``KEEP_DEAD_SECONDS``.
@@ -56,6 +58,14 @@ def stacks_path(directory: str, pid: int) -> str:
 
 def fatal_path(directory: str, pid: int) -> str:
     return os.path.join(directory, f"{pid}.fatal")
+
+
+def ask_path(directory: str, pid: int) -> str:
+    return os.path.join(directory, f"{pid}.ask")
+
+
+def answers_path(directory: str, pid: int) -> str:
+    return os.path.join(directory, f"{pid}.answers")
 
 
 def check_private_dir(path: str) -> str | None:

@@ -3,9 +3,9 @@
 values out; the capture steps that use these live in ``mlxwatch.capture``.
 
 Stacks: ``find_dumper`` says whether a process has a shim that can dump its stacks,
-``request_dump`` asks it for one (faulthandler's text, with the thread names the heartbeat
-gives) and ``pyspy_json`` writes the threads in py-spy's JSON shape. No root, and it works while
-a native call holds the GIL.
+``request_dump`` asks it for one (faulthandler's text, from the shim's dump thread or, while a
+native call holds the GIL, from faulthandler itself; the thread names from the heartbeat) and
+``pyspy_json`` writes the threads in py-spy's JSON shape. No root.
 
 Heartbeat: ``heartbeat_window`` reads it when a window opens and when it closes;
 ``ShimWindow.findings`` turns the difference into the evidence lines the classifier uses, each
@@ -72,14 +72,14 @@ def find_dumper(pid: int, create_time: float | None) -> tuple[Heartbeat | None, 
     hb, problem = heartbeat.find(pid, create_time)
     if hb is None:
         return None, problem
-    if hb.stack_signal is None:
-        return None, "the shim in this process has no stack signal (see the server log)"
+    if not hb.dumps_offered:
+        return None, "the shim in this process offers no stack dumps (see the server log)"
     return hb, None
 
 
 @dataclass(frozen=True)
 class ShimDump:
-    """One all-thread dump: faulthandler's text as the shim wrote it, and its threads named."""
+    """One all-thread dump: the text as the shim wrote it (faulthandler's format), its threads named."""
 
     text: str
     threads: list[ThreadStack]
