@@ -119,6 +119,17 @@ async def test_a_server_that_is_still_loading_is_not_killed(server_python, lab_r
         server.stop()
 
 
+def verdict_bound(probe: ProbeConfig, slack: float = 6.0) -> float:
+    """The latest a verdict may come after a fault is switched on: the first probe after it (one
+    jittered interval), each failed probe but the last cut at first_token_timeout and the next
+    sent suspect_interval later, the last one's stream read until `timeout` after sending (a
+    token then is a delivery: the verdict waits for it), and slack for the probes' endpoint
+    reads and a loaded 2-core machine. (CI once measured 21.0 s for the long run's spin fault,
+    against 17.1 s without slack; the old bound left out the last probe's read and had 2 s.)"""
+    return (probe.interval * 1.1 + (probe.failures - 1) * (probe.first_token_timeout + probe.suspect_interval)
+            + probe.timeout + slack)
+
+
 async def test_a_client_retrying_against_a_livelock_does_not_delay_the_verdict(lab, tmp_path):
     """Measured: with one client retrying every 2 s against a livelocked server the verdict came
     after 607 s (each admission logged `POST ... 200` and counted as progress), and the bundle
@@ -127,7 +138,7 @@ async def test_a_client_retrying_against_a_livelock_does_not_delay_the_verdict(l
                         endpoint_timeout=1.0, grace_ceiling=600.0, startup_timeout=120.0)
     config = Config(None, (InstanceConfig("lab", lab.url, lab.log_path, lab.pid_file, probe, relaunch_hook(lab)),),
                     tmp_path, (), CaptureConfig())
-    bound = probe.failures * (probe.suspect_interval + probe.first_token_timeout) + probe.interval * 1.1 + 6.0
+    bound = verdict_bound(probe)
     stop = asyncio.Event()
     daemon = Daemon(config, tmp_path)
     task = asyncio.create_task(daemon.run(stop))
@@ -267,9 +278,7 @@ instances:
     restart: {{command: {json.dumps(relaunch_argv(server.workdir))},
                timeout: 2m, backoff: 1, budget: 20}}
 """)
-    # Slack: the fault bites at the first probe after it is switched on (one jittered
-    # interval), a probe's endpoint reads, and a loaded 2-core machine's scheduling.
-    bound = 2 * (1 + 5) + 1.1 + 6.0
+    bound = verdict_bound(ProbeConfig(interval=1, suspect_interval=1, first_token_timeout=5, timeout=10, failures=2))
     daemon = DaemonProcess(config, state, tmp_path / "daemon.log")
     faults_on: list[float] = []
 
