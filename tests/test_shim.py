@@ -11,6 +11,7 @@ import signal
 import stat
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -201,8 +202,9 @@ def test_a_blocked_loop_freezes_the_heartbeat_counts_and_still_gives_stacks(stan
     hb = s.wait_for(lambda h: (h.in_step_for or 0) > 1.5, what="a long step")
     later = s.wait_for(lambda h: h.published_at > hb.published_at + 1, what="a later heartbeat")
     assert later.steps == hb.steps and not later.stale  # the publisher runs; the loop does not
-    text = heartbeat.request_stacks(later, ProcessIdentity.of(s.pid))
-    gen = stacks.generation_thread(parse_dump(text, later.thread_names()))
+    dump = heartbeat.request_stacks(later, ProcessIdentity.of(s.pid))
+    assert dump.by == "thread"  # the GIL is free: no signal
+    gen = stacks.generation_thread(parse_dump(dump.text, later.thread_names()))
     assert gen is not None and gen.name == "Thread-1 (_generate)"
     assert [f.name for f in gen.frames[:3]] == ["wait", "wait", "next"]  # Event().wait() inside next
 
@@ -217,8 +219,9 @@ def test_a_held_gil_stales_the_heartbeat_but_faulthandler_still_dumps(standin):
         assert time.monotonic() < deadline, "heartbeat never went stale"
         time.sleep(0.2)
     hb = s.heartbeat()
-    text = heartbeat.request_stacks(hb, ProcessIdentity.of(s.pid))  # from the C signal handler, GIL held elsewhere
-    gen = stacks.generation_thread(parse_dump(text, hb.thread_names()))
+    dump = heartbeat.request_stacks(hb, ProcessIdentity.of(s.pid))
+    assert dump.by == "signal"  # from the C signal handler, the GIL held elsewhere
+    gen = stacks.generation_thread(parse_dump(dump.text, hb.thread_names()))
     assert gen is not None and gen.frames[0].name == "next" and gen.frames[0].filename.endswith("generate.py")
     findings = ShimWindow(hb, hb).findings()
     assert findings.stale and "GIL" in findings.stale[0]
@@ -251,11 +254,11 @@ def test_many_dumps_of_a_busy_process_whose_threads_come_and_go_never_crash_it(s
     hb = s.wait_for(lambda h: h.dumps_offered, what="a heartbeat")
     identity = ProcessIdentity.of(s.pid)
     for i in range(1000):
-        text = heartbeat.request_stacks(hb, identity)
+        dump = heartbeat.request_stacks(hb, identity)
         assert s.proc.poll() is None, f"the process died after {i + 1} dumps: {s.proc.returncode}"
-    busy = [t for t in parse_dump(text) if any(f.name == "busy" for f in t.frames)]
+    busy = [t for t in parse_dump(dump.text) if any(f.name == "busy" for f in t.frames)]
     assert len(busy) == 2
-    assert os.path.getsize(hb.stacks_file) == 0  # no stack signal was needed
+    assert os.path.getsize(hb.stacks_file) == 0  # no stack signal was sent
 
 
 def test_the_dump_thread_comes_back_when_a_cleaner_removes_its_files(standin):
@@ -266,8 +269,8 @@ def test_the_dump_thread_comes_back_when_a_cleaner_removes_its_files(standin):
     os.unlink(hb.ask_path)
     os.unlink(hb.answers_path)
     s.wait_for(lambda h: os.path.exists(h.ask_path) and os.stat(h.ask_path).st_ino != old, what="a new FIFO")
-    assert "in _generate" in heartbeat.request_stacks(s.heartbeat(), identity)
-    assert os.path.getsize(hb.stacks_file) == 0  # answered by the thread, not by the signal
+    dump = heartbeat.request_stacks(s.heartbeat(), identity)
+    assert "in _generate" in dump.text and dump.by == "thread"
     s.wait_for(lambda h: [n for n, _ in h.thread_names().values()].count("mlxwatch-shim-dumps") == 1,
                what="the retired dump thread gone, one left")
 
@@ -283,7 +286,7 @@ def test_a_wall_clock_step_does_not_stop_stack_dumps_and_a_reused_pid_is_never_s
     hb = s.wait_for(lambda h: h.tokens > 0, what="tokens")
     identity = ProcessIdentity.of(s.pid)
     step_psutils_clock(monkeypatch, step + 0.01)  # just over the old tolerance at 1 s
-    assert "in _generate" in heartbeat.request_stacks(hb, identity)
+    assert "in _generate" in heartbeat.request_stacks(hb, identity).text
     reused = ProcessIdentity.from_dict({**identity.to_dict(), "started": identity.started + 5})
     size = os.path.getsize(hb.stacks_file)
     with pytest.raises(heartbeat.ShimError, match="another process now"):
@@ -310,8 +313,7 @@ def test_a_module_without_the_seam_runs_unmodified_with_stacks_still_on(standin)
     s = standin(seam=False, stay=True)
     hb = s.wait_for(lambda h: h.seam_state == "unavailable", what="seam unavailable")
     assert "no BatchGenerator.next" in hb.seam_detail
-    text = heartbeat.request_stacks(hb, ProcessIdentity.of(s.pid))
-    assert "in _generate" in text
+    assert "in _generate" in heartbeat.request_stacks(hb, ProcessIdentity.of(s.pid)).text
     s.set_mode("stop")
     s.wait_for(lambda h: (h.thread or {}).get("end") in (None, "stopped"), what="stopped")
     log = s.log.read_text()
@@ -628,6 +630,46 @@ def test_a_stale_heartbeat_and_a_signal_that_is_not_offered(tmp_path):
     hb, _ = heartbeat.read(os.getpid(), None, str(run))
     with pytest.raises(heartbeat.ShimError, match="outside its own dir"):
         heartbeat.request_stacks(hb, ProcessIdentity.of(os.getpid()))
+
+
+@pytest.mark.parametrize("python_runs", [True, False])
+def test_the_stack_signal_is_sent_only_when_no_python_thread_runs(tmp_path, monkeypatch, python_runs):
+    """The signal's dump can crash a busy process, so it is sent only on evidence that no Python
+    thread runs: no answer from the dump thread and no heartbeat published for ANSWER_QUIET.
+    While heartbeats come, a dump thread slow to answer is waited for, then given up on, and the
+    process is never signalled. (Here: a FIFO nobody answers, this process as the server.)"""
+    run, pid = tmp_path / "run", os.getpid()
+    files = {"ask": run / f"{pid}.ask", "answers": run / f"{pid}.answers", "file": run / f"{pid}.stacks"}
+    offered = {"signal": "SIGUSR1", "signum": int(signal.SIGUSR1), **{k: str(v) for k, v in files.items()}}
+    _write_heartbeat(run, pid, stacks=offered)
+    os.mkfifo(files["ask"], 0o600)
+    unanswered = os.open(files["ask"], os.O_RDONLY | os.O_NONBLOCK)
+    files["answers"].write_text("")
+    files["file"].write_text("")
+    monkeypatch.setattr(heartbeat, "ANSWER_QUIET", 0.6)
+    monkeypatch.setattr(heartbeat, "ANSWER_LIMIT", 2.0)
+    signalled: list[int] = []
+    previous = signal.signal(signal.SIGUSR1, lambda signum, frame: signalled.append(signum))
+    stop = threading.Event()
+    publisher = threading.Thread(target=lambda: [_write_heartbeat(run, pid, stacks=offered)
+                                                 for _ in iter(lambda: stop.wait(0.2), True)])
+    try:
+        hb, _ = heartbeat.read(pid, None, str(run))
+        if python_runs:
+            publisher.start()
+            with pytest.raises(heartbeat.ShimError, match="the stack signal is not sent"):
+                heartbeat.request_stacks(hb, ProcessIdentity.of(pid))
+            assert signalled == []
+        else:
+            with pytest.raises(heartbeat.ShimError, match="no stack dump"):  # a Python handler writes none
+                heartbeat.request_stacks(hb, ProcessIdentity.of(pid), timeout=0.5)
+            assert signalled == [signal.SIGUSR1]
+    finally:
+        stop.set()
+        if publisher.is_alive():
+            publisher.join()
+        signal.signal(signal.SIGUSR1, previous)
+        os.close(unanswered)
 
 
 # --- pure parts

@@ -320,7 +320,7 @@ async def _stacks(req: CaptureRequest, process: ProcessResult, files: _Files, ru
 
 async def _shim_stacks(req: CaptureRequest, pid: int, process: ProcessResult, files: _Files, now: Callable[[], float],
                        taken: list[Snapshot], *, required: bool) -> StacksResult:
-    """Stacks from the launch shim's faulthandler dumps, on py-spy's schedule (``stacks/shim-N.txt``
+    """Stacks from the launch shim's dumps, on py-spy's schedule (``stacks/shim-N.txt``
     and ``.json``). With ``required`` (``capture.stacks: shim``) a missing shim is the step's
     failure; in ``auto`` it is silence, and the caller goes on with py-spy."""
     hb, identity, problem = await asyncio.to_thread(_shim_dumper, pid, process.create_time)
@@ -337,7 +337,8 @@ async def _shim_stacks(req: CaptureRequest, pid: int, process: ProcessResult, fi
                 break
             continue
         taken.append((at, dump.threads))
-        header = (f"# shim (faulthandler) dump {i} at +{at:.2f}s ({datetime.now(timezone.utc).isoformat()}); "
+        by = "its dump thread" if dump.by == "thread" else "faulthandler on the stack signal (the GIL was held)"
+        header = (f"# shim dump {i} by {by} at +{at:.2f}s ({datetime.now(timezone.utc).isoformat()}); "
                   "thread names from the heartbeat:\n")
         header += "".join(f"#   {t.name}\n" for t in dump.threads)
         await files.write(f"stacks/shim-{i}.txt", header + dump.text)

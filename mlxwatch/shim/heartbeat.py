@@ -9,7 +9,7 @@ by a process without the shim is never mistaken for the shimmed one, and never s
     hb, problem = find(pid, create_time)
     if hb and hb.seam_ok:
         print(hb.tokens_per_s, hb.since_last_token, hb.stalled_for)
-    text = request_stacks(hb, ProcessIdentity.of(pid))   # every thread, in faulthandler's format
+    dump = request_stacks(hb, ProcessIdentity.of(pid))   # dump.text: every thread, faulthandler's format
 
 Reads are bounded (a regular file of at most ``MAX_BYTES``) and blocking: call them from a
 worker thread in async code.
@@ -38,8 +38,18 @@ STALE_AFTER = 5.0  # seconds without a new heartbeat (interval 1 s): GIL held, s
 START_SLACK = (-2.0, 120.0)  # shim start minus process create time (exec by launch, slow start, clock rounding)
 DUMP_TIMEOUT = 3.0  # a dump takes milliseconds; none within this: the process cannot run its signal handler
 DUMP_SETTLE = 0.1  # the dump is complete when the file stopped growing for this long
-ANSWER_WAIT = 1.0  # the dump thread answers in milliseconds when it can run; not by then: the GIL is held
+ANSWER_QUIET = 1.5  # no answer and no heartbeat published for this long: no Python thread runs (GIL held)
+ANSWER_LIMIT = 5.0  # heartbeats come (Python runs) but no answer for this long: give up, without the signal
 _ANSWER = re.compile(rf"^{re.escape(dumps.HEADER)} ([0-9a-f ]+)\n(.*?)^{re.escape(dumps.FOOTER)}", re.M | re.S)
+
+
+@dataclass(frozen=True)
+class StackDump:
+    """One all-thread dump in faulthandler's text format, and who took it: ``thread`` (the
+    shim's dump thread, under the GIL) or ``signal`` (faulthandler, while the GIL was held)."""
+
+    text: str
+    by: str
 
 
 class ShimError(Exception):
@@ -321,13 +331,15 @@ def _gone(pid: int) -> bool:
         return True
 
 
-def request_stacks(hb: Heartbeat, identity: ProcessIdentity, timeout: float = DUMP_TIMEOUT) -> str:
+def request_stacks(hb: Heartbeat, identity: ProcessIdentity, timeout: float = DUMP_TIMEOUT) -> StackDump:
     """Ask the shim for a dump of every thread and return it (faulthandler's format).
 
     First its dump thread, which dumps under the GIL (``mlxwatch.shim.dumps``: the stack signal's
     dump, taken without the GIL, can crash a busy server). It answers in milliseconds unless a
-    native call holds the GIL; then, after ``ANSWER_WAIT``, the stack signal, whose dump is safe
-    exactly then. Only the process the heartbeat belongs to is asked (``identity``, proven again
+    native call holds the GIL. The stack signal is sent only on evidence of that: no answer and
+    no heartbeat published for ``ANSWER_QUIET`` (no Python thread ran), when faulthandler's dump
+    is safe. While heartbeats still come the thread is only slow to get the GIL: it is waited for
+    up to ``ANSWER_LIMIT``, and never signalled. Only the process the heartbeat belongs to is asked (``identity``, proven again
     right before by its kernel start, which no clock step moves), and the signal is sent only
     when the heartbeat names it: a process without the shim would be killed by it. Raises
     ShimError when no dump came (the signal's within ``timeout``: a stopped process runs no
@@ -335,15 +347,15 @@ def request_stacks(hb: Heartbeat, identity: ProcessIdentity, timeout: float = DU
     if identity.pid != hb.pid or not identity.alive():
         raise ShimError(f"PID {hb.pid} is " + ("gone" if _gone(hb.pid) else "another process now"))
     if hb.ask_path is not None and hb.answers_path is not None:
-        text = _ask_dump_thread(hb, hb.ask_path, hb.answers_path)
+        text = _ask_dump_thread(hb, hb.ask_path, hb.answers_path, ANSWER_QUIET, ANSWER_LIMIT)
         if text is not None:
-            return text
+            return StackDump(text, "thread")
         if hb.stack_signal is None:
-            raise ShimError(f"the shim's dump thread did not answer within {ANSWER_WAIT:g}s and the process "
-                            "offers no stack signal")
+            raise ShimError(f"no Python thread ran for {ANSWER_QUIET:g}s (the GIL is held, or the process is "
+                            "stopped) and the process offers no stack signal")
         if not identity.alive():
             raise ShimError(f"PID {hb.pid} is " + ("gone" if _gone(hb.pid) else "another process now"))
-    return _signal_dump(hb, timeout)
+    return StackDump(_signal_dump(hb, timeout), "signal")
 
 
 def _own_file(hb: Heartbeat, path: str) -> str:
@@ -352,9 +364,10 @@ def _own_file(hb: Heartbeat, path: str) -> str:
     return path
 
 
-def _ask_dump_thread(hb: Heartbeat, ask: str, answers: str, wait: float = ANSWER_WAIT) -> str | None:
-    """The dump thread's answer to a fresh token, or None if it did not answer within ``wait``
-    (the GIL is held, the process is stopped, or the thread is gone)."""
+def _ask_dump_thread(hb: Heartbeat, ask: str, answers: str, quiet: float, limit: float) -> str | None:
+    """The dump thread's answer to a fresh token; None when no Python thread runs (no answer,
+    and no heartbeat published for ``quiet``) or no thread reads the FIFO: the signal's case.
+    Raises ShimError when heartbeats come but no answer within ``limit``."""
     token = secrets.token_hex(8)
     nofollow = getattr(os, "O_NOFOLLOW", 0)
     afd = os.open(_own_file(hb, answers), os.O_RDONLY | os.O_NONBLOCK | nofollow)
@@ -376,7 +389,8 @@ def _ask_dump_thread(hb: Heartbeat, ask: str, answers: str, wait: float = ANSWER
             return None
         finally:
             os.close(qfd)
-        deadline = time.monotonic() + wait
+        asked = ran = time.monotonic()
+        published = _published(hb.path)
         seen = ""
         while True:
             chunk = os.pread(afd, MAX_BYTES, pos)
@@ -385,12 +399,30 @@ def _ask_dump_thread(hb: Heartbeat, ask: str, answers: str, wait: float = ANSWER
             for m in _ANSWER.finditer(seen):
                 if token in m.group(1).split():
                     return m.group(2)
-            if not chunk and time.monotonic() > deadline:
+            if chunk:
+                continue
+            now = time.monotonic()
+            latest = _published(hb.path)
+            if latest != published:
+                published, ran = latest, now
+            if now - ran > quiet:
                 return None
-            if not chunk:
-                time.sleep(0.002)  # it answers in about 1 ms when it can run
+            if now - asked > limit:
+                raise ShimError(f"the shim's dump thread did not answer within {limit:g}s while the process ran "
+                                "Python (heartbeats came); the stack signal is not sent, as its dump could crash "
+                                "a busy process")
+            time.sleep(0.002)  # it answers in about 1 ms when it can run
     finally:
         os.close(afd)
+
+
+def _published(path: str) -> tuple[int, int] | None:
+    """Which heartbeat is on disk: each one replaces the file (a new inode, a new mtime)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_ino, st.st_mtime_ns
 
 
 def _signal_dump(hb: Heartbeat, timeout: float) -> str:

@@ -79,10 +79,12 @@ def find_dumper(pid: int, create_time: float | None) -> tuple[Heartbeat | None, 
 
 @dataclass(frozen=True)
 class ShimDump:
-    """One all-thread dump: the text as the shim wrote it (faulthandler's format), its threads named."""
+    """One all-thread dump: the text as the shim wrote it (faulthandler's format), its threads
+    named, and who took it (``thread`` or ``signal``: ``heartbeat.StackDump``)."""
 
     text: str
     threads: list[ThreadStack]
+    by: str
 
 
 def request_dump(identity: ProcessIdentity, known: Heartbeat) -> ShimDump:
@@ -90,8 +92,8 @@ def request_dump(identity: ProcessIdentity, known: Heartbeat) -> ShimDump:
     ``known``, if it no longer publishes). Blocking; raises ShimError or OSError."""
     fresh, _ = heartbeat.find(identity.pid, identity.create_time)
     hb = fresh or known
-    text = heartbeat.request_stacks(hb, identity)
-    return ShimDump(text, parse_dump(text, hb.thread_names()))
+    dump = heartbeat.request_stacks(hb, identity)
+    return ShimDump(dump.text, parse_dump(dump.text, hb.thread_names()), dump.by)
 
 
 def dumps_are_over(exc: Exception) -> bool:
