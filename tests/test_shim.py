@@ -24,7 +24,7 @@ from mlxwatch.capture.classify import Evidence, classify
 from mlxwatch.capture.results import ProcessResult
 from mlxwatch.errors import UsageError
 from mlxwatch.host.process import ProcessIdentity
-from mlxwatch.shim import heartbeat, layout
+from mlxwatch.shim import dumps, heartbeat, layout
 from mlxwatch.shim.launcher import BOOT_DIR, check_python_flags, clean_runtime_dir, plan
 from mlxwatch.shim.stacks import ShimFindings, ShimWindow, dumps_are_over, parse_dump
 from mlxwatch.shim.watch import ShimWatch
@@ -248,8 +248,8 @@ time.sleep(600)
 def test_many_dumps_of_a_busy_process_whose_threads_come_and_go_never_crash_it(standin):
     """CI saw an mlx-lm 0.31.3 server die right after a shim dump, twice: faulthandler's dump from
     the signal handler reads every thread's frames without the GIL while they change
-    (python/cpython#116008). By the signal, this process died within 270-550 dumps (5 runs); the shim's
-    dump thread takes them under the GIL."""
+    (python/cpython#116008). Dumped by the signal, this process died after 256 dumps (and after
+    9 to 550 in ten more runs); the shim's dump thread takes them under the GIL."""
     s = standin(argv=[sys.executable, "-c", BUSY_THREADS])
     hb = s.wait_for(lambda h: h.dumps_offered, what="a heartbeat")
     identity = ProcessIdentity.of(s.pid)
@@ -630,6 +630,87 @@ def test_a_stale_heartbeat_and_a_signal_that_is_not_offered(tmp_path):
     hb, _ = heartbeat.read(os.getpid(), None, str(run))
     with pytest.raises(heartbeat.ShimError, match="outside its own dir"):
         heartbeat.request_stacks(hb, ProcessIdentity.of(os.getpid()))
+
+
+def test_a_stopped_process_is_not_sent_the_signal_it_would_handle_on_resuming(standin):
+    """Found in review: a signal sent to a stopped process stays pending and is handled when it
+    resumes, with every thread running: the unsafe case. It is not sent then."""
+    s = standin()
+    hb = s.wait_for(lambda h: h.tokens > 0, what="tokens")
+    os.kill(s.pid, signal.SIGSTOP)
+    try:
+        deadline = time.monotonic() + 15
+        while psutil.Process(s.pid).status() != psutil.STATUS_STOPPED:  # the stop is not instant
+            assert time.monotonic() < deadline, "the process never stopped"
+            time.sleep(0.05)
+        with pytest.raises(heartbeat.ShimError, match="is stopped") as caught:
+            heartbeat.request_stacks(hb, ProcessIdentity.of(s.pid))
+        assert dumps_are_over(caught.value)
+    finally:
+        os.kill(s.pid, signal.SIGCONT)
+    time.sleep(0.5)
+    assert os.path.getsize(hb.stacks_file) == 0
+
+
+def test_a_dump_thread_that_died_is_started_again_and_never_replaced_by_the_signal(standin):
+    """Found in review: a dump thread ended by a failed write (a full disk) was never started
+    again, and every later dump went by the signal, which then killed the busy server. Here the
+    server may write files of at most 24 KiB (its answers fill that in a few dumps): while it runs
+    Python it is never signalled, and once there is room a new thread answers."""
+    s = standin(argv=["bash", "-c", f"ulimit -f 24; exec {sys.executable} -c '{PROGRAM}'"])
+    hb = s.wait_for(lambda h: h.tokens > 0 and h.ask_path is not None, what="the dump thread")
+    identity = ProcessIdentity.of(s.pid)
+    failed = None
+    for _ in range(40):
+        try:
+            assert heartbeat.request_stacks(hb, identity).by == "thread"
+        except heartbeat.ShimError as exc:
+            failed = exc
+            break
+    assert failed is not None and "not sent" in str(failed), failed
+    assert os.path.getsize(hb.stacks_file) == 0 and s.proc.poll() is None
+    os.truncate(hb.answers_path, 0)
+    dump = heartbeat.request_stacks(s.heartbeat(), identity)
+    assert dump.by == "thread" and "in _generate" in dump.text
+
+
+def test_a_partial_line_left_in_the_fifo_does_not_swallow_the_next_token(standin):
+    s = standin()
+    hb = s.wait_for(lambda h: h.tokens > 0, what="tokens")
+    fd = os.open(hb.ask_path, os.O_WRONLY | os.O_NONBLOCK)
+    os.write(fd, b"abc")  # no newline
+    os.close(fd)
+    started = time.monotonic()
+    assert heartbeat.request_stacks(hb, ProcessIdentity.of(s.pid)).by == "thread"
+    assert time.monotonic() - started < heartbeat.ANSWER_QUIET
+
+
+def test_an_answer_is_taken_only_whole_and_only_for_its_own_token():
+    body = 'Thread 0x0000000000000001 (most recent call first):\n  File "a.py", line 1 in f\n\n'
+    torn = f"{dumps.HEADER} aa\n{body[:30]}"
+    mine = f"\n{dumps.HEADER} bb cc\n{body}{dumps.FOOTER}"  # as the thread writes it
+    assert heartbeat._answer_in(torn + mine, "cc") == body
+    assert heartbeat._answer_in(torn + mine, "aa") is None  # cut: no footer before the next header
+    assert heartbeat._answer_in(mine, "dd") is None
+    assert heartbeat._answer_in(mine[:-5], "bb") is None  # not whole yet
+
+
+def test_the_generation_thread_comes_first_so_a_thread_limit_never_leaves_it_out():
+    stop = threading.Event()
+    threads = [threading.Thread(target=stop.wait) for _ in range(dumps.MAX_THREADS + 20)]
+    for t in threads:
+        t.start()
+    try:
+        wanted = threads[-1].ident
+        text = dumps.format_threads(sys._current_frames(), skip=threading.get_ident(), first=wanted)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+    shown = parse_dump(text)
+    assert len(shown) == dumps.MAX_THREADS and text.rstrip().endswith("...")
+    assert text.startswith(f"Thread 0x{wanted:016x}")
+    assert f"0x{threading.get_ident():016x}" not in text
 
 
 @pytest.mark.parametrize("python_runs", [True, False])

@@ -57,7 +57,7 @@ from collections import deque
 from typing import Any
 
 from . import layout
-from .dumps import Dumper
+from .dumps import Dumper, open_regular
 
 MAX_TRACEBACK = 20000  # characters of a traceback kept in the heartbeat (the end)
 GENERATE_MODULE, SERVER_MODULE = "mlx_lm.generate", "mlx_lm.server"
@@ -148,13 +148,14 @@ class Agent:
         """(Re)open ``<pid>.stacks`` and register faulthandler on it for the stack signal."""
         signum = getattr(signal, layout.STACK_SIGNAL, None)
         if signum is None or not hasattr(faulthandler, "register"):
-            self.note_once(f"no {layout.STACK_SIGNAL} on this platform: no stacks on demand")
+            self.note_once(f"no {layout.STACK_SIGNAL} on this platform: stacks only from the dump thread")
             return
         if signal.getsignal(signum) not in (signal.SIG_DFL, None):
-            self.note_once(f"{layout.STACK_SIGNAL} already has a handler: no stacks on demand")
+            self.note_once(f"{layout.STACK_SIGNAL} already has a handler: stacks only from the dump thread "
+                           "(none while the GIL is held)")
             return
-        fh = open(self.path("stacks"), "ab", buffering=0)
-        os.chmod(fh.name, 0o600)
+        fh = os.fdopen(open_regular(self.path("stacks"), os.O_WRONLY | os.O_CREAT | os.O_APPEND), "ab", buffering=0)
+        os.fchmod(fh.fileno(), 0o600)
         faulthandler.register(signum, file=fh, all_threads=True, chain=False)
         old, self.stacks_file = self.stacks_file, fh
         self.stacks_ino = os.fstat(fh.fileno()).st_ino
@@ -167,7 +168,7 @@ class Agent:
         if not hasattr(os, "mkfifo") or not hasattr(sys, "_current_frames"):
             self.note_once("no FIFO or no sys._current_frames here: stacks only by the signal")
             return
-        dumper = Dumper(self.path("ask"), self.path("answers"))
+        dumper = Dumper(self.path("ask"), self.path("answers"), first=self.gen_thread_ident)
         try:
             dumper.open()
         except OSError as exc:
@@ -178,16 +179,22 @@ class Agent:
             old.retire()
 
     def check_dumper(self) -> None:
-        """Its files may be removed under us (a /tmp cleaner): open new ones then."""
-        if self.dumper is not None and not self.dumper.intact():
+        """Its files may be removed under us (a /tmp cleaner), its thread may end (a full disk):
+        open a new one then."""
+        if self.dumper is not None and not self.dumper.serving():
             self.open_dumper()
+
+    def gen_thread_ident(self) -> int | None:
+        thread = self.gen_thread
+        return thread.ident if thread is not None else None
 
     def check_stacks_file(self) -> None:
         """The file may be removed under us (a /tmp cleaner): open a new one then."""
         if self.stack_signum is None:
             return
         if signal.getsignal(self.stack_signum) not in (signal.SIG_DFL, None):  # someone took the signal
-            self.note_once(f"{layout.STACK_SIGNAL} was given another handler: no stacks on demand")
+            self.note_once(f"{layout.STACK_SIGNAL} was given another handler: stacks only from the dump thread "
+                           "(none while the GIL is held)")
             self.stack_signum = None
             return
         try:
@@ -200,8 +207,8 @@ class Agent:
     def enable_fatal(self) -> None:
         if faulthandler.is_enabled():  # the server asked for it (-X faulthandler): leave its choice
             return
-        fh = open(self.path("fatal"), "ab", buffering=0)
-        os.chmod(fh.name, 0o600)
+        fh = os.fdopen(open_regular(self.path("fatal"), os.O_WRONLY | os.O_CREAT | os.O_APPEND), "ab", buffering=0)
+        os.fchmod(fh.fileno(), 0o600)
         faulthandler.enable(file=fh, all_threads=True)
         self.fatal_file = fh
 
@@ -414,6 +421,7 @@ class Agent:
         except Exception:
             queued = None
         mlx_lm = sys.modules.get("mlx_lm")
+        dumper = self.dumper if self.dumper is not None and self.dumper.serving() else None  # offered only if it answers
         return {
             "format": layout.FORMAT,
             "pid": self.pid,
@@ -462,12 +470,12 @@ class Agent:
             },
             "threads": {str(t.ident): {"name": t.name, "native_id": getattr(t, "native_id", None)}
                         for t in threading.enumerate() if t.ident is not None},
-            "stacks": None if self.stack_signum is None and self.dumper is None else {
+            "stacks": None if self.stack_signum is None and dumper is None else {
                 "signal": layout.STACK_SIGNAL if self.stack_signum is not None else None,
                 "signum": int(self.stack_signum) if self.stack_signum is not None else None,
                 "file": self.path("stacks") if self.stack_signum is not None else None,
-                "ask": self.dumper.ask_path if self.dumper is not None else None,
-                "answers": self.dumper.answers_path if self.dumper is not None else None},
+                "ask": dumper.ask_path if dumper is not None else None,
+                "answers": dumper.answers_path if dumper is not None else None},
             "fatal_file": self.path("fatal") if self.fatal_file is not None else None,
         }
 

@@ -40,7 +40,8 @@ DUMP_TIMEOUT = 3.0  # a dump takes milliseconds; none within this: the process c
 DUMP_SETTLE = 0.1  # the dump is complete when the file stopped growing for this long
 ANSWER_QUIET = 1.5  # no answer and no heartbeat published for this long: no Python thread runs (GIL held)
 ANSWER_LIMIT = 5.0  # heartbeats come (Python runs) but no answer for this long: give up, without the signal
-_ANSWER = re.compile(rf"^{re.escape(dumps.HEADER)} ([0-9a-f ]+)\n(.*?)^{re.escape(dumps.FOOTER)}", re.M | re.S)
+_HEADER = re.compile(rf"^{re.escape(dumps.HEADER)} ([0-9a-f ]+)\n", re.M)
+_FOOTER = re.compile(rf"^{re.escape(dumps.FOOTER)}", re.M)
 
 
 @dataclass(frozen=True)
@@ -355,6 +356,9 @@ def request_stacks(hb: Heartbeat, identity: ProcessIdentity, timeout: float = DU
                             "stopped) and the process offers no stack signal")
         if not identity.alive():
             raise ShimError(f"PID {hb.pid} is " + ("gone" if _gone(hb.pid) else "another process now"))
+    if _stopped(hb.pid):
+        raise ShimError(f"PID {hb.pid} is stopped: no stack dump while it is; the stack signal is not sent, as it "
+                        "would be handled when the process resumes, with every thread running")
     return StackDump(_signal_dump(hb, timeout), "signal")
 
 
@@ -366,41 +370,34 @@ def _own_file(hb: Heartbeat, path: str) -> str:
 
 def _ask_dump_thread(hb: Heartbeat, ask: str, answers: str, quiet: float, limit: float) -> str | None:
     """The dump thread's answer to a fresh token; None when no Python thread runs (no answer,
-    and no heartbeat published for ``quiet``) or no thread reads the FIFO: the signal's case.
-    Raises ShimError when heartbeats come but no answer within ``limit``."""
+    and no heartbeat published for ``quiet``): the signal's case. Raises ShimError when
+    heartbeats come but no answer within ``limit``. A FIFO no thread reads (the agent opens a
+    new one within a heartbeat) is asked again until then."""
     token = secrets.token_hex(8)
-    nofollow = getattr(os, "O_NOFOLLOW", 0)
-    afd = os.open(_own_file(hb, answers), os.O_RDONLY | os.O_NONBLOCK | nofollow)
+    asked = ran = time.monotonic()
+    published = _published(hb.path)
+    sent, pos, seen = False, 0, ""
+    afd = -1
     try:
-        if not stat.S_ISREG(os.fstat(afd).st_mode):
-            raise ShimError(f"{answers} is not a regular file")
-        pos = os.fstat(afd).st_size
-        try:
-            qfd = os.open(_own_file(hb, ask), os.O_WRONLY | os.O_NONBLOCK | nofollow)
-        except OSError as exc:
-            if exc.errno in (errno.ENXIO, errno.ENOENT):  # no thread reads it (any more)
-                return None
-            raise
-        try:
-            if not stat.S_ISFIFO(os.fstat(qfd).st_mode):
-                raise ShimError(f"{ask} is not a FIFO")
-            os.write(qfd, f"{token}\n".encode())
-        except BlockingIOError:  # its pipe is full: the thread has not read for a while
-            return None
-        finally:
-            os.close(qfd)
-        asked = ran = time.monotonic()
-        published = _published(hb.path)
-        seen = ""
         while True:
-            chunk = os.pread(afd, MAX_BYTES, pos)
-            pos += len(chunk)
-            seen = (seen + chunk.decode("utf-8", "replace"))[-4 * MAX_BYTES:]
-            for m in _ANSWER.finditer(seen):
-                if token in m.group(1).split():
-                    return m.group(2)
-            if chunk:
-                continue
+            if not sent:
+                if afd >= 0:
+                    os.close(afd)
+                afd, pos, seen = _open_answers(hb, answers), 0, ""
+                if afd >= 0:
+                    pos = os.fstat(afd).st_size
+                    sent = _send_token(hb, ask, token)
+            if sent:
+                if os.fstat(afd).st_size < pos:  # emptied by the thread (MAX_ANSWERS): read it again
+                    pos, seen = 0, ""
+                chunk = os.pread(afd, MAX_BYTES, pos)
+                pos += len(chunk)
+                seen = (seen + chunk.decode("utf-8", "replace"))[-4 * MAX_BYTES:]
+                text = _answer_in(seen, token)
+                if text is not None:
+                    return text
+                if chunk:
+                    continue
             now = time.monotonic()
             latest = _published(hb.path)
             if latest != published:
@@ -411,9 +408,61 @@ def _ask_dump_thread(hb: Heartbeat, ask: str, answers: str, quiet: float, limit:
                 raise ShimError(f"the shim's dump thread did not answer within {limit:g}s while the process ran "
                                 "Python (heartbeats came); the stack signal is not sent, as its dump could crash "
                                 "a busy process")
-            time.sleep(0.002)  # it answers in about 1 ms when it can run
+            time.sleep(0.002 if sent else 0.05)  # it answers in about 1 ms when it can run
     finally:
-        os.close(afd)
+        if afd >= 0:
+            os.close(afd)
+
+
+def _open_answers(hb: Heartbeat, answers: str) -> int:
+    """The answers file, read-only; -1 while it is missing (a cleaner removed it: the agent makes
+    a new one within a heartbeat)."""
+    try:
+        return dumps.open_regular(_own_file(hb, answers), os.O_RDONLY)
+    except FileNotFoundError:
+        return -1
+    except OSError as exc:
+        raise ShimError(f"the shim's answers file {answers}: {exc.strerror or exc}") from None
+
+
+def _send_token(hb: Heartbeat, ask: str, token: str) -> bool:
+    """Write the token to the FIFO; False while no thread reads it or its pipe is full."""
+    try:
+        qfd = os.open(_own_file(hb, ask), os.O_WRONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
+    except OSError as exc:
+        if exc.errno in (errno.ENXIO, errno.ENOENT):  # no thread reads it, or it is being made again
+            return False
+        raise ShimError(f"the shim's FIFO {ask}: {exc.strerror or exc}") from None
+    try:
+        if not stat.S_ISFIFO(os.fstat(qfd).st_mode):
+            raise ShimError(f"{ask} is not a FIFO")
+        os.write(qfd, f"\n{token}\n".encode())  # the first newline ends a partial line someone left
+        return True
+    except BlockingIOError:  # its pipe is full: the thread has not read for a while
+        return False
+    finally:
+        os.close(qfd)
+
+
+def _answer_in(seen: str, token: str) -> str | None:
+    """The dump under the header naming ``token``, if whole: its footer comes before any other
+    header (a block cut by a full disk has none)."""
+    for m in _HEADER.finditer(seen):
+        if token not in m.group(1).split():
+            continue
+        footer = _FOOTER.search(seen, m.end())
+        following = _HEADER.search(seen, m.end())
+        if footer is not None and (following is None or footer.start() < following.start()):
+            return seen[m.end():footer.start()]
+        return None
+    return None
+
+
+def _stopped(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP)
+    except psutil.Error:
+        return False
 
 
 def _published(path: str) -> tuple[int, int] | None:
