@@ -674,6 +674,28 @@ def test_a_dump_thread_that_died_is_started_again_and_never_replaced_by_the_sign
     assert dump.by == "thread" and "in _generate" in dump.text
 
 
+def test_a_dump_thread_that_cannot_be_opened_is_tried_again_and_never_replaced_by_the_signal(standin, monkeypatch):
+    """Found in review: when a new dump thread could not be opened, the heartbeat offered only
+    the signal, and the reader sent it at once to the running process. Now the heartbeat says
+    the thread is down (``ask: null``), the reader waits for evidence as for a slow thread, and
+    the shim tries again each heartbeat. A FIFO put where the heartbeat's temp file goes does
+    not stop the heartbeat either."""
+    s = standin()
+    hb = s.wait_for(lambda h: h.tokens > 0 and h.ask_path is not None, what="the dump thread")
+    os.mkfifo(s.run_dir / f".{s.pid}.json.tmp")
+    os.unlink(hb.answers_path)
+    os.mkdir(hb.answers_path)  # the next dumper cannot open its answers file
+    down = s.wait_for(lambda h: h.dump_thread_down, what="the thread down")
+    assert down.stack_signal is not None and not down.stale
+    monkeypatch.setattr(heartbeat, "ANSWER_LIMIT", 3.0)
+    with pytest.raises(heartbeat.ShimError, match="not sent"):
+        heartbeat.request_stacks(down, ProcessIdentity.of(s.pid))
+    assert os.path.getsize(hb.stacks_file) == 0
+    os.rmdir(hb.answers_path)
+    back = s.wait_for(lambda h: h.ask_path is not None, what="the thread back")
+    assert heartbeat.request_stacks(back, ProcessIdentity.of(s.pid)).by == "thread"
+
+
 def test_a_partial_line_left_in_the_fifo_does_not_swallow_the_next_token(standin):
     s = standin()
     hb = s.wait_for(lambda h: h.tokens > 0, what="tokens")

@@ -130,6 +130,7 @@ class Agent:
         self.stacks_ino: int | None = None
         self.fatal_file: io.FileIO | None = None
         self.dumper: Dumper | None = None
+        self.dumps_wanted = False  # the platform has FIFOs: a dump thread is kept running
 
     # --- files
 
@@ -168,12 +169,14 @@ class Agent:
         if not hasattr(os, "mkfifo") or not hasattr(sys, "_current_frames"):
             self.note_once("no FIFO or no sys._current_frames here: stacks only by the signal")
             return
-        dumper = Dumper(self.path("ask"), self.path("answers"), first=self.gen_thread_ident)
+        self.dumps_wanted = True
+        fresh = Dumper(self.path("ask"), self.path("answers"), first=self.gen_thread_ident)
         try:
-            dumper.open()
-        except OSError as exc:
-            self.note_once(f"no dump thread ({exc}): stacks only by the signal")
-            return
+            fresh.open()
+            dumper: Dumper | None = fresh
+        except OSError as exc:  # tried again every heartbeat; meanwhile none is offered
+            self.note_once(f"no dump thread ({exc}); trying again each second")
+            dumper = None
         old, self.dumper = self.dumper, dumper
         if old is not None:
             old.retire()
@@ -181,7 +184,7 @@ class Agent:
     def check_dumper(self) -> None:
         """Its files may be removed under us (a /tmp cleaner), its thread may end (a full disk):
         open a new one then."""
-        if self.dumper is not None and not self.dumper.serving():
+        if self.dumps_wanted and (self.dumper is None or not self.dumper.serving()):
             self.open_dumper()
 
     def gen_thread_ident(self) -> int | None:
@@ -421,7 +424,8 @@ class Agent:
         except Exception:
             queued = None
         mlx_lm = sys.modules.get("mlx_lm")
-        dumper = self.dumper if self.dumper is not None and self.dumper.serving() else None  # offered only if it answers
+        # offered only while it answers; null (not absent) tells a reader the thread is down
+        dumper = self.dumper if self.dumper is not None and self.dumper.serving() else None
         return {
             "format": layout.FORMAT,
             "pid": self.pid,
@@ -483,7 +487,11 @@ class Agent:
         data = json.dumps(self.snapshot(), default=str).encode()
         final = self.path("json")
         tmp = os.path.join(self.directory, f".{self.pid}.json.tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.unlink(tmp)  # whatever is there (a FIFO would block the open): ours is made new
+        except FileNotFoundError:
+            pass
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
         try:
             os.write(fd, data)
         finally:

@@ -21,7 +21,8 @@ The protocol, both files in the private runtime dir (``layout``)::
 The thread keeps a write end of the FIFO open itself, so its blocking read waits (GIL
 released) between requests instead of reading end-of-file. A reader starts its line with a
 newline (a partial line someone left cannot swallow its token). The answers file is emptied
-when it passes ``MAX_ANSWERS`` (a reader that sees it shrink reads it from the start).
+when it passes ``MAX_ANSWERS`` and no answer was written for ``QUIET_BEFORE_EMPTYING`` (so no
+reader still waits for one), or at four times that size.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import re
 import stat
 import sys
 import threading
+import time
 from collections.abc import Callable
 from types import FrameType
 
@@ -38,7 +40,8 @@ HEADER = "# mlxwatch shim dump for:"
 FOOTER = "# end of dump\n"
 MAX_DEPTH = 100  # frames per thread, as faulthandler
 MAX_THREADS = 100
-MAX_ANSWERS = 4 * 1024 * 1024  # bytes of answers kept before the file is emptied
+MAX_ANSWERS = 4 * 1024 * 1024  # bytes of answers kept before the file is emptied...
+QUIET_BEFORE_EMPTYING = 30.0  # ...once no answer was written for this long (no reader still reads one)
 _TOKEN = re.compile(rb"[0-9a-f]{1,64}")
 _NONBLOCK_NOFOLLOW = os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0)
 
@@ -95,6 +98,7 @@ class Dumper:
         self.retired = False
         self.lock = threading.Lock()  # the fds: closed by the thread, written to by retire()
         self.thread: threading.Thread | None = None
+        self.answered_at = 0.0
 
     def open(self) -> None:
         """Make the FIFO (replacing one a process of the same PID left) and the answers file,
@@ -174,6 +178,8 @@ class Dumper:
         text = format_threads(sys._current_frames(), skip=threading.get_ident(), first=self.first())
         # the first newline puts the header on a line of its own after a block a full disk cut
         block = f"\n{HEADER} {' '.join(tokens)}\n{text}{FOOTER}".encode("utf-8", "backslashreplace")
-        if os.fstat(self.afd).st_size > MAX_ANSWERS:
+        size, now = os.fstat(self.afd).st_size, time.monotonic()
+        if size > 4 * MAX_ANSWERS or (size > MAX_ANSWERS and now - self.answered_at > QUIET_BEFORE_EMPTYING):
             os.ftruncate(self.afd, 0)
         os.write(self.afd, block)
+        self.answered_at = now

@@ -38,8 +38,10 @@ STALE_AFTER = 5.0  # seconds without a new heartbeat (interval 1 s): GIL held, s
 START_SLACK = (-2.0, 120.0)  # shim start minus process create time (exec by launch, slow start, clock rounding)
 DUMP_TIMEOUT = 3.0  # a dump takes milliseconds; none within this: the process cannot run its signal handler
 DUMP_SETTLE = 0.1  # the dump is complete when the file stopped growing for this long
-ANSWER_QUIET = 1.5  # no answer and no heartbeat published for this long: no Python thread runs (GIL held)
-ANSWER_LIMIT = 5.0  # heartbeats come (Python runs) but no answer for this long: give up, without the signal
+ANSWER_QUIET = STALE_AFTER  # no answer, no heartbeat for this long: no Python thread runs (the GIL is held).
+# Not shorter: busy threads delay a heartbeat past 2.5 s (48 of them, measured).
+ANSWER_FIRST = 0.25  # the dump thread gets this long even when the heartbeat is quiet already
+ANSWER_LIMIT = 10.0  # heartbeats come (Python runs) but no answer for this long: give up, without the signal
 _HEADER = re.compile(rf"^{re.escape(dumps.HEADER)} ([0-9a-f ]+)\n", re.M)
 _FOOTER = re.compile(rf"^{re.escape(dumps.FOOTER)}", re.M)
 
@@ -209,6 +211,13 @@ class Heartbeat:
         return self._stacks_path("answers") if self._stacks_path("ask") else None
 
     @property
+    def dump_thread_down(self) -> bool:
+        """The shim has a dump thread but it does not serve now (it is being started again): its
+        heartbeat says ``ask: null``, where an older shim's has no ``ask`` at all."""
+        s = self.data.get("stacks")
+        return isinstance(s, dict) and "ask" in s and self.ask_path is None
+
+    @property
     def dumps_offered(self) -> bool:
         """Can this shim dump its threads by either way?"""
         return self.stack_signal is not None or self.ask_path is not None
@@ -347,7 +356,7 @@ def request_stacks(hb: Heartbeat, identity: ProcessIdentity, timeout: float = DU
     handler)."""
     if identity.pid != hb.pid or not identity.alive():
         raise ShimError(f"PID {hb.pid} is " + ("gone" if _gone(hb.pid) else "another process now"))
-    if hb.ask_path is not None and hb.answers_path is not None:
+    if hb.ask_path is not None or hb.dump_thread_down:
         text = _ask_dump_thread(hb, hb.ask_path, hb.answers_path, ANSWER_QUIET, ANSWER_LIMIT)
         if text is not None:
             return StackDump(text, "thread")
@@ -368,19 +377,22 @@ def _own_file(hb: Heartbeat, path: str) -> str:
     return path
 
 
-def _ask_dump_thread(hb: Heartbeat, ask: str, answers: str, quiet: float, limit: float) -> str | None:
+def _ask_dump_thread(hb: Heartbeat, ask: str | None, answers: str | None, quiet: float, limit: float) -> str | None:
     """The dump thread's answer to a fresh token; None when no Python thread runs (no answer,
-    and no heartbeat published for ``quiet``): the signal's case. Raises ShimError when
-    heartbeats come but no answer within ``limit``. A FIFO no thread reads (the agent opens a
-    new one within a heartbeat) is asked again until then."""
+    and no heartbeat published for ``quiet``, counted from the last one): the signal's case.
+    Raises ShimError when heartbeats come but no answer within ``limit``. A FIFO no thread
+    reads, or none offered (``ask`` None: the thread is being started again), is asked again
+    until then."""
     token = secrets.token_hex(8)
-    asked = ran = time.monotonic()
+    asked = time.monotonic()
+    ran = asked - min(hb.age, quiet)  # when the shim last published, as far as we know
     published = _published(hb.path)
     sent, pos, seen = False, 0, ""
     afd = -1
     try:
         while True:
-            if not sent:
+            chunk = b""
+            if not sent and ask is not None and answers is not None:
                 if afd >= 0:
                     os.close(afd)
                 afd, pos, seen = _open_answers(hb, answers), 0, ""
@@ -388,21 +400,21 @@ def _ask_dump_thread(hb: Heartbeat, ask: str, answers: str, quiet: float, limit:
                     pos = os.fstat(afd).st_size
                     sent = _send_token(hb, ask, token)
             if sent:
-                if os.fstat(afd).st_size < pos:  # emptied by the thread (MAX_ANSWERS): read it again
+                if os.fstat(afd).st_size < pos:  # emptied by the thread: read it again
                     pos, seen = 0, ""
                 chunk = os.pread(afd, MAX_BYTES, pos)
                 pos += len(chunk)
+            if chunk:
                 seen = (seen + chunk.decode("utf-8", "replace"))[-4 * MAX_BYTES:]
                 text = _answer_in(seen, token)
                 if text is not None:
                     return text
-                if chunk:
-                    continue
+                continue
             now = time.monotonic()
             latest = _published(hb.path)
             if latest != published:
                 published, ran = latest, now
-            if now - ran > quiet:
+            if now - ran > quiet and now - asked > ANSWER_FIRST:
                 return None
             if now - asked > limit:
                 raise ShimError(f"the shim's dump thread did not answer within {limit:g}s while the process ran "
