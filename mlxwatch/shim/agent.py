@@ -5,7 +5,8 @@ Started by ``boot/sitecustomize.py`` before the server's own code runs (``start`
 - answers stack dump requests on a FIFO from a thread of its own, under the GIL (``dumps``:
   the safe way, asked first), and registers ``faulthandler`` on ``SIGUSR2`` for all threads,
   writing into ``<pid>.stacks`` in the runtime dir (``layout``): the way that works while a
-  native call holds the GIL, asked only when the thread does not answer. mlx-lm, mlx and
+  native call holds the GIL, asked only on evidence that no Python thread runs (see
+  ``mlxwatch.shim.heartbeat.request_stacks``). mlx-lm, mlx and
   ``http.server`` install no handler for the signal (checked in mlx-lm 0.31.3 and 0.32.2); if
   it already has a handler, or one is installed later, the heartbeat's ``stacks.signal`` is
   null and mlxwatch never sends it. ``faulthandler.enable`` (fatal signals)

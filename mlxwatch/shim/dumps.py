@@ -5,9 +5,10 @@ walking every thread's frames while those threads run; a busy server whose threa
 end (``http.server`` starts one per request) can crash part way through (python/cpython#116008;
 seen in this repository's CI on mlx-lm 0.31.3, and reproduced by ``tests/test_shim.py``). This
 thread dumps under the GIL (``sys._current_frames``), while no other thread runs Python, so
-nothing moves under it. It cannot answer while a native call holds the GIL; the reader then
-sends the stack signal (``mlxwatch.shim.heartbeat.request_stacks``), and faulthandler's walk
-is safe in exactly that case, since no other thread can run Python either.
+nothing moves under it. It cannot answer while a native call holds the GIL; the reader sends
+the stack signal only on evidence of that (no heartbeat either:
+``mlxwatch.shim.heartbeat.request_stacks``), and faulthandler's walk is safe in exactly that
+case, since no other thread can run Python either.
 
 The protocol, both files in the private runtime dir (``layout``)::
 

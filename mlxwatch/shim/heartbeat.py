@@ -349,11 +349,11 @@ def request_stacks(hb: Heartbeat, identity: ProcessIdentity, timeout: float = DU
     native call holds the GIL. The stack signal is sent only on evidence of that: no answer and
     no heartbeat published for ``ANSWER_QUIET`` (no Python thread ran), when faulthandler's dump
     is safe. While heartbeats still come the thread is only slow to get the GIL: it is waited for
-    up to ``ANSWER_LIMIT``, and never signalled. Only the process the heartbeat belongs to is asked (``identity``, proven again
-    right before by its kernel start, which no clock step moves), and the signal is sent only
-    when the heartbeat names it: a process without the shim would be killed by it. Raises
-    ShimError when no dump came (the signal's within ``timeout``: a stopped process runs no
-    handler)."""
+    up to ``ANSWER_LIMIT``, and never signalled; nor is a stopped process. Only the process the
+    heartbeat belongs to is asked (``identity``, proven again right before by its kernel start,
+    which no clock step moves), and the signal is sent only when the heartbeat names it: a
+    process without the shim would be killed by it. Raises ShimError when no dump came (the
+    signal's within ``timeout``)."""
     if identity.pid != hb.pid or not identity.alive():
         raise ShimError(f"PID {hb.pid} is " + ("gone" if _gone(hb.pid) else "another process now"))
     if hb.ask_path is not None or hb.dump_thread_down:
@@ -430,11 +430,20 @@ def _open_answers(hb: Heartbeat, answers: str) -> int:
     """The answers file, read-only; -1 while it is missing (a cleaner removed it: the agent makes
     a new one within a heartbeat)."""
     try:
-        return dumps.open_regular(_own_file(hb, answers), os.O_RDONLY)
+        return _open_own_regular(hb, answers)
     except FileNotFoundError:
         return -1
+
+
+def _open_own_regular(hb: Heartbeat, path: str) -> int:
+    """A file the heartbeat names, read-only: in its own dir, regular, not a link. Raises
+    ShimError, or FileNotFoundError when it is missing."""
+    try:
+        return dumps.open_regular(_own_file(hb, path), os.O_RDONLY)
+    except FileNotFoundError:
+        raise
     except OSError as exc:
-        raise ShimError(f"the shim's answers file {answers}: {exc.strerror or exc}") from None
+        raise ShimError(f"the shim's file {path}: {exc.strerror or exc}") from None
 
 
 def _send_token(hb: Heartbeat, ask: str, token: str) -> bool:
@@ -492,10 +501,8 @@ def _signal_dump(hb: Heartbeat, timeout: float) -> str:
     signum, path = hb.stack_signal, hb.stacks_file
     if signum is None or path is None:
         raise ShimError("the shim offers no stack signal in this process")
-    fd = os.open(_own_file(hb, path), os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
+    fd = _open_own_regular(hb, path)
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise ShimError(f"{path} is not a regular file")
         fcntl.flock(fd, fcntl.LOCK_EX)
         start = os.fstat(fd).st_size
         try:
