@@ -65,6 +65,7 @@ class Upstream:
         self.sent_bytes = 0
         self.mode_override: str | None = None
         self.arrived = asyncio.Event()
+        self._waiting: set[asyncio.StreamWriter] = set()  # connections with no request yet
         self._server: asyncio.base_events.Server | None = None
 
     async def __aenter__(self) -> "Upstream":
@@ -82,6 +83,12 @@ class Upstream:
         assert self._server is not None
         return f"http://127.0.0.1:{self._server.sockets[0].getsockname()[1]}"
 
+    async def close_idle(self) -> None:
+        """Close the connections that have brought no request yet (as a server's idle timeout does)."""
+        for writer in list(self._waiting):
+            writer.close()
+        self._waiting.clear()
+
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             await self._answer(reader, writer)
@@ -91,7 +98,11 @@ class Upstream:
             writer.close()
 
     async def _answer(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        head = await reader.readuntil(b"\r\n\r\n")
+        self._waiting.add(writer)
+        try:
+            head = await reader.readuntil(b"\r\n\r\n")
+        finally:
+            self._waiting.discard(writer)
         lines = head.decode("latin-1").split("\r\n")
         method, target, _ = lines[0].split(" ", 2)
         headers = [(k.strip(), v.strip()) for k, _, v in (line.partition(":") for line in lines[1:] if line)]
@@ -403,6 +414,76 @@ async def test_connections_to_a_server_that_keeps_them_alive_are_reused():
         server.close()
     assert all(a.startswith(b"HTTP/1.1 200 OK") and a.endswith(b"ok") for a in answers)
     assert len(connections) == 2
+
+
+def _spares(door: FrontDoor) -> int:
+    """Connections to the server made ahead and not yet used."""
+    return 0 if door._pool is None else sum(not conn.used for conn in door._pool._idle)
+
+
+async def test_a_server_that_closes_each_connection_gets_the_next_one_connected_ahead():
+    """Measured: in front of a server that closes every connection after its answer (mlx_lm.server
+    does), each request waited for the door to connect to it: the door added 5.6x nginx's time to
+    a first token (bench/front_hop.py --upstream-closes). Now the next connection is made ahead: a
+    request goes out on a connection the server accepted before the request came."""
+    loop = asyncio.get_running_loop()
+    accepted: list[float] = []
+    carried: list[int] = []  # per request, the connection it came on
+
+    async def closing(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        index = len(accepted)
+        accepted.append(loop.time())
+        with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError):
+            await reader.readuntil(b"\r\n\r\n")
+            carried.append(index)
+            writer.write(b"HTTP/1.0 200 OK\r\nContent-Type: text/plain\r\n\r\nok")
+            await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(closing, "127.0.0.1", 0)
+    door = FrontDoor("t", f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}", _cfg())
+    await door.start()
+    try:
+        answers = [await _raw(_url(door), b"GET /a HTTP/1.1\r\nHost: h\r\n\r\n")]
+        await _until(lambda: _spares(door) == 1, "a connection made ahead")
+        sent = loop.time()
+        answers.append(await _raw(_url(door), b"GET /b HTTP/1.1\r\nHost: h\r\n\r\n"))
+        await _until(lambda: _spares(door) == 1, "the next one made ahead")
+    finally:
+        await door.stop(drain=0.5)
+        server.close()
+    assert all(a.startswith(b"HTTP/1.1 200 OK") and a.endswith(b"ok\r\n0\r\n\r\n") for a in answers), answers
+    assert accepted[carried[1]] < sent
+    assert len(accepted) == 3  # one for each request, and one ahead: no more
+
+
+async def test_a_connection_made_ahead_that_the_server_closed_is_not_used_nor_made_again():
+    """A server may drop a connection that brings no request; the door forgets it (the next
+    request connects itself) and does not connect again on its own, which would loop."""
+    async with Upstream() as up, _door(up) as door:
+        assert (await _raw(_url(door), b"GET /plain HTTP/1.1\r\nHost: h\r\n\r\n")).startswith(b"HTTP/1.1 201")
+        await _until(lambda: _spares(door) == 1, "a connection made ahead")
+        await up.close_idle()
+        await _until(lambda: _spares(door) == 0, "the door forgets it")
+        assert door._pool is not None and door._pool._spare is None  # and makes none until a request comes
+        answer = await _raw(_url(door), b"GET /plain HTTP/1.1\r\nHost: h\r\n\r\n")
+    assert answer.startswith(b"HTTP/1.1 201 Created")
+    assert len(up.seen) == 2
+
+
+async def test_the_connection_made_ahead_is_closed_when_the_door_stops():
+    """Nothing of the door's stays open on the server after stop (mlx_lm.server gives each
+    connection a thread)."""
+    async with Upstream() as up:
+        door = FrontDoor("t", up.url, _cfg())
+        await door.start()
+        try:
+            await _raw(_url(door), b"GET /plain HTTP/1.1\r\nHost: h\r\n\r\n")
+            await _until(lambda: _spares(door) == 1, "a connection made ahead")
+        finally:
+            await door.stop(drain=0.5)
+        await asyncio.wait_for(up.closed.wait(), BOUND)  # the server saw it end without a request
+        assert len(up.seen) == 1
 
 
 async def test_a_stream_is_identical_with_and_without_the_door_and_keeps_the_connection_alive():
@@ -1143,6 +1224,8 @@ async def test_a_closed_connection_whose_client_does_not_read_is_cut_after_the_s
     from mlxwatch.front import http1
     monkeypatch.setattr(http1, "SEND_TIMEOUT", 0.5)
     async with Upstream() as up, _door(up) as door:
+        await _raw(_url(door), b"GET /plain HTTP/1.1\r\nHost: h\r\n\r\n")  # the door's spare to this
+        await _until(lambda: _spares(door) == 1, "a spare connected")  # closing server is counted in before
         before = len(os.listdir("/proc/self/fd"))
         sock = socket.socket()
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)

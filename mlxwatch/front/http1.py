@@ -520,6 +520,7 @@ class UpstreamConnection(asyncio.Protocol):
         self._sink: Sink | None = None
         self._parser = httptools.HttpResponseParser(self)
         self.closed = False
+        self.used = False  # has carried a request (a spare has not)
         self._new_answer(head_only=False)
 
     def _new_answer(self, *, head_only: bool) -> None:
@@ -543,6 +544,16 @@ class UpstreamConnection(asyncio.Protocol):
     def reusable(self) -> bool:
         return self._complete and self._keep_alive and not self.closed and not self._until_close \
             and not self._head_only and not self._trailing
+
+    @property
+    def answered(self) -> bool:
+        """The server's answer head came: its framing says whether the server keeps the connection."""
+        return self._got_head
+
+    @property
+    def server_closes(self) -> bool:
+        """The server ended (or will end) this connection after its answer."""
+        return not self._keep_alive or self._until_close
 
     def detach(self) -> None:
         """The door is done with this answer (whole, or abandoned): back to the pool, or closed."""
@@ -646,11 +657,23 @@ class UpstreamConnection(asyncio.Protocol):
 
 
 class UpstreamPool:
-    """Connections to one server (``http://`` or ``https://`` URL): idle ones kept for reuse."""
+    """Connections to one server (``http://`` or ``https://`` URL): idle ones kept for reuse, and
+    a spare connected ahead for a server that closes them.
+
+    mlx_lm.server closes its connection after every answer, so each request through the door
+    needs a new one, and connecting cost the first token more than all the door's other work
+    (bench/front_hop.py). So once the server has closed a connection after its answer, a spare is
+    connected in the background for the next request whenever none is ready (as Envoy's
+    preconnect does). A spare is an idle connection like any other: one the server closes is
+    forgotten when its close arrives, and a request then connects itself. A server that keeps
+    connections alive gets no spare: its idle connections are reused."""
 
     def __init__(self, url: str) -> None:
         self.url = url
         self._idle: list[UpstreamConnection] = []
+        self._spare: asyncio.Task | None = None  # the spare being connected
+        self._server_closes = False  # the last answer came with the connection's end
+        self._closed = False
         self._ssl: ssl.SSLContext | None = None
         parts = urlsplit(url)
         self.secure = parts.scheme == "https"
@@ -666,7 +689,36 @@ class UpstreamPool:
         while self._idle:
             conn = self._idle.pop()
             if not conn.closed and conn.transport is not None and not conn.transport.is_closing():
+                conn.used = True
+                self._prepare_spare()
                 return conn
+        conn = await self._open()
+        conn.used = True
+        self._prepare_spare()
+        return conn
+
+    def _prepare_spare(self) -> None:
+        """For a server that closes its connections: connect one for the next request, in the
+        background, unless one is ready or on its way."""
+        if (self._server_closes and self._spare is None and not self._closed
+                and all(conn.used for conn in self._idle)):
+            self._spare = asyncio.get_running_loop().create_task(self._connect_spare())
+
+    async def _connect_spare(self) -> None:
+        try:
+            conn = await self._open()
+        except OSError:  # the server is down or restarting: the next request connects, and fails, itself
+            return
+        finally:
+            self._spare = None
+        if self._closed or len(self._idle) >= IDLE_KEPT:
+            conn.closed = True
+            if conn.transport is not None:
+                conn.transport.close()
+        elif not conn.closed:
+            self._idle.insert(0, conn)  # under connections the server kept alive: those are reused first
+
+    async def _open(self) -> UpstreamConnection:
         loop = asyncio.get_running_loop()
         make: Callable[[], UpstreamConnection] = lambda: UpstreamConnection(self)  # noqa: E731
         _, conn = await loop.create_connection(make, self.host, self.port, ssl=self._ssl,
@@ -684,18 +736,25 @@ class UpstreamPool:
         return "".join(lines).encode("latin-1") + request.body
 
     def release(self, conn: UpstreamConnection) -> None:
-        if conn.reusable and len(self._idle) < IDLE_KEPT:
+        if conn.answered:
+            self._server_closes = conn.server_closes
+        if conn.reusable and len(self._idle) < IDLE_KEPT and not self._closed:
             conn.resume_reading()
             self._idle.append(conn)
         elif conn.transport is not None:
             conn.closed = True
             conn.transport.close()
+        self._prepare_spare()
 
     def forget(self, conn: UpstreamConnection) -> None:
         if conn in self._idle:
             self._idle.remove(conn)
 
     def close(self) -> None:
+        self._closed = True
+        if self._spare is not None:
+            self._spare.cancel()
+            self._spare = None
         for conn in self._idle:
             if conn.transport is not None:
                 conn.transport.close()
