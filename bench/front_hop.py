@@ -199,8 +199,10 @@ def render(data: dict[str, Any]) -> str:
              "in a shuffled order. First token: median of a cell, then the median over rounds; added: paired "
              "with direct's cell of the same round. nginx " + (data.get("nginx_version") or "not found") + "."
              + (" The upstream answers as mlx_lm.server does (HTTP/1.0, the body until it closes the connection): "
-                "each proxy connects to it for every request, and so does a direct client, timed from its connect; "
-                "nginx as in front_perf (HTTP/1.1 to the upstream, which answers HTTP/1.0)." if closes else ""), "",
+                "each request needs a new connection to it. A direct client connects for each, timed from its "
+                "connect; nginx and the threaded relay connect for each too (nginx as in front_perf: HTTP/1.1 to "
+                "the upstream, which answers HTTP/1.0); the door connects ahead, so a request goes out on a "
+                "connection made before it came (`UpstreamPool`, since commit c195957)." if closes else ""), "",
              "| path | hot: first token (µs) | hot: added (µs) | hot: × nginx's | idle: first token (µs) "
              "| idle: added (µs) | idle: × nginx's |", "|---|---|---|---|---|---|---|"]
 
@@ -229,12 +231,12 @@ def findings(data: dict[str, Any]) -> list[str]:
                                             for k in ("door", "nginx", "door+uvloop", "threads"))
             if door is None or ngx is None or ngx <= 0:
                 continue
-            line = (f"- **{mode}**: nginx adds {ngx:+.0f} µs, the door {door:+.0f} µs ({door / ngx:.1f}x nginx's), "
-                    "each connecting to the server for every request.")
+            line = (f"- **{mode}**: nginx adds {ngx:+.0f} µs, connecting for each request; the door "
+                    f"{door:+.0f} µs ({door / ngx:.1f}x nginx's), on a connection made ahead.")
             if uv_door is not None:
                 line += f" The door on uvloop {uv_door:+.0f} µs ({uv_door / ngx:.1f}x)."
             if threaded is not None:
-                line += (f" The bare relay on threads, connecting as the door does, {threaded:+.0f} µs "
+                line += (f" The bare relay on threads, connecting for each request, {threaded:+.0f} µs "
                          f"({threaded / ngx:.1f}x).")
             out.append(line)
             continue
