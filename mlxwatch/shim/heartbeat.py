@@ -273,12 +273,10 @@ def candidate_dirs(pid: int | None = None) -> list[str]:
 
 
 def _read_bounded(path: str) -> bytes:
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
+    """A heartbeat's bytes: a regular file (never a link, never a FIFO to block on), at most MAX_BYTES."""
+    fd = dumps.open_regular(path, os.O_RDONLY)
     try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise ShimError(f"{path} is not a regular file")
-        if st.st_size > MAX_BYTES:
+        if os.fstat(fd).st_size > MAX_BYTES:
             raise ShimError(f"{path} is larger than {MAX_BYTES} bytes")
         chunks, left = [], MAX_BYTES + 1
         while left > 0:
