@@ -97,6 +97,7 @@ class FrontConfig:
     replay: bool = False  # resend once to the recovered server a request that had received no byte
     max_body: int = 16 * 1024**2  # request body limit (413)
     max_header: int = 64 * 1024  # request header limit (431)
+    connect_ahead: bool = True  # keep a connection made ahead to a server that closes each one (mlx_lm.server)
 
 
 @dataclass(frozen=True)
@@ -948,6 +949,7 @@ def _front(sec: _Section) -> FrontConfig:
         "request_stall_timeout": _positive_duration,
         "hold": _duration_or_zero,
         "replay": _bool,
+        "connect_ahead": _bool,
         "max_body": _size,
         "max_header": _size,
     }))

@@ -31,8 +31,8 @@ def test_front_defaults_come_from_the_dataclass(config_file):
 
 def test_front_settings_are_read(config_file):
     inst = _one("    front: {listen: 9081, stall_timeout: 5s, request_stall_timeout: 2m, hold: 30s, replay: true,"
-                " max_body: 1MiB, max_header: 8KiB}\n", config_file)
-    assert inst.front == FrontConfig(("127.0.0.1", 9081), False, 5.0, 120.0, 30.0, True, 1024**2, 8 * 1024)
+                " max_body: 1MiB, max_header: 8KiB, connect_ahead: false}\n", config_file)
+    assert inst.front == FrontConfig(("127.0.0.1", 9081), False, 5.0, 120.0, 30.0, True, 1024**2, 8 * 1024, False)
 
 
 @pytest.mark.parametrize("front, key, message", [
@@ -47,6 +47,7 @@ def test_front_settings_are_read(config_file):
     ("{listen: 9081, max_body: lots}", "instances[0].front.max_body",
      "must be a positive size such as 500MB or 2GB (got 'lots')"),
     ("{listen: 9081, replay: 1}", "instances[0].front.replay", "must be true or false (got 1)"),
+    ("{listen: 9081, connect_ahead: 'no'}", "instances[0].front.connect_ahead", "must be true or false (got 'no')"),
     # replay waits up to hold for the recovered server: with hold 0 it silently never replayed
     ("{listen: 9081, replay: true}", "instances[0].front.replay",
      "needs front.hold above 0: a replayed request waits up to hold for the recovered server, so with hold 0 "

@@ -471,6 +471,87 @@ async def test_a_connection_made_ahead_that_the_server_closed_is_not_used_nor_ma
     assert len(up.seen) == 2
 
 
+class _Answer:
+    """A Sink that keeps what the pool's connection reads."""
+
+    def __init__(self) -> None:
+        self.body = bytearray()
+        self.ended: asyncio.Future[str | None] = asyncio.get_running_loop().create_future()
+
+    def begin_read(self) -> None: ...
+    def end_read(self) -> None: ...
+    def on_head(self, status, reason, headers, length) -> None: ...
+
+    def on_body(self, chunk: bytes) -> None:
+        self.body += chunk
+
+    def on_end(self, error: str | None) -> None:
+        if not self.ended.done():
+            self.ended.set_result(error)
+
+
+async def test_an_idle_connection_the_server_already_closed_is_not_used():
+    """Found in review: a server that drops a connection bringing no request (a read timeout)
+    can do it just before the door takes it for a request, its close in the kernel but not yet
+    handled by the event loop; the request then failed with a 503. The socket is looked at once
+    more before use: here the close has arrived and the loop has not run since."""
+    from mlxwatch.front import http1
+    import select
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(BOUND)
+    pool = http1.UpstreamPool(f"http://127.0.0.1:{listener.getsockname()[1]}")
+    try:
+        first = await pool.connect()
+        served, _ = listener.accept()
+        answer = _Answer()
+        first.send(b"GET /a HTTP/1.1\r\nHost: h\r\n\r\n", answer, head_only=False)
+        served.recv(65536)
+        served.sendall(b"HTTP/1.0 200 OK\r\n\r\nok")
+        served.close()
+        assert await asyncio.wait_for(answer.ended, BOUND) is None and answer.body == b"ok"
+        first.detach()  # the server closed it after its answer: one is made ahead
+        await _until(lambda: any(not c.used for c in pool._idle), "a connection made ahead")
+        ahead = next(c for c in pool._idle if not c.used)
+        dropped, _ = listener.accept()
+        dropped.close()  # the server drops it; wait for the close to reach the door's socket, loop not run
+        fd = ahead.transport.get_extra_info("socket").fileno()
+        assert select.select([fd], [], [], BOUND)[0]
+        taken = await pool.connect()
+        assert taken is not ahead
+        served, _ = listener.accept()  # a connection of its own, made for this request
+        answer = _Answer()
+        taken.send(b"GET /b HTTP/1.1\r\nHost: h\r\n\r\n", answer, head_only=False)
+        served.recv(65536)
+        served.sendall(b"HTTP/1.0 200 OK\r\n\r\nok")
+        served.close()
+        assert await asyncio.wait_for(answer.ended, BOUND) is None and answer.body == b"ok"
+        taken.detach()
+    finally:
+        pool.close()
+        listener.close()
+
+
+async def test_connect_ahead_off_makes_no_connection_ahead_and_turning_it_off_closes_the_one_made():
+    """``front.connect_ahead: false`` is for a server that serves one connection at a time: the
+    idle connection made ahead would hold it, and anything else (the watchdog's probes) would
+    wait behind it (found in review)."""
+    async with Upstream() as up:
+        door = FrontDoor("t", up.url, _cfg())
+        await door.start()
+        try:
+            await _raw(_url(door), b"GET /plain HTTP/1.1\r\nHost: h\r\n\r\n")
+            await _until(lambda: _spares(door) == 1, "a connection made ahead")
+            door.reconfigure(dataclasses.replace(door._cfg, connect_ahead=False))
+            assert _spares(door) == 0
+            await asyncio.wait_for(up.closed.wait(), BOUND)  # the server saw it closed
+            answer = await _raw(_url(door), b"GET /plain HTTP/1.1\r\nHost: h\r\n\r\n")
+            assert door._pool is not None and door._pool._spare is None and _spares(door) == 0
+        finally:
+            await door.stop(drain=0.5)
+    assert answer.startswith(b"HTTP/1.1 201 Created")
+    assert len(up.seen) == 2
+
+
 async def test_the_connection_made_ahead_is_closed_when_the_door_stops():
     """Nothing of the door's stays open on the server after stop (mlx_lm.server gives each
     connection a thread)."""

@@ -136,7 +136,7 @@ class FrontDoor:
         except OSError as exc:
             raise FrontError(f"front door {self.name}: cannot listen on {host}:{port}: "
                              f"{exc.strerror or exc}") from exc
-        self._pool = http1.UpstreamPool(self._upstream)
+        self._pool = http1.UpstreamPool(self._upstream, connect_ahead=self._cfg.connect_ahead)
         self._monitor = self._start_monitor()
 
     async def stop(self, drain: float = 5.0) -> None:
@@ -172,11 +172,17 @@ class FrontDoor:
     def reconfigure(self, cfg: FrontConfig) -> None:
         """Take new settings on the same address in place: requests in flight and open
         connections go on; the timeouts, hold and replay apply from now on, to them too (each is
-        read when it acts); a connection keeps the size limits it was opened with. A new address
-        needs a new door."""
+        read when it acts), connect_ahead to the next request (off closes the connection made
+        ahead); a connection keeps the size limits it was opened with. A new address needs a new
+        door."""
         if cfg.listen != self._cfg.listen:
             raise ValueError(f"front door {self.name}: a new address ({cfg.listen}) needs a new door")
         self._cfg = cfg
+        if self._pool is not None:
+            if cfg.connect_ahead:
+                self._pool.connect_ahead = True
+            else:
+                self._pool.stop_connecting_ahead()
 
     # -- what the daemon reads and decides -------------------------------------------------------
 

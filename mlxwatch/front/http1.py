@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import select
 import ssl
 from dataclasses import dataclass
 from typing import Callable, Coroutine, Protocol, cast
@@ -520,7 +521,7 @@ class UpstreamConnection(asyncio.Protocol):
         self._sink: Sink | None = None
         self._parser = httptools.HttpResponseParser(self)
         self.closed = False
-        self.used = False  # has carried a request (a spare has not)
+        self.used = False  # handed out for a request (one made ahead waits unused)
         self._new_answer(head_only=False)
 
     def _new_answer(self, *, head_only: bool) -> None:
@@ -555,6 +556,27 @@ class UpstreamConnection(asyncio.Protocol):
         """The server ended (or will end) this connection after its answer."""
         return not self._keep_alive or self._until_close
 
+    @property
+    def usable(self) -> bool:
+        """Open, and nothing to read: an idle connection has no answer coming, so a readable
+        socket is a close (or bytes nobody asked for) the event loop has not handled yet."""
+        if self.closed or self.transport is None or self.transport.is_closing():
+            return False
+        sock = self.transport.get_extra_info("socket")
+        if sock is None:
+            return True
+        poller = select.poll()  # not select(): the door's descriptors may number past FD_SETSIZE
+        try:
+            poller.register(sock.fileno(), select.POLLIN)
+            return not poller.poll(0)
+        except (OSError, ValueError):
+            return False
+
+    def close(self) -> None:
+        self.closed = True
+        if self.transport is not None:
+            self.transport.close()
+
     def detach(self) -> None:
         """The door is done with this answer (whole, or abandoned): back to the pool, or closed."""
         self._sink = None
@@ -573,9 +595,7 @@ class UpstreamConnection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         if self._sink is None or self._complete:
-            if self.transport is not None:  # bytes nobody asked for: this connection cannot be reused
-                self.closed = True
-                self.transport.close()
+            self.close()  # bytes nobody asked for: this connection cannot be reused
             return
         sink = self._sink
         sink.begin_read()
@@ -587,9 +607,8 @@ class UpstreamConnection(asyncio.Protocol):
             self._finish(f"the server's answer is not valid HTTP ({exc})")
         finally:
             sink.end_read()
-        if self._complete and self._trailing and not self.closed and self.transport is not None:
-            self.closed = True  # bytes after the end of the answer: dropped, and the connection with them
-            self.transport.close()
+        if self._complete and self._trailing:
+            self.close()  # bytes after the end of the answer: dropped, and the connection with them
 
     def connection_lost(self, exc: BaseException | None) -> None:
         self.closed = True
@@ -648,9 +667,7 @@ class UpstreamConnection(asyncio.Protocol):
     def _finish(self, error: str | None) -> None:
         self._complete = True
         if error is not None or self._head_only:
-            self.closed = True
-            if self.transport is not None:
-                self.transport.close()
+            self.close()
         sink = self._sink
         if sink is not None:
             sink.on_end(error)
@@ -658,18 +675,22 @@ class UpstreamConnection(asyncio.Protocol):
 
 class UpstreamPool:
     """Connections to one server (``http://`` or ``https://`` URL): idle ones kept for reuse, and
-    a spare connected ahead for a server that closes them.
+    one made ahead while the server closes them.
 
     mlx_lm.server closes its connection after every answer, so each request through the door
     needs a new one, and connecting cost the first token more than all the door's other work
-    (bench/front_hop.py). So once the server has closed a connection after its answer, a spare is
-    connected in the background for the next request whenever none is ready (as Envoy's
-    preconnect does). A spare is an idle connection like any other: one the server closes is
-    forgotten when its close arrives, and a request then connects itself. A server that keeps
-    connections alive gets no spare: its idle connections are reused."""
+    (bench/front_hop.py). So while the server's latest answer ended its connection, a connection
+    is made ahead, in the background, for the next request whenever none is ready (as Envoy's
+    preconnect does; ``connect_ahead=False`` turns it off for a server that cannot hold an idle
+    connection, one that serves a connection at a time). One the server closes while it waits is
+    forgotten, and made again only for a request. A server whose answers keep their connections
+    gets none: its idle connections are reused. Before an idle connection is used, its socket is
+    looked at once more: a close already in the kernel but not yet read by the event loop would
+    make the request fail for nothing."""
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, *, connect_ahead: bool = True) -> None:
         self.url = url
+        self.connect_ahead = connect_ahead
         self._idle: list[UpstreamConnection] = []
         self._spare: asyncio.Task | None = None  # the spare being connected
         self._server_closes = False  # the last answer came with the connection's end
@@ -688,10 +709,11 @@ class UpstreamPool:
         """An idle connection, or a new one (OSError if the server cannot be reached)."""
         while self._idle:
             conn = self._idle.pop()
-            if not conn.closed and conn.transport is not None and not conn.transport.is_closing():
+            if conn.usable:
                 conn.used = True
                 self._prepare_spare()
                 return conn
+            conn.close()
         conn = await self._open()
         conn.used = True
         self._prepare_spare()
@@ -700,21 +722,19 @@ class UpstreamPool:
     def _prepare_spare(self) -> None:
         """For a server that closes its connections: connect one for the next request, in the
         background, unless one is ready or on its way."""
-        if (self._server_closes and self._spare is None and not self._closed
+        if (self.connect_ahead and self._server_closes and self._spare is None and not self._closed
                 and all(conn.used for conn in self._idle)):
             self._spare = asyncio.get_running_loop().create_task(self._connect_spare())
 
     async def _connect_spare(self) -> None:
         try:
             conn = await self._open()
-        except OSError:  # the server is down or restarting: the next request connects, and fails, itself
+        except OSError:  # the server is down or restarting: the next request connects itself
             return
         finally:
             self._spare = None
-        if self._closed or len(self._idle) >= IDLE_KEPT:
-            conn.closed = True
-            if conn.transport is not None:
-                conn.transport.close()
+        if self._closed or not self.connect_ahead or len(self._idle) >= IDLE_KEPT:
+            conn.close()
         elif not conn.closed:
             self._idle.insert(0, conn)  # under connections the server kept alive: those are reused first
 
@@ -741,10 +761,16 @@ class UpstreamPool:
         if conn.reusable and len(self._idle) < IDLE_KEPT and not self._closed:
             conn.resume_reading()
             self._idle.append(conn)
-        elif conn.transport is not None:
-            conn.closed = True
-            conn.transport.close()
+        else:
+            conn.close()
         self._prepare_spare()
+
+    def stop_connecting_ahead(self) -> None:
+        """``connect_ahead`` turned off: the connection made ahead, if any, is closed now."""
+        self.connect_ahead = False
+        for conn in [c for c in self._idle if not c.used]:
+            self._idle.remove(conn)
+            conn.close()
 
     def forget(self, conn: UpstreamConnection) -> None:
         if conn in self._idle:
@@ -756,6 +782,5 @@ class UpstreamPool:
             self._spare.cancel()
             self._spare = None
         for conn in self._idle:
-            if conn.transport is not None:
-                conn.transport.close()
+            conn.close()
         self._idle.clear()
