@@ -490,6 +490,19 @@ class _Answer:
             self.ended.set_result(error)
 
 
+async def _answered_and_closed(conn, listener: socket.socket) -> None:
+    """One request on the pool's connection, answered as mlx_lm.server does (HTTP/1.0, then the
+    connection closed) by the next connection ``listener`` accepts; the connection handed back."""
+    served, _ = listener.accept()
+    answer = _Answer()
+    conn.send(b"GET /a HTTP/1.1\r\nHost: h\r\n\r\n", answer, head_only=False)
+    served.recv(65536)
+    served.sendall(b"HTTP/1.0 200 OK\r\n\r\nok")
+    served.close()
+    assert await asyncio.wait_for(answer.ended, BOUND) is None and answer.body == b"ok"
+    conn.detach()
+
+
 async def test_an_idle_connection_the_server_already_closed_is_not_used():
     """Found in review: a server that drops a connection bringing no request (a read timeout)
     can do it just before the door takes it for a request, its close in the kernel but not yet
@@ -501,15 +514,7 @@ async def test_an_idle_connection_the_server_already_closed_is_not_used():
     listener.settimeout(BOUND)
     pool = http1.UpstreamPool(f"http://127.0.0.1:{listener.getsockname()[1]}")
     try:
-        first = await pool.connect()
-        served, _ = listener.accept()
-        answer = _Answer()
-        first.send(b"GET /a HTTP/1.1\r\nHost: h\r\n\r\n", answer, head_only=False)
-        served.recv(65536)
-        served.sendall(b"HTTP/1.0 200 OK\r\n\r\nok")
-        served.close()
-        assert await asyncio.wait_for(answer.ended, BOUND) is None and answer.body == b"ok"
-        first.detach()  # the server closed it after its answer: one is made ahead
+        await _answered_and_closed(await pool.connect(), listener)  # so one is made ahead
         await _until(lambda: any(not c.used for c in pool._idle), "a connection made ahead")
         ahead = next(c for c in pool._idle if not c.used)
         dropped, _ = listener.accept()
@@ -518,14 +523,7 @@ async def test_an_idle_connection_the_server_already_closed_is_not_used():
         assert select.select([fd], [], [], BOUND)[0]
         taken = await pool.connect()
         assert taken is not ahead
-        served, _ = listener.accept()  # a connection of its own, made for this request
-        answer = _Answer()
-        taken.send(b"GET /b HTTP/1.1\r\nHost: h\r\n\r\n", answer, head_only=False)
-        served.recv(65536)
-        served.sendall(b"HTTP/1.0 200 OK\r\n\r\nok")
-        served.close()
-        assert await asyncio.wait_for(answer.ended, BOUND) is None and answer.body == b"ok"
-        taken.detach()
+        await _answered_and_closed(taken, listener)  # on a connection of its own, made for this request
     finally:
         pool.close()
         listener.close()
