@@ -421,6 +421,13 @@ def _spares(door: FrontDoor) -> int:
     return 0 if door._pool is None else sum(not conn.used for conn in door._pool._idle)
 
 
+async def _answered_then_made_ahead(door: FrontDoor) -> None:
+    """One request answered by the Upstream stand-in, which closes each connection; the door
+    then has a connection made ahead."""
+    assert (await _raw(_url(door), b"GET /plain HTTP/1.1\r\nHost: h\r\n\r\n")).startswith(b"HTTP/1.1 201")
+    await _until(lambda: _spares(door) == 1, "a connection made ahead")
+
+
 async def test_a_server_that_closes_each_connection_gets_the_next_one_connected_ahead():
     """Measured: in front of a server that closes every connection after its answer (mlx_lm.server
     does), each request waited for the door to connect to it: the door added 5.6x nginx's time to
@@ -461,8 +468,7 @@ async def test_a_connection_made_ahead_that_the_server_closed_is_not_used_nor_ma
     """A server may drop a connection that brings no request; the door forgets it (the next
     request connects itself) and does not connect again on its own, which would loop."""
     async with Upstream() as up, _door(up) as door:
-        assert (await _raw(_url(door), b"GET /plain HTTP/1.1\r\nHost: h\r\n\r\n")).startswith(b"HTTP/1.1 201")
-        await _until(lambda: _spares(door) == 1, "a connection made ahead")
+        await _answered_then_made_ahead(door)
         await up.close_idle()
         await _until(lambda: _spares(door) == 0, "the door forgets it")
         assert door._pool is not None and door._pool._spare is None  # and makes none until a request comes
@@ -533,19 +539,13 @@ async def test_connect_ahead_off_makes_no_connection_ahead_and_turning_it_off_cl
     """``front.connect_ahead: false`` is for a server that serves one connection at a time: the
     idle connection made ahead would hold it, and anything else (the watchdog's probes) would
     wait behind it (found in review)."""
-    async with Upstream() as up:
-        door = FrontDoor("t", up.url, _cfg())
-        await door.start()
-        try:
-            await _raw(_url(door), b"GET /plain HTTP/1.1\r\nHost: h\r\n\r\n")
-            await _until(lambda: _spares(door) == 1, "a connection made ahead")
-            door.reconfigure(dataclasses.replace(door._cfg, connect_ahead=False))
-            assert _spares(door) == 0
-            await asyncio.wait_for(up.closed.wait(), BOUND)  # the server saw it closed
-            answer = await _raw(_url(door), b"GET /plain HTTP/1.1\r\nHost: h\r\n\r\n")
-            assert door._pool is not None and door._pool._spare is None and _spares(door) == 0
-        finally:
-            await door.stop(drain=0.5)
+    async with Upstream() as up, _door(up) as door:
+        await _answered_then_made_ahead(door)
+        door.reconfigure(dataclasses.replace(door._cfg, connect_ahead=False))
+        assert _spares(door) == 0
+        await asyncio.wait_for(up.closed.wait(), BOUND)  # the server saw it closed
+        answer = await _raw(_url(door), b"GET /plain HTTP/1.1\r\nHost: h\r\n\r\n")
+        assert door._pool is not None and door._pool._spare is None and _spares(door) == 0
     assert answer.startswith(b"HTTP/1.1 201 Created")
     assert len(up.seen) == 2
 
@@ -557,8 +557,7 @@ async def test_the_connection_made_ahead_is_closed_when_the_door_stops():
         door = FrontDoor("t", up.url, _cfg())
         await door.start()
         try:
-            await _raw(_url(door), b"GET /plain HTTP/1.1\r\nHost: h\r\n\r\n")
-            await _until(lambda: _spares(door) == 1, "a connection made ahead")
+            await _answered_then_made_ahead(door)
         finally:
             await door.stop(drain=0.5)
         await asyncio.wait_for(up.closed.wait(), BOUND)  # the server saw it end without a request
@@ -1303,8 +1302,7 @@ async def test_a_closed_connection_whose_client_does_not_read_is_cut_after_the_s
     from mlxwatch.front import http1
     monkeypatch.setattr(http1, "SEND_TIMEOUT", 0.5)
     async with Upstream() as up, _door(up) as door:
-        await _raw(_url(door), b"GET /plain HTTP/1.1\r\nHost: h\r\n\r\n")  # the door's spare to this
-        await _until(lambda: _spares(door) == 1, "a spare connected")  # closing server is counted in before
+        await _answered_then_made_ahead(door)  # its connection to the server is counted in before
         before = len(os.listdir("/proc/self/fd"))
         sock = socket.socket()
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)

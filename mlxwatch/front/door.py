@@ -179,10 +179,7 @@ class FrontDoor:
             raise ValueError(f"front door {self.name}: a new address ({cfg.listen}) needs a new door")
         self._cfg = cfg
         if self._pool is not None:
-            if cfg.connect_ahead:
-                self._pool.connect_ahead = True
-            else:
-                self._pool.stop_connecting_ahead()
+            self._pool.set_connect_ahead(cfg.connect_ahead)
 
     # -- what the daemon reads and decides -------------------------------------------------------
 

@@ -765,10 +765,10 @@ class UpstreamPool:
             conn.close()
         self._prepare_spare()
 
-    def stop_connecting_ahead(self) -> None:
-        """``connect_ahead`` turned off: the connection made ahead, if any, is closed now."""
-        self.connect_ahead = False
-        for conn in [c for c in self._idle if not c.used]:
+    def set_connect_ahead(self, on: bool) -> None:
+        """Turned off, the connection made ahead, if any, is closed now."""
+        self.connect_ahead = on
+        for conn in [] if on else [c for c in self._idle if not c.used]:
             self._idle.remove(conn)
             conn.close()
 
