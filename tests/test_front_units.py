@@ -48,6 +48,21 @@ def test_an_error_event_and_a_line_over_the_limit():
     assert reader.errored and not reader.ended
 
 
+def test_a_line_over_the_limit_is_no_event_boundary():
+    """The client has the overlong line but not the blank line ending its event: an error event
+    written now must end that event first, so the reader must not call this a boundary."""
+    reader = StreamReader(max_line=128)
+    reader.feed(b"data: " + b"x" * 200 + b"\n")
+    assert not reader.at_boundary
+    reader.feed(b"\n")
+    assert reader.at_boundary
+    reader = StreamReader(max_line=128)  # the same line split over two chunks
+    reader.feed(b"data: " + b"x" * 100)
+    reader.feed(b"x" * 100 + b"\n")
+    assert not reader.at_boundary
+    assert reader.feed(b"\n" + _event(_delta(content="a"))) == 1 and reader.at_boundary
+
+
 def test_a_body_counts_its_usage_else_one():
     assert body_tokens(json.dumps({"usage": {"completion_tokens": 7}}).encode()) == 7
     assert body_tokens(b'{"choices": []}') == 1

@@ -37,16 +37,19 @@ class StreamReader:
 
     def feed(self, chunk: bytes) -> int:
         tokens = 0
-        start = 0
-        while True:
-            end = chunk.find(b"\n", start)
-            if end < 0:
-                break
-            self._take(chunk[start:end])
-            tokens += self._line_done()
-            start = end + 1
-        if start < len(chunk):
-            self._take(chunk[start:])
+        lines = chunk.split(b"\n")
+        tail = lines.pop()  # after the last newline: the start of a line still to come
+        for part in lines:
+            if self._line or self._overflow:  # the end of a line begun in an earlier chunk
+                self._take(part)
+                part, overflow = bytes(self._line), self._overflow
+                self._line.clear()
+                self._overflow = False
+            else:  # the usual case: a whole line in this chunk, judged in place
+                overflow = len(part) > self._max_line
+            tokens += self._line_done(part, overflow)
+        if tail:
+            self._take(tail)
             self.at_boundary = False
         return tokens
 
@@ -59,16 +62,17 @@ class StreamReader:
             return
         self._line += part
 
-    def _line_done(self) -> int:
-        line = bytes(self._line).rstrip(b"\r")
-        overflow = self._overflow
-        self._line.clear()
-        self._overflow = False
+    def _line_done(self, line: bytes, overflow: bool) -> int:
+        if overflow:  # part of an event, too long to judge: never a boundary
+            self.at_boundary = False
+            return 0
+        if line.endswith(b"\r"):
+            line = line[:-1]
         if not line:
             self.at_boundary = True
             return 0
         self.at_boundary = False
-        if overflow or not line.startswith(b"data:"):
+        if not line.startswith(b"data:"):
             return 0
         return self._event(line[5:].strip())
 
