@@ -141,7 +141,9 @@ class _RequestParts:
 
 
 class _RelayUp(asyncio.Protocol):
-    """One kept-alive connection to the server: writes a request, re-frames its answer (chunked)."""
+    """One connection to the server, kept while the server keeps it: writes a request, re-frames
+    its answer (chunked); a body that runs until the server closes (mlx_lm.server's, HTTP/1.0)
+    ends at the close."""
 
     def __init__(self, idle: list["_RelayUp"]) -> None:
         import httptools
@@ -149,12 +151,13 @@ class _RelayUp(asyncio.Protocol):
         self.idle, self.down, self.closed = idle, None, False
         self.parser = httptools.HttpResponseParser(self)
         self.headers: list[tuple[bytes, bytes]] = []
+        self.answering = False  # the answer's head has gone to the client
 
     def connection_made(self, transport: Any) -> None:
         self.transport = transport
 
     def send(self, down: Any, request: bytes) -> None:
-        self.down, self.headers = down, []
+        self.down, self.headers, self.answering = down, [], False
         self.transport.write(request)
 
     def data_received(self, data: bytes) -> None:
@@ -164,6 +167,7 @@ class _RelayUp(asyncio.Protocol):
         self.headers.append((name, value))
 
     def on_headers_complete(self) -> None:
+        self.answering = True
         self.down.transport.write(_head(self.parser.get_status_code(), self.headers))
 
     def on_body(self, body: bytes) -> None:
@@ -179,8 +183,12 @@ class _RelayUp(asyncio.Protocol):
         self.closed = True
         if self in self.idle:
             self.idle.remove(self)
-        if self.down is not None:
-            self.down.transport.close()
+        down, self.down = self.down, None
+        if down is not None and self.answering and exc is None:  # the body ran until the server closed
+            down.transport.write(b"0\r\n\r\n")
+            down.transport.resume_reading()
+        elif down is not None:
+            down.transport.close()
 
 
 
