@@ -466,6 +466,20 @@ def findings(standin: dict[str, Any]) -> list[str]:
                      + ". A library's server and client between two sockets cost more than the bound before any "
                      "work of the door's; so the door's HTTP is httptools' parser on asyncio's transports "
                      "(`mlxwatch/front/http1.py`), each chunk written to the client in the callback that reads it."]
+    sticks = []
+    if all("relay" in summ[n] and "threads" in summ[n] and "nginx" in summ[n] for n in ns):
+        bounds = {n: _ttft_bound(summ[n]["nginx"]["added_ttft_median_ms"]) for n in ns}
+        added = {(k, n): summ[n][k]["added_ttft_median_ms"] for k in ("relay", "threads", "door") for n in ns}
+        within = {k: sum(added[k, n] is not None and added[k, n] <= bounds[n] for n in ns)
+                  for k in ("relay", "threads", "door")}
+        sticks = ["", "The floor under any hop in Python, measured beside the door: the bare relays of "
+                  "`bench/front_alternative.py` (nothing but forwarding: no limits, counting, gate or errors). "
+                  "Added first token, bare relay on asyncio's transports and httptools vs bare relay on a thread "
+                  "per connection with blocking sockets vs the door: " + ", ".join(
+                      f"{_fmt(added['relay', n], '+.2f')} vs {_fmt(added['threads', n], '+.2f')} vs "
+                      f"{_fmt(added['door', n], '+.2f')} ms (bound {bounds[n]:.2f}) at {n}" for n in ns)
+                  + f" stream(s). Within the bound: the asyncio relay at {within['relay']}, the threaded relay "
+                  f"at {within['threads']}, the door at {within['door']} of {len(ns)} stream counts."]
     return [
         f"Door vs nginx, CPU s per 1,000 chunks: {cpu} stream(s); RSS per open stream: {rss}; added "
         f"first-token latency (median): {ttft}. Tokens/s are the same on every path. The p99 gaps are the "
@@ -473,6 +487,7 @@ def findings(standin: dict[str, Any]) -> list[str]:
         "moves a cell's p99 by a few milliseconds either way between repeats: added p99 gaps smaller than "
         "that are not resolved by this run (each repeat's values are in the JSON).",
         *libraries,
+        *sticks,
     ]
 
 
@@ -503,7 +518,9 @@ def render(data: dict[str, Any]) -> str:
              "(`python -m bench.front_perf --role door`). aiohttp alone and uvicorn+httpx: the HTTP libraries "
              "weighed for the door (docs/front-door.md, \"Why httptools\"), each a minimal pass-through of its "
              "server and client without the door's ledger, token counting or gate (`bench/front_alternative.py`), "
-             "in its own process. CPU and RSS are the proxy process's (nginx: master + worker), read by PID; "
+             "in its own process. The bare relays (with `--also`): forwarding alone, on asyncio or on threads, the "
+             "floor under the door's hop (`bench/front_alternative.py`). "
+             "CPU and RSS are the proxy process's (nginx: master + worker), read by PID; "
              "RSS per stream = (median RSS while the streams are open - idle RSS after one warm-up request) / "
              "streams. Tokens/s = chunks delivered in the steady window (after the 1 s "
              "staggered start).".replace("{nginx}", data.get("nginx_version") or "(not found: not measured)"), ""]
