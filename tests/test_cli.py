@@ -194,10 +194,11 @@ def test_status_reads_a_damaged_state_file_without_a_traceback(state_json, tmp_p
 
 
 @pytest.mark.parametrize("argv", [["check", "http://127.0.0.1:{port}", "--json"], ["config", "example"],
-                                  ["--help"], ["status", "--json"]])
+                                  ["--help"], ["status", "--json"], ["bundle", "list", "--dir", "{tmp}"]])
 def test_a_reader_that_goes_away_gets_no_traceback(argv, tmp_path):
-    """Measured: `check URL --json | head` ended in a BrokenPipeError traceback."""
-    argv = [a.format(port=free_port()) for a in argv]
+    """Measured: `check URL --json | head` ended in a BrokenPipeError traceback; `bundle list |
+    head -1` (printed through rich, whose own answer is exit 1) ended in exit 1 with no line."""
+    argv = [a.format(port=free_port(), tmp=tmp_path) for a in argv]
     env = {**os.environ, "HOME": str(tmp_path), "XDG_STATE_HOME": str(tmp_path / "state")}
     env.pop("MLXWATCH_CONFIG", None)
     read, write = os.pipe()

@@ -19,7 +19,7 @@ from rich.console import Console
 from mlxwatch.cli.bundle import cmd_bundle
 from mlxwatch.cli.capture import cmd_capture
 from mlxwatch.cli.check import cmd_check
-from mlxwatch.cli.common import EXIT_UNHEALTHY, EXIT_USAGE, err_console
+from mlxwatch.cli.common import EXIT_UNHEALTHY, EXIT_USAGE, err_console, out_console
 from mlxwatch.cli.config import cmd_config
 from mlxwatch.cli.daemon import cmd_resume, cmd_run, cmd_status
 from mlxwatch.cli.parser import build_parser, parse
@@ -63,7 +63,7 @@ def _silence_stdout() -> None:
 
 def run(argv: Sequence[str] | None = None, out: Console | None = None) -> int:
     """Run one command and return its exit code (tests call this directly)."""
-    out = out or Console(highlight=False, soft_wrap=True)
+    out = out or out_console()
     err = err_console()
     try:
         args = parse(build_parser(), sys.argv[1:] if argv is None else argv)

@@ -18,8 +18,22 @@ from mlxwatch.errors import UsageError
 EXIT_OK, EXIT_UNHEALTHY, EXIT_USAGE = 0, 1, 2
 
 
+class PipeConsole(Console):
+    """rich's Console, except when the reader goes away (`| head`): rich's own answer is
+    ``SystemExit(1)``, an exit code that says "unhealthy" with no line to say why; this one
+    raises ``BrokenPipeError``, which ``run`` answers with the shell's SIGPIPE code, 141."""
+
+    def on_broken_pipe(self) -> None:
+        self.quiet = True  # nothing more is written through this console
+        raise BrokenPipeError
+
+
+def out_console() -> Console:
+    return PipeConsole(highlight=False, soft_wrap=True)
+
+
 def err_console() -> Console:
-    return Console(stderr=True, highlight=False, soft_wrap=True)
+    return PipeConsole(stderr=True, highlight=False, soft_wrap=True)
 
 
 def explicit_config(args: argparse.Namespace) -> bool:
