@@ -930,8 +930,7 @@ def _instance(sec: _Section, base: Path) -> InstanceConfig:
     probe = _probe(sec.section("probe"))
     restart = _restart(sec.data.pop("restart", None), sec.key_path("restart"), sec.file)
     shim = sec.take("shim", _choice(SHIM_MODES), "auto")
-    front = _front(sec.section("front")) if sec.data.get("front") is not None else None
-    sec.data.pop("front", None)
+    front = _front(sec.section("front")) if "front" in sec.data else None  # an empty `front:` too: it asks for a door
     sec.done()
     if front is not None and _takes_port(f"http://{_hostport(front.listen)}", url, both_bound=False):
         raise ConfigError(sec.file, f"{sec.path}.front.listen",
