@@ -124,7 +124,8 @@ class FrontDoor:
         return host, port
 
     async def start(self) -> None:
-        """Bind ``cfg.listen`` and serve; FrontError (one line) if the address cannot be bound."""
+        """Bind ``cfg.listen`` and serve; FrontError (one line, which the caller prefixes with
+        the instance) if the address cannot be bound."""
         if self._server is not None:
             return
         host, port = self._cfg.listen
@@ -134,8 +135,7 @@ class FrontDoor:
             self._server = await asyncio.get_running_loop().create_server(self._connection, host, port,
                                                                           reuse_address=True)
         except OSError as exc:
-            raise FrontError(f"front door {self.name}: cannot listen on {host}:{port}: "
-                             f"{exc.strerror or exc}") from exc
+            raise FrontError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from exc  # the caller names the door
         self._pool = http1.UpstreamPool(self._upstream, connect_ahead=self._cfg.connect_ahead)
         self._monitor = self._start_monitor()
 
