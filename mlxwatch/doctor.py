@@ -82,6 +82,7 @@ class Env:
     # Defined further down: looked up when an Env is made.
     open_files: Callable[[int], dict[tuple[int, int], str] | None] = field(default_factory=lambda: files_written_by)
     ptrace_scope: Callable[[], int | None] = field(default_factory=lambda: read_ptrace_scope)
+    alive: Callable[[ProcessIdentity], bool] = ProcessIdentity.alive  # blocking
 
     @property
     def macos(self) -> bool:
@@ -274,6 +275,9 @@ async def py_spy_reads(inst: InstanceConfig, config: Config, exe: str | None, se
     result: CommandResult = await env.runner(argv, DUMP_TIMEOUT)
     if result.ok:
         return f(OK, f"py-spy read PID {server.pid}" + (" through sudo -n" if sudo else ""))
+    if not await asyncio.to_thread(env.alive, server):  # py-spy's "check that the process is running" is no refusal
+        return f(WARN, f"PID {server.pid} exited while py-spy read it (the server restarted?): not checked",
+                 "run `mlxwatch doctor` again")
     output = (result.stderr + b"\n" + result.stdout).decode("utf-8", "replace")
     hint = pyspy_hint(f"{result.error}\n{output}", env.platform, env.euid, sudo, env.ptrace_scope(), exe)
     known = pyspy.explain(output)

@@ -40,7 +40,7 @@ def env(**over) -> Env:
                   check=check, open_files=lambda pid: {}, ptrace_scope=lambda: 0,
                   job_status=lambda label, domain, uid: launchctl.JobStatus(f"gui/501/{label}", True, 4242,
                                                                             "running", None, None, "loaded"),
-                  launchctl_available=lambda: True)
+                  launchctl_available=lambda: True, alive=lambda identity: True)
     values.update(over)
     return Env(**values)
 
@@ -78,6 +78,24 @@ async def test_py_spy_refused_on_linux_names_ptrace_scope(tmp_path):
     stacks = found[("gemma", "stacks")]
     assert code == 1 and stacks.status == FAIL
     assert "kernel.yama.ptrace_scope is 1" in stacks.fix and "setcap cap_sys_ptrace+ep /venv/bin/py-spy" in stacks.fix
+
+
+async def test_a_server_that_restarted_while_read_is_no_access_problem(tmp_path):
+    """Found in a walk through the README: doctor ran while the demo restarted its server, and
+    py-spy's "Failed to get process executable name" for the vanished PID came with the fix for
+    a refused ptrace (--cap-add SYS_PTRACE), which was wrong: a later capture read it fine."""
+    async def runner(argv, timeout):
+        if argv[-1] == "--version":
+            return CommandResult(list(argv), 0, b"py-spy 0.4.3\n", b"", 0.1)
+        return CommandResult(list(argv), 1, b"", b"Error: Failed to get process executable name. Check that the "
+                             b"process is running.\n", 0.1, "exit 1: Error: Failed to get process executable name.")
+
+    found, code = await run(config(tmp_path), env(runner=runner, euid=0, alive=lambda identity: False), tmp_path)
+    stacks = found[("gemma", "stacks")]
+    assert stacks.status == WARN and "exited while py-spy read it" in stacks.message, stacks
+    assert "SYS_PTRACE" not in stacks.fix and "`mlxwatch doctor` again" in stacks.fix
+    found, code = await run(config(tmp_path), env(runner=runner, euid=0), tmp_path)  # still there: refused
+    assert found[("gemma", "stacks")].status == FAIL and "SYS_PTRACE" in found[("gemma", "stacks")].fix
 
 
 async def test_macos_without_root_or_sudo_says_how_to_allow_py_spy(tmp_path):
