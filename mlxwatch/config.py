@@ -482,18 +482,18 @@ def _check_front_port(inst: InstanceConfig, i: int, earlier: list[InstanceConfig
                       file: str) -> None:
     """A front door's address is its own: not another instance's server or front door, nor metrics'."""
     taken = [(f"instances[{j}].url", other.url) for j, other in enumerate(earlier)]
-    taken += [(f"instances[{j}].front.listen", f"http://{_hostport(other.front.listen)}")
+    taken += [(f"instances[{j}].front.listen", f"http://{listen_address(other.front.listen)}")
               for j, other in enumerate(earlier) if other.front is not None]
     if inst.front is not None:
-        mine = f"http://{_hostport(inst.front.listen)}"
+        mine = f"http://{listen_address(inst.front.listen)}"
         if metrics.listen is not None:
-            taken.append(("metrics.listen", f"http://{_hostport(metrics.listen)}"))
+            taken.append(("metrics.listen", f"http://{listen_address(metrics.listen)}"))
         for where, url in taken:  # a server's url, or another bind (a door's, the metrics')
             if _takes_port(mine, url, both_bound=not where.endswith(".url"), b_dual_stack=where == "metrics.listen"):
                 raise ConfigError(file, f"instances[{i}].front.listen",
-                                  f"same address as {where} (got {_hostport(inst.front.listen)!r})")
+                                  f"same address as {where} (got {listen_address(inst.front.listen)!r})")
     for j, other in enumerate(earlier):
-        if other.front is not None and _takes_port(f"http://{_hostport(other.front.listen)}", inst.url,
+        if other.front is not None and _takes_port(f"http://{listen_address(other.front.listen)}", inst.url,
                                                    both_bound=False):
             raise ConfigError(file, f"instances[{i}].url",
                               f"same address as instances[{j}].front.listen (got {_show(inst.url)})")
@@ -932,10 +932,10 @@ def _instance(sec: _Section, base: Path) -> InstanceConfig:
     shim = sec.take("shim", _choice(SHIM_MODES), "auto")
     front = _front(sec.section("front")) if "front" in sec.data else None  # an empty `front:` too: it asks for a door
     sec.done()
-    if front is not None and _takes_port(f"http://{_hostport(front.listen)}", url, both_bound=False):
+    if front is not None and _takes_port(f"http://{listen_address(front.listen)}", url, both_bound=False):
         raise ConfigError(sec.file, f"{sec.path}.front.listen",
                           "is the server's own address; the front door needs a port of its own"
-                          f" (got {_hostport(front.listen)!r})")
+                          f" (got {listen_address(front.listen)!r})")
     return InstanceConfig(name, url, log, pid_file, probe, restart, shim, front)
 
 
@@ -958,11 +958,12 @@ def _front(sec: _Section) -> FrontConfig:
                                   "server, so with hold 0 nothing would ever be replayed (got true)")
     if not front.expose and not ipaddress.ip_address(front.listen[0]).is_loopback:
         raise sec.error("listen", f"{front.listen[0]} is not a loopback address; set front.expose: true to serve "
-                                  f"the front door beyond this machine (got {_hostport(front.listen)!r})")
+                                  f"the front door beyond this machine (got {listen_address(front.listen)!r})")
     return front
 
 
-def _hostport(listen: tuple[str, int]) -> str:
+def listen_address(listen: tuple[str, int]) -> str:
+    """A `listen` pair as HOST:PORT, an IPv6 host in brackets."""
     host, port = listen
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 

@@ -66,6 +66,16 @@ def test_bad_front_values_are_one_line(config_file, front, key, message):
     assert str(err.value) == f"{path}: {key}: {message}"
 
 
+def test_validate_says_which_instances_have_a_front_door(config_file, capsys):
+    """Found in a walk through the README: `config validate` never said whether a door was on."""
+    from mlxwatch.cli import run
+    path = config_file("instances:\n  - name: a\n    url: http://127.0.0.1:8080\n    front: {listen: 9081}\n"
+                       "  - name: b\n    url: http://127.0.0.1:8090\n")
+    assert run(["config", "validate", str(path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1].endswith("; front door on 127.0.0.1:9081") and "front door" not in lines[2], lines
+
+
 def test_a_front_door_may_listen_beyond_loopback_when_exposed(config_file):
     inst = _one("    front: {listen: '0.0.0.0:9081', expose: true}\n", config_file)
     assert inst.front.listen == ("0.0.0.0", 9081) and inst.front.expose

@@ -47,6 +47,7 @@ from mlxwatch.config import (
     InstanceConfig,
     bundles_dir_for,
     check_runnable,
+    listen_address,
     same_address,
 )
 from mlxwatch.daemon.notify import Notifier
@@ -324,7 +325,7 @@ class Daemon:
                 self._errors_logged = {e for e in self._errors_logged if not e.startswith("front:")}
                 self.doors[name] = ((url, front), door)
                 self.state.update(name, front_error=None)
-                log.info("%s: front door on %s for %s", name, _address(front.listen), url)
+                log.info("%s: front door on %s for %s", name, listen_address(front.listen), url)
             watcher = self.watchers.get(name)
             if watcher is not None and watcher.door is not self.doors[name][1]:
                 watcher.door, watcher.frontwatch = self.doors[name][1], None  # a new door: a new baseline
@@ -341,7 +342,7 @@ class Daemon:
                 metrics.on_front(name, view, door.take_observations())
             last = view.last_token_mono
             self.state.update(name, quiet=True, front={
-                "listen": _address(front.listen), "gate": getattr(door.gate, "value", str(door.gate)),
+                "listen": listen_address(front.listen), "gate": getattr(door.gate, "value", str(door.gate)),
                 "in_flight": sum(1 for r in view.in_flight if r.generation),
                 "last_token_at": clock.wall_of(last) if last is not None else None,
                 "tokens": view.tokens_total, "outcomes": dict(view.outcomes)})
@@ -472,11 +473,6 @@ def usable_bundles_dir(config: Config, state_dir: Path) -> Path:
         return private_dir(bundles)
     except OSError as exc:
         raise StateError(f"cannot use the bundles dir {bundles}: {exc.strerror or exc}") from None
-
-
-def _address(listen: tuple[str, int]) -> str:
-    host, port = listen
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 async def _wait_any(*events: asyncio.Event, timeout: float) -> None:

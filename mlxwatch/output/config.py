@@ -10,20 +10,21 @@ from pathlib import Path
 
 from rich.console import Console
 
-from mlxwatch.config import Config
+from mlxwatch.config import Config, listen_address
 from mlxwatch.host.discover import FoundServer
 from mlxwatch.output.text import plain
 
 
 def render_validated(config: Config, console: Console) -> None:
-    """The file is valid, and each instance's probe and restart settings on one line."""
+    """The file is valid, and each instance's probe, restart and front door settings on one line."""
     plain(console, f"{config.path}: ok, {len(config.instances)} instance(s)")
     for inst in config.instances:
         p, r = inst.probe, inst.restart
         plain(console,
               f"  {inst.name}: {inst.url} probe every {p.interval:g}s, first token {p.first_token_timeout:g}s, "
               f"total {p.timeout:g}s, verdict after {p.failures} failures; restart {r.method} "
-              f"{r.target or ' '.join(r.argv)}".rstrip())
+              f"{r.target or ' '.join(r.argv)}".rstrip()
+              + (f"; front door on {listen_address(inst.front.listen)}" if inst.front is not None else ""))
 
 
 def render_written(path: Path, created_parent: bool, servers: list[FoundServer], console: Console,
