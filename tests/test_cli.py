@@ -351,6 +351,18 @@ def test_status_exit_codes(running, states, code):
     assert status_exit_code(status) == code
 
 
+def test_status_is_1_while_a_front_door_cannot_serve():
+    """Found in a walk through the README: a door that could not listen (its clients refused)
+    left `status` at 0 beside a healthy server."""
+    from mlxwatch.daemon.status import status_exit_code
+
+    door = {"listen": "127.0.0.1:8081", "gate": "open", "error": None, "in_flight": 0, "last_token_at": None,
+            "outcomes": {}}
+    serving = _status(True, [{**_instance(), "front": door}])
+    refused = _status(True, [{**_instance(), "front": {**door, "error": "cannot listen on 127.0.0.1:8081: in use"}}])
+    assert status_exit_code(serving) == 0 and status_exit_code(refused) == 1
+
+
 def test_status_with_no_config_says_what_to_do(capsys):
     """Measured: an empty table and no hint."""
     assert cli.run(["status"]) == 1

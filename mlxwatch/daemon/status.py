@@ -134,11 +134,13 @@ def _restarts_in_window(s: dict, config: Config, name: str, clock: Clock) -> int
 
 
 def status_exit_code(status: dict[str, Any]) -> int:
-    """0 when a daemon runs (not stalled) and every instance is healthy; else 1."""
+    """0 when a daemon runs (not stalled) and every instance is healthy, its front door (if it
+    has one) serving; else 1. A door that cannot listen leaves its clients refused."""
     d = status["daemon"]
     if not d["running"] or d.get("stalled") or not status["instances"]:
         return 1
-    return 0 if all(i["state"] == "healthy" and not i["open_incident"] for i in status["instances"]) else 1
+    return 0 if all(i["state"] == "healthy" and not i["open_incident"] and not (i.get("front") or {}).get("error")
+                    for i in status["instances"]) else 1
 
 
 def _stopped_at(rec: dict) -> object:
