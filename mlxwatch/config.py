@@ -1033,8 +1033,6 @@ def _metrics(sec: _Section, base: Path) -> MetricsConfig:
     metrics = MetricsConfig(**sec.take_present({"listen": _listen, "textfile": _textfile(base), "expose": _bool}))
     sec.done()
     if metrics.listen is not None and not metrics.expose and not ipaddress.ip_address(metrics.listen[0]).is_loopback:
-        host, port = metrics.listen
-        shown = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-        raise sec.error("listen", f"{host} is not a loopback address; set metrics.expose: true to serve metrics "
-                                  f"beyond this machine (got {shown!r})")
+        raise sec.error("listen", f"{metrics.listen[0]} is not a loopback address; set metrics.expose: true to "
+                                  f"serve metrics beyond this machine (got {listen_address(metrics.listen)!r})")
     return metrics
