@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import http.client
 import json
 import logging
 import os
@@ -25,6 +26,7 @@ from mlxwatch.config import FrontConfig
 from mlxwatch.errors import FrontError
 from mlxwatch.front import FrontDoor, Gate
 from mlxwatch.front import door as door_module
+from mlxwatch.front import http1
 from mlxwatch.front import tokens as tokens_module
 from mlxwatch.front.wire import HOP_BY_HOP
 from lab.nginx import Nginx, find_nginx
@@ -123,6 +125,10 @@ class Upstream:
         if target.startswith("/extra"):  # a whole answer, then bytes that belong to no request
             writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}"
                          b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\nX-Injected: yes\r\n\r\nhello")
+            await writer.drain()
+            return
+        if target.startswith("/events") and method == "HEAD":  # a stream's head, no body (HEAD)
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nCache-Control: no-cache\r\n\r\n")
             await writer.drain()
             return
         if target.startswith("/switch"):
@@ -315,12 +321,12 @@ async def test_cookies_a_server_sets_go_to_that_client_only_never_to_the_next_on
     assert not any(k.lower() == "cookie" for k, _ in up.seen[1].headers), up.seen[1].headers
 
 
-async def _head_then_get(door: FrontDoor) -> tuple[bytes, bytes]:
+async def _head_then_get(door: FrontDoor, path: bytes = b"/plain") -> tuple[bytes, bytes]:
     """A HEAD and a GET pipelined on one connection: the HEAD's head, then the GET's whole answer
     (read right after the head: a body after the HEAD's head would be read as the GET's)."""
     host, port = door.address
     reader, writer = await asyncio.open_connection(host, port)
-    writer.write(b"HEAD /plain HTTP/1.1\r\nHost: h\r\n\r\nGET /plain HTTP/1.1\r\nHost: h\r\n\r\n")
+    writer.write(b"HEAD %s HTTP/1.1\r\nHost: h\r\n\r\nGET /plain HTTP/1.1\r\nHost: h\r\n\r\n" % path)
     try:
         head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), BOUND)
         return head, await asyncio.wait_for(_read_response(reader), BOUND)
@@ -334,6 +340,17 @@ async def test_head_has_the_servers_headers_and_no_body_and_the_connection_goes_
     assert head.startswith(b"HTTP/1.1 201 ") and b"Content-Length: 27" in head
     assert after.startswith(b"HTTP/1.1 201 ") and after.endswith(b'{"plain": true, "echo": ""}')
     assert [s.method for s in up.seen] == ["HEAD", "GET"]
+
+
+async def test_head_on_an_event_stream_is_no_truncated_stream_and_the_connection_goes_on():
+    """Measured: a HEAD answered `text/event-stream` (no body, as HEAD's answers are) was judged a
+    stream cut short: the connection was cut after the head and the GET behind it never answered."""
+    async with Upstream() as up, _door(up) as door:
+        head, after = await _head_then_get(door, b"/events")
+        outcomes = door.view().outcomes
+    assert head.startswith(b"HTTP/1.1 200 ") and b"text/event-stream" in head
+    assert after.startswith(b"HTTP/1.1 201 ")
+    assert outcomes.get("failed_loudly", 0) == 0
 
 
 async def test_an_http10_client_gets_the_stream_as_sent_ending_with_the_connection():
@@ -1288,12 +1305,15 @@ async def test_a_pipelined_body_is_not_counted_as_the_next_requests_head():
     assert first.startswith(b"HTTP/1.1 201 ") and second.startswith(b"HTTP/1.1 201 ")
 
 
-async def test_a_transfer_coding_other_than_chunked_is_refused():
+@pytest.mark.parametrize("coding", [b"Transfer-Encoding: gzip, chunked\r\n",
+                                    b"Transfer-Encoding: gzip\r\nTransfer-Encoding: chunked\r\n"],
+                         ids=["one field", "the field twice"])
+async def test_a_transfer_coding_other_than_chunked_is_refused(coding):
     """Measured: `Transfer-Encoding: gzip, chunked` was accepted and the body forwarded still
-    compressed, with no coding stated."""
+    compressed, with no coding stated; then the same coding sent as two fields was (only the
+    last field was looked at)."""
     async with Upstream() as up, _door(up) as door:
-        raw = await _raw(_url(door), b"POST /plain HTTP/1.1\r\nHost: h\r\nTransfer-Encoding: gzip, chunked\r\n\r\n"
-                         b"3\r\nabc\r\n0\r\n\r\n")
+        raw = await _raw(_url(door), b"POST /plain HTTP/1.1\r\nHost: h\r\n" + coding + b"\r\n3\r\nabc\r\n0\r\n\r\n")
     line, _, body = _split(raw)
     assert line.split(" ")[1] == "400" and up.seen == []
 
@@ -1315,3 +1335,101 @@ async def test_a_closed_connection_whose_client_does_not_read_is_cut_after_the_s
         # the door holds the rest it could not send; after SEND_TIMEOUT it lets go of the connection
         await _until(lambda: len(os.listdir("/proc/self/fd")) <= before + 1, "the door's side closed")
         sock.close()
+
+
+@pytest.mark.parametrize("chunked", [False, True], ids=["with a length", "chunked"])
+async def test_a_client_that_sends_an_over_limit_body_whole_before_reading_gets_the_413(chunked):
+    """Measured: http.client (as requests does) sending 40 MB against the 16 MiB limit got
+    ConnectionResetError, not the 413: the door closed with the body still arriving, and the
+    kernel's reset discarded the answer before the client, still sending, read it (nginx
+    answers that client its 413)."""
+    body = b"a" * 32_000_000
+    async with Upstream() as up, _door(up, max_body=1000) as door:
+        host, port = door.address
+
+        def send() -> tuple[int, bytes]:
+            conn = http.client.HTTPConnection(host, port, timeout=BOUND)
+            try:
+                if chunked:
+                    conn.request("POST", "/v1/chat/completions", body=iter([body[i:i + 65536] for i in
+                                                                            range(0, len(body), 65536)]),
+                                 encode_chunked=True)
+                else:
+                    conn.request("POST", "/v1/chat/completions", body=body)
+                answer = conn.getresponse()
+                return answer.status, answer.read()
+            finally:
+                conn.close()
+
+        status, payload = await asyncio.to_thread(send)
+    assert status == 413 and json.loads(payload)["error"]["code"] == "mlxwatch_body_too_large"
+    assert up.seen == []
+
+
+async def test_a_client_that_stops_reading_is_cut_off_and_its_request_to_the_server_closed(monkeypatch):
+    """Measured: a client that asked for a long answer and never read it held its connection,
+    and the server's generation, for ever (200 s and counting; the daemon, seeing no token
+    flow, probed, found the server healthy and did nothing). Now, as nginx's send_timeout: no
+    byte taken for SEND_TIMEOUT, the client is cut off and its request to the server closed."""
+    monkeypatch.setattr(http1, "SEND_TIMEOUT", 0.5)
+    async with Upstream() as up, _door(up) as door:
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.connect(door.address)
+        sock.setblocking(False)
+        try:
+            sock.send(b"GET /big/100000000 HTTP/1.1\r\nHost: h\r\n\r\n")
+            await asyncio.wait_for(up.closed.wait(), BOUND)
+            await _until(lambda: door.view().in_flight == (), "no request left in flight")
+        finally:
+            sock.close()
+    assert up.sent_bytes < 100_000_000
+
+
+async def _answer_after(reader: asyncio.StreamReader, marker: bytes) -> bytes:
+    return await asyncio.wait_for(reader.readuntil(marker), BOUND)
+
+
+async def test_a_request_pipelined_behind_a_slow_answer_gets_no_false_408(monkeypatch):
+    """Measured: a request whose head came in the same read as the request before it, its body
+    after, got `408 no byte of the request body for 60s` when the answer before it took longer
+    than that, though the client had sent all its body at once: the body's timer ran while the
+    door was not reading the body."""
+    monkeypatch.setattr(door_module, "BODY_TIMEOUT", 0.5)
+    body = json.dumps({"messages": MESSAGES, "stream": True}).encode()
+    async with Upstream() as up, _door(up) as door:
+        host, port = door.address
+        reader, writer = await asyncio.open_connection(host, port)
+        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: h\r\nX-Mode: step\r\nContent-Length: %d\r\n\r\n%s"
+                     % (len(body), body) + b"POST /plain HTTP/1.1\r\nHost: h\r\nContent-Length: 4\r\n\r\nA")
+        await asyncio.wait_for(up.arrived.wait(), BOUND)
+        writer.write(b"BCD")
+        await asyncio.sleep(1.0)  # past BODY_TIMEOUT (timers of one loop fire in order) while the stream is held
+        for _ in TOKENS:
+            up.release.put_nowait(1)
+        first = await _answer_after(reader, b"0\r\n\r\n")
+        second = await asyncio.wait_for(_read_response(reader), BOUND)
+        writer.close()
+    assert _dechunk(_split(first)[2]).endswith(b"data: [DONE]\n\n")
+    assert second.startswith(b"HTTP/1.1 201 ") and second.endswith(b'"echo": "ABCD"}'), second
+
+
+async def test_a_request_pipelined_with_expect_100_continue_gets_its_100_after_the_answer_before_it():
+    """Measured: a request pipelined behind another, sent with `Expect: 100-continue`, never got
+    its 100 (the door held it back so as not to write inside the answer before it, then forgot
+    it): a client waiting for it waited until the body timeout's 408."""
+    body = json.dumps({"messages": MESSAGES, "stream": True}).encode()
+    async with Upstream() as up, _door(up) as door:
+        host, port = door.address
+        reader, writer = await asyncio.open_connection(host, port)
+        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: h\r\nContent-Length: %d\r\n\r\n%s"
+                     % (len(body), body)
+                     + b"POST /plain HTTP/1.1\r\nHost: h\r\nExpect: 100-continue\r\nContent-Length: 2\r\n\r\n")
+        first = await _answer_after(reader, b"0\r\n\r\n")
+        interim = await _answer_after(reader, b"\r\n\r\n")
+        writer.write(b"ok")  # the body, sent once the 100 came
+        second = await asyncio.wait_for(_read_response(reader), BOUND)
+        writer.close()
+    assert b"100 Continue" not in first
+    assert interim == b"HTTP/1.1 100 Continue\r\n\r\n"
+    assert second.startswith(b"HTTP/1.1 201 ") and second.endswith(b'"echo": "ok"}')

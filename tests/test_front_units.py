@@ -3,8 +3,10 @@ hop-by-hop headers and the error shapes."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 
+from mlxwatch.front import http1
 from mlxwatch.front.delivery import FAILED_LOUDLY, OK, Ledger
 from mlxwatch.front.tokens import StreamReader, body_tokens
 from mlxwatch.front.wire import end_to_end, sse_error
@@ -121,3 +123,50 @@ def test_the_sse_error_is_an_event_of_its_own():
     assert event.startswith(b"\n\ndata: ") and event.endswith(b"\n\n")
     payload = json.loads(event.strip()[len(b"data: "):])
     assert payload == {"error": {"message": "server hung", "type": "server_error", "code": "mlxwatch_hung"}}
+
+
+class _Transport(asyncio.Transport):
+    """A client's connection as the door's protocol sees it: bytes waiting in the door's buffer
+    until the test says the client took them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.waiting = 0
+        self.aborted = False
+
+    def write(self, data) -> None:
+        self.waiting += len(data)
+
+    def get_write_buffer_size(self) -> int:
+        return self.waiting
+
+    def abort(self) -> None:
+        self.aborted = True
+
+    def is_closing(self) -> bool:
+        return self.aborted
+
+
+class _Door:
+    def closed(self, conn) -> None:
+        pass
+
+
+async def test_the_send_timeout_cuts_a_client_that_took_nothing_and_spares_one_taking_slowly():
+    """Measured: a client that never read held its connection for ever. Cutting on writing paused
+    alone would cut a slow reader too: what counts is whether it took a byte since the timer
+    was armed (as nginx's send_timeout, between two successful writes)."""
+    limits = http1.Limits(max_header=8192, max_header_count=100, max_body=1000, head_timeout=60,
+                          body_timeout=60, keepalive_timeout=60)
+    conn = http1.ClientConnection(_Door(), limits)
+    transport = _Transport()
+    conn.connection_made(transport)
+    conn.start(200, "OK", [], length=None, head_only=False)
+    conn.write(b"x" * 100_000)
+    conn.pause_writing()
+    transport.waiting -= 10  # the client took 10 bytes within SEND_TIMEOUT
+    conn._send_too_slow()
+    assert not transport.aborted
+    conn._send_too_slow()  # then nothing for another SEND_TIMEOUT
+    assert transport.aborted
+    conn.connection_lost(None)

@@ -491,7 +491,8 @@ class _Relay:
     def on_head(self, status: int, reason: str, headers: list[tuple[str, str]], length: int | None) -> None:
         self.status = status
         ctype = next((v for k, v in headers if k.lower() == "content-type"), "")
-        is_sse = ctype.split(";", 1)[0].strip().lower() == "text/event-stream"
+        # an answer to HEAD has no body: no stream to judge, whatever its type says
+        is_sse = not self.head_only and ctype.split(";", 1)[0].strip().lower() == "text/event-stream"
         self.live.sse = StreamReader() if is_sse else None
         if self.parsed.generation and not is_sse and 200 <= status < 300:
             self.collected = bytearray()

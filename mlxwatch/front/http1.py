@@ -42,7 +42,9 @@ _NO_BODY = frozenset({204, 304})
 IDLE_KEPT = 32  # idle connections to the server kept for reuse
 CHUNK_LINE = 32  # bytes allowed per chunk of a request body for its size line and CRLFs
 STASH_LIMIT = 64 * 1024  # bytes read ahead while a request is served; beyond, reading pauses
-SEND_TIMEOUT = 60.0  # a connection being closed whose client does not take what is left (nginx's send_timeout)
+SEND_TIMEOUT = 60.0  # a client that takes no byte of its answer for this long is cut off (nginx's send_timeout)
+LINGER_TIMEOUT = 5.0  # after a refusal, the longest wait for more of the refused request (nginx's lingering_timeout)
+LINGER_TIME = 30.0  # after a refusal, the longest time its request is read and dropped (nginx's lingering_time)
 
 
 @dataclass
@@ -140,6 +142,11 @@ class ClientConnection(asyncio.Protocol):
         self._chunks = 0
         self._stash = bytearray()  # read while a request is served, parsed after it
         self._close_timer: asyncio.TimerHandle | None = None
+        self._send_timer: asyncio.TimerHandle | None = None  # armed while writing is paused
+        self._written = 0  # bytes handed to the transport
+        self._taken = 0  # bytes the client had taken when the send timer was armed
+        self._linger_until: float | None = None  # a refusal was sent: the client's bytes are read and dropped
+        self._continue_due = False  # the request being read waits for a 100 Continue
         self._head_request = False  # the request being answered is a HEAD: the door's own answers have no body
         # the answer being written
         self._version = "1.1"
@@ -157,6 +164,8 @@ class ClientConnection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         if self._closing or self._done_reading:
+            if self._linger_until is not None:
+                self._linger_on()
             return  # read on (and dropped) so that a client that goes away is still noticed
         if self._task is not None:  # a request is being served: its successor waits, unparsed
             self._stash += data
@@ -192,9 +201,10 @@ class ClientConnection(asyncio.Protocol):
                 self._body_bytes += len(data)
                 if self._body_bytes - len(self._body) > self.limits.max_header + CHUNK_LINE * self._chunks:
                     self._refuse(self._too_large_head(), "chunk framing or trailers too large")
-        if self._in_body and not self._done_reading:  # a body to come: its next read is due within body_timeout
-            self._arm_body_timer()
         self._next()
+        if self._in_body and not self._done_reading and self._task is None:
+            self._arm_body_timer()  # a body to come: its next read is due within body_timeout (its bytes
+            # are not read while a request before it is served: its timer starts when they are)
 
     def _upgraded(self) -> None:
         """llhttp stops at an upgrade request's head (and takes its body as the new protocol's):
@@ -215,8 +225,9 @@ class ClientConnection(asyncio.Protocol):
     def connection_lost(self, exc: BaseException | None) -> None:
         self._closing = True
         self._cancel_timers()
-        if self._close_timer is not None:
-            self._close_timer.cancel()
+        for timer in (self._close_timer, self._send_timer):
+            if timer is not None:
+                timer.cancel()
         if self._task is not None and not self._task.done():
             self._task.cancel()  # the client went away: its request to the server is closed at once
         if self._drained is not None and not self._drained.done():
@@ -227,9 +238,13 @@ class ClientConnection(asyncio.Protocol):
         self._paused = True
         if self.upstream is not None:
             self.upstream.pause_reading()  # a slow client slows the reads from the server
+        self._arm_send_timer()
 
     def resume_writing(self) -> None:
         self._paused = False
+        if self._send_timer is not None:
+            self._send_timer.cancel()
+            self._send_timer = None
         if self.upstream is not None:
             self.upstream.resume_reading()
         if self._drained is not None and not self._drained.done():
@@ -277,7 +292,10 @@ class ClientConnection(asyncio.Protocol):
             raise _Refuse(error_answer(400, f"the request target must be a path on this server (got "
                                             f"{self._url[:80].decode('latin-1')!r})", wire.BAD_REQUEST,
                                        close=True), "not a path")
-        fields = {k.lower(): v for k, v in self._headers}
+        fields: dict[str, str] = {}
+        for k, v in self._headers:  # a field sent twice is one list (RFC 9110, 5.3)
+            k = k.lower()
+            fields[k] = f"{fields[k]}, {v}" if k in fields else v
         coding = fields.get("transfer-encoding")
         if coding is not None and coding.strip().lower() != "chunked":
             raise _Refuse(error_answer(400, f"Transfer-Encoding {coding!r}: the door takes request bodies "
@@ -289,9 +307,14 @@ class ClientConnection(asyncio.Protocol):
                                             f"{self.limits.max_body} (front.max_body)", wire.TOO_LARGE,
                                        close=True), "body too large")
         if length not in (None, "0") or "transfer-encoding" in fields:
-            if (fields.get("expect", "").lower() == "100-continue" and self._parser.get_http_version() == "1.1"
-                    and self._task is None and not self._queue):  # never inside another request's answer
-                self._write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            if fields.get("expect", "").lower() == "100-continue" and self._parser.get_http_version() == "1.1":
+                self._continue_due = True
+                if self._task is None and not self._queue:  # never inside another request's answer: a
+                    self._send_continue()  # request pipelined behind one gets it when that one is answered
+
+    def _send_continue(self) -> None:
+        self._continue_due = False
+        self._write(b"HTTP/1.1 100 Continue\r\n\r\n")
 
     def on_chunk_header(self) -> None:
         self._chunks += 1
@@ -303,6 +326,7 @@ class ClientConnection(asyncio.Protocol):
 
     def on_message_complete(self) -> None:
         self._in_body = False
+        self._continue_due = False
         if self._body_timer is not None:
             self._body_timer.cancel()
             self._body_timer = None
@@ -346,7 +370,12 @@ class ClientConnection(asyncio.Protocol):
         if self._done_reading:  # an upgrade: what followed its head was not HTTP
             self.close()
             return
-        self._wait_for_request(self.limits.keepalive_timeout, first=False)
+        if self._in_body:  # a request read in part while the one before it was served
+            self._arm_body_timer()
+            if self._continue_due and not self._stash:
+                self._send_continue()
+        else:
+            self._wait_for_request(self.limits.keepalive_timeout, first=False)
         if self._stash:
             stash, self._stash = bytes(self._stash), bytearray()
             self.transport.resume_reading()
@@ -397,7 +426,7 @@ class ClientConnection(asyncio.Protocol):
         body = b"" if self._head_request else answer.body
         self._write(_head(answer.status, _REASONS.get(answer.status, ""), headers) + body)
         if answer.close:
-            self.close()
+            self._linger()
 
     async def drain(self) -> None:
         """Wait until the client has read what was written (ConnectionError if it went away)."""
@@ -427,6 +456,39 @@ class ClientConnection(asyncio.Protocol):
             self.transport.close()
             self._close_timer = asyncio.get_running_loop().call_later(SEND_TIMEOUT, self.transport.abort)
 
+    def _linger(self) -> None:
+        """Close after a refusal as nginx's lingering close does: the client may still be sending
+        the request refused (a body over the limit), and closing with its bytes unread makes the
+        kernel reset the connection, which discards the answer before a client that sends all
+        before it reads (http.client, requests) sees it. So the door's side is shut after the
+        answer, and what the client still sends is read and dropped until it closes, or for
+        LINGER_TIMEOUT without a byte, or LINGER_TIME in all."""
+        transport = self.transport
+        if transport is None or transport.is_closing() or not transport.can_write_eof():
+            self.close()
+            return
+        self._closing = True
+        self._cancel_timers()
+        transport.write_eof()  # after what was written: the client reads the answer, then the end
+        transport.resume_reading()
+        self._linger_until = asyncio.get_running_loop().time() + LINGER_TIME
+        self._linger_on()
+
+    def _linger_on(self) -> None:
+        loop = asyncio.get_running_loop()
+        assert self._linger_until is not None
+        if self._close_timer is not None:
+            self._close_timer.cancel()
+        wait = min(LINGER_TIMEOUT, self._linger_until - loop.time())
+        self._close_timer = loop.call_later(max(wait, 0.0), self._linger_over)
+
+    def _linger_over(self) -> None:
+        self._close_timer = None
+        self._linger_until = None
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.close()
+            self._close_timer = asyncio.get_running_loop().call_later(SEND_TIMEOUT, self.transport.abort)
+
     def abort(self) -> None:
         """Cut the connection now (a body whose length was promised cannot end otherwise)."""
         self._closing = True
@@ -447,7 +509,8 @@ class ClientConnection(asyncio.Protocol):
     def _write(self, data: bytes) -> None:
         if self._held is not None:
             self._held.append(data)
-        elif self.transport is not None and not self.transport.is_closing():
+        elif self.transport is not None and not self.transport.is_closing() and self._linger_until is None:
+            self._written += len(data)
             self.transport.write(data)
 
     # -- limits and timers -------------------------------------------------------------------------
@@ -477,6 +540,30 @@ class ClientConnection(asyncio.Protocol):
         if first or self._in_head:  # a partial head, or none at all since the connection opened
             self.door.cut_off("no complete request head", timeout)
         self.close()
+
+    def _bytes_taken(self) -> int:
+        """Bytes written that have left the transport for the kernel (which a client not reading
+        stops taking once its socket buffers are full)."""
+        return self._written - (self.transport.get_write_buffer_size() if self.transport is not None else 0)
+
+    def _arm_send_timer(self) -> None:
+        if self._send_timer is not None:
+            self._send_timer.cancel()
+        self._taken = self._bytes_taken()
+        self._send_timer = asyncio.get_running_loop().call_later(SEND_TIMEOUT, self._send_too_slow)
+
+    def _send_too_slow(self) -> None:
+        """SEND_TIMEOUT with writing paused: cut the client off if it took no byte in that time
+        (its request to the server is closed with it), else wait again. A client that never
+        reads must not hold a connection, and a generation on the server, for ever."""
+        self._send_timer = None
+        if not self._paused or self.transport is None or self.transport.is_closing():
+            return
+        if self._bytes_taken() > self._taken:
+            self._arm_send_timer()
+            return
+        log.warning("front door: cut off a client that took no byte of its answer for %gs", SEND_TIMEOUT)
+        self.abort()
 
     def _arm_body_timer(self) -> None:
         if self._body_timer is not None:
