@@ -40,6 +40,7 @@ from mlxwatch.host import launchctl
 from mlxwatch.host.commands import CommandResult, Runner, run_command
 from mlxwatch.host.process import ProcessIdentity, ServerLookup, lookup_instance
 from mlxwatch.serverlog.markers import open_log
+from mlxwatch.storage import private_dir_problem
 
 OK, WARN, FAIL, SKIP = "ok", "warn", "FAIL", "skip"
 DUMP_TIMEOUT = 10.0
@@ -152,6 +153,9 @@ def writable(check: str, path: Path) -> Finding:
                        f"fix its permissions, or set another {check.replace(' ', '_')} (--state-dir)")
     if probe != path:
         return Finding(check, OK, f"{path} does not exist yet; it will be created")
+    problem = private_dir_problem(path, path.stat())  # the daemon's own rule: it would refuse it
+    if problem is not None:
+        return Finding(check, FAIL, problem)
     return Finding(check, OK, f"{path} is writable")
 
 

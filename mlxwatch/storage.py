@@ -53,18 +53,28 @@ def private_dir(path: Path) -> Path:
     except FileExistsError:
         created = False
     st = path.stat()  # a symlink the user made to their own directory is fine: the target is checked
-    if not stat.S_ISDIR(st.st_mode):
-        raise UnsafeDirError(f"{path} is not a directory: move it away or choose another directory")
-    if st.st_uid != os.geteuid():
-        raise UnsafeDirError(f"{path} is owned by uid {st.st_uid}, not by this user (uid {os.geteuid()}): "
-                             f"use a directory of your own, or `chown {os.geteuid()} {path}`")
-    if st.st_mode & 0o022:
-        if not created:
-            raise UnsafeDirError(f"{path} is writable by {'others' if st.st_mode & 0o002 else 'its group'} "
-                                 f"(mode {stat.S_IMODE(st.st_mode):o}): `chmod 700 {path}` and check what is in it")
+    if created and stat.S_ISDIR(st.st_mode) and st.st_mode & 0o022:
         os.chmod(path, DIR_MODE)
         log.warning("%s was created with mode %o; tightened to %o", path, stat.S_IMODE(st.st_mode), DIR_MODE)
+        st = path.stat()
+    problem = private_dir_problem(path, st)
+    if problem is not None:
+        raise UnsafeDirError(problem)
     return path
+
+
+def private_dir_problem(path: Path, st: os.stat_result) -> str | None:
+    """Why the existing ``path`` (``st``: its stat) cannot be a private directory, naming the
+    fix; None when it can. One rule for ``private_dir`` and ``mlxwatch doctor``."""
+    if not stat.S_ISDIR(st.st_mode):
+        return f"{path} is not a directory: move it away or choose another directory"
+    if st.st_uid != os.geteuid():
+        return (f"{path} is owned by uid {st.st_uid}, not by this user (uid {os.geteuid()}): "
+                f"use a directory of your own, or `chown {os.geteuid()} {path}`")
+    if st.st_mode & 0o022:
+        return (f"{path} is writable by {'others' if st.st_mode & 0o002 else 'its group'} "
+                f"(mode {stat.S_IMODE(st.st_mode):o}): `chmod 700 {path}` and check what is in it")
+    return None
 
 
 def free_bytes(path: Path) -> int:

@@ -227,3 +227,19 @@ async def test_py_spy_missing(tmp_path):
 def test_pyspy_hint(error, platform, euid, sudo, scope, expected):
     hint = pyspy_hint(error, platform, euid, sudo, scope, "/venv/bin/py-spy")
     assert (hint is None) if expected is None else (expected in hint)
+
+
+@pytest.mark.parametrize("mode", [0o777, 0o770], ids=["world-writable", "group-writable"])
+async def test_a_state_dir_the_daemon_would_refuse_fails_here_too(tmp_path, mode):
+    """Found by a new user: doctor said `ok state dir ... is writable` (exit 0) for a state dir
+    of mode 777, which `mlxwatch run` refuses (exit 2). One rule now (storage.private_dir_problem)."""
+    state = tmp_path / "state"
+    state.mkdir()
+    os.chmod(state, mode)
+    found, code = await run(config(tmp_path), env(), tmp_path)
+    finding = found[(None, "state dir")]
+    assert code == 1 and finding.status == FAIL
+    assert f"chmod 700 {state}" in finding.message
+    os.chmod(state, 0o700)
+    found, code = await run(config(tmp_path), env(), tmp_path)
+    assert found[(None, "state dir")].status == OK
