@@ -193,7 +193,7 @@ async def test_tokens_through_the_door_hold_every_verdict(tmp_path):
     assert FakeDoor.made[0].stopped and FakeDoor.made[0].failed == []
 
 
-async def test_verdict_fails_requests_loudly_gates_the_restart_and_keeps_the_evidence(tmp_path):
+async def test_verdict_fails_requests_loudly_gates_the_restart_and_keeps_the_evidence(tmp_path, caplog):
     """At the verdict the door's requests in flight go into the bundle's request, then fail
     loudly; the gate is RESTARTING from the verdict until recovery is verified, then OPEN."""
     fake_capture.requests = []
@@ -220,6 +220,7 @@ async def test_verdict_fails_requests_loudly_gates_the_restart_and_keeps_the_evi
         await run.until(lambda: "restarting" in run.events(), what="the restart")
         door = FakeDoor.made[0]
     assert "the server is hung" in door.failed[0]
+    assert [r for r in caplog.records if "1 request(s) in flight failed loudly" in r.getMessage()]
     [req] = fake_capture.requests
     [evidence] = req.front_requests
     assert evidence["id"] == "r1" and evidence["tokens"] == 2 and evidence["age_s"] >= 3.0
@@ -251,13 +252,16 @@ async def test_gave_up_opens_the_gate(tmp_path):
         assert FakeDoor.made[0].gates[-1] == Gate.OPEN
 
 
-async def test_restart_none_never_gates(tmp_path):
-    """No restart will come: requests are failed at the verdict, but the gate stays open."""
+async def test_restart_none_never_gates(tmp_path, caplog):
+    """No restart will come: requests are failed at the verdict, but the gate stays open. With
+    none in flight there is no line about failing none (a new user found `0 request(s) in
+    flight failed loudly` as a WARNING at every verdict)."""
     cfg = cfg_with(tmp_path / "state", f"http://127.0.0.1:{free_port()}")
     async with FrontRunning(cfg, capture_fn=fake_capture) as run:
         await run.until(lambda: "awaiting_recovery" in run.events(), what="awaiting_recovery")
         door = FakeDoor.made[0]
         assert door.gates == [] and len(door.failed) == 1
+    assert not [r for r in caplog.records if "failed loudly" in r.getMessage()]
 
 
 async def test_a_stall_at_the_door_probes_now_and_the_confirming_probe_decides(tmp_path, standin):
