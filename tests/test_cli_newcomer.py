@@ -226,10 +226,14 @@ def test_an_empty_config_is_refused(argv, capsys):
 # --- run: what it watches, when it first probes, when a loading server is first judged
 
 
-def test_run_says_what_it_watches_and_when_a_starting_server_is_judged(tmp_path, fake_server, monkeypatch):
+@pytest.mark.parametrize("seen", [False, True], ids=["a server first seen now", "one an earlier run saw healthy"])
+def test_run_says_what_it_watches_and_when_a_starting_server_is_judged(tmp_path, fake_server, monkeypatch, seen):
     """Measured: a first `run` on defaults said nothing for minutes with no word why. Now, as it
     starts: the URL, when the first probe comes, and for a server younger than startup_timeout
-    the wall time before which no verdict is drawn."""
+    the wall time before which no verdict is drawn. Found by a new user: a `run` over the very
+    process an earlier run had seen healthy said "no verdict before" a time, then gave one at
+    once (rightly: that process is not loading); now it says a failed probe counts at once."""
+    import types
     import logging
     from datetime import datetime
 
@@ -246,6 +250,8 @@ def test_run_says_what_it_watches_and_when_a_starting_server_is_judged(tmp_path,
     class FakeDaemon:  # the plan is said once the daemon has started its watchers; the daemon is not the point
         def __init__(self, config, state_dir):
             self.tasks = {}
+            # a watcher restores the process an earlier run saw healthy from state.json
+            self.watchers = {"lab": types.SimpleNamespace(identity=types.SimpleNamespace(alive=lambda: True))} if seen else {}
 
         async def run(self, stop, reload, load_config):
             self.tasks = {"lab": None}
@@ -270,4 +276,8 @@ def test_run_says_what_it_watches_and_when_a_starting_server_is_judged(tmp_path,
     err = "\n".join(said)
     until = datetime.fromtimestamp(psutil.Process(pid).create_time() + 600).strftime("%H:%M:%S")
     assert f"lab: watching http://127.0.0.1:{port}: first probe within 5s, then every 30s" in err, err
-    assert f"lab: server PID {pid} started" in err and f"no verdict before {until} (startup_timeout 10m)" in err, err
+    if seen:
+        assert f"lab: server PID {pid} was seen healthy by an earlier run: a failed probe counts at once" in err, err
+        assert "no verdict before" not in err, err
+    else:
+        assert f"lab: server PID {pid} started" in err and f"no verdict before {until} (startup_timeout 10m)" in err, err

@@ -101,7 +101,9 @@ async def _announce_watch(daemon: Any, config: Config, log: Any) -> None:
     from mlxwatch.output.daemon import watch_plan
 
     def plan() -> list[str]:
-        return watch_plan([(inst, lookup_instance(inst)) for inst in config.instances], time.time())
+        seen_before = frozenset(name for name, watcher in daemon.watchers.items()
+                                if watcher.identity is not None and watcher.identity.alive())
+        return watch_plan([(inst, lookup_instance(inst)) for inst in config.instances], time.time(), seen_before)
 
     while not daemon.tasks:
         await asyncio.sleep(0.05)

@@ -18,11 +18,14 @@ from mlxwatch.host.process import ServerLookup
 from mlxwatch.output.text import plain
 
 
-def watch_plan(found: list[tuple[InstanceConfig, ServerLookup]], now: float) -> list[str]:
+def watch_plan(found: list[tuple[InstanceConfig, ServerLookup]], now: float,
+               seen_before: frozenset[str] = frozenset()) -> list[str]:
     """What ``run`` says as it starts, per instance (with its server lookup): what it watches,
     when the first probe comes and how long one may wait; and, for a server process younger
     than startup_timeout (a model still loading), the wall time before which no verdict is
-    drawn. Without it a first run on a loading server said nothing for minutes."""
+    drawn. Without it a first run on a loading server said nothing for minutes. An instance in
+    ``seen_before`` has the very process an earlier run saw healthy: it is not loading, and gets
+    no such grace (the watcher's own rule)."""
     lines = []
     for inst, lookup in found:
         p = inst.probe
@@ -36,7 +39,10 @@ def watch_plan(found: list[tuple[InstanceConfig, ServerLookup]], now: float) -> 
             lines.append(f"{inst.name}: no server process found ({lookup.detail}): a failed probe counts at once")
             continue
         up = max(0.0, now - proc.create_time)
-        if up < p.startup_timeout:
+        if inst.name in seen_before:
+            lines.append(f"{inst.name}: server PID {proc.pid} was seen healthy by an earlier run: "
+                         "a failed probe counts at once")
+        elif up < p.startup_timeout:
             until = datetime.fromtimestamp(proc.create_time + p.startup_timeout).strftime("%H:%M:%S")
             lines.append(f"{inst.name}: server PID {proc.pid} started {format_duration(up)} ago: no verdict before "
                          f"{until} (startup_timeout {human_duration(p.startup_timeout)}) unless it answers first")
