@@ -30,6 +30,7 @@ from mlxwatch.config import (
 )
 from mlxwatch.daemon.status import collect_status
 from mlxwatch.output.status import render_status
+from mlxwatch.daemon import supervisor as supervisor_module
 from mlxwatch.daemon.supervisor import Daemon
 from mlxwatch.errors import RestartError, StateError
 from mlxwatch.host.process import ProcessIdentity, lookup_server
@@ -37,7 +38,7 @@ from mlxwatch.journal import incidents as journal_module
 from mlxwatch.journal.incidents import Journal
 from mlxwatch.journal.state import StateFile
 from lab.ports import free_port  # a loopback port free a moment ago
-from mlxwatch.restart.methods import RestartContext, restart
+from mlxwatch.restart.methods import OK, RestartContext, RestartOutcome, restart
 
 FAST = ProbeConfig(interval=0.2, suspect_interval=0.1, first_token_timeout=0.5, timeout=1.0, failures=1,
                    endpoint_timeout=0.3, startup_timeout=30.0)
@@ -97,10 +98,12 @@ async def _block_capture(request):
     ("awaiting_recovery", RestartConfig(), {}, "awaiting_recovery"),
     ("gave_up", RestartConfig("command", argv=("false",), budget=1, backoff=0.1), {}, "gave_up"),
 ])
-async def test_clean_stop_in_any_state_is_closed_coherently_by_the_next_start(tmp_path, state, restart_cfg, overrides, event):
+async def test_clean_stop_in_any_state_is_closed_coherently_by_the_next_start(tmp_path, monkeypatch, state, restart_cfg,
+                                                                               overrides, event):
     """Measured: after SIGTERM mid-incident every later start crashed on the `interrupted`
     record (TypeError in report_interrupted): a launchd crash loop. Now the next start closes
     the incident, keeping where it stopped, and runs on."""
+    monkeypatch.setattr(supervisor_module, "STOP_RESTART_WAIT", 0.3)  # the restart that never ends is waited for
     cfg = config(tmp_path / "state", f"http://127.0.0.1:{free_port()}", restart_cfg)
     async with Running(cfg, **overrides) as run:
         await run.until(lambda: event in run.events(), what=event)
@@ -114,6 +117,35 @@ async def test_clean_stop_in_any_state_is_closed_coherently_by_the_next_start(tm
         assert closed["stopped_reason"] == "daemon stopped" and "stopped mid-incident" in closed["reason"]
         assert closed["state"] == records[-1]["state"]
     assert records[-1]["id"] not in [r["id"] for r in again.journal.open_incidents()]
+
+
+async def test_a_stop_lets_a_restart_under_way_finish(tmp_path):
+    """Found by a new user: SIGTERM while a command hook ran (`sleep 25; ... relaunch`) killed
+    the hook half-way, leaving the server down, with only `stopped` in the log. Now a stop
+    waits for the restart under way (up to STOP_RESTART_WAIT) and journals its outcome."""
+    cfg = config(tmp_path / "state", f"http://127.0.0.1:{free_port()}", RestartConfig("command", argv=("true",)))
+    hook = {"finished": False}
+
+    async def restart_fn(ctx):
+        await asyncio.sleep(1.0)  # the hook's work: stop the server, then start it
+        hook["finished"] = True
+        return RestartOutcome(OK, "restarted")
+
+    async with Running(cfg, restart_fn=restart_fn) as run:
+        await run.until(lambda: "restarting" in run.events(), what="restarting")
+    assert hook["finished"], "the stop cut the restart half-way"
+    events = run.events()
+    assert "restart" in events and events.index("restart") < events.index("interrupted"), events
+
+
+async def test_a_restart_still_running_after_the_stops_wait_is_ended_and_said(tmp_path, monkeypatch, caplog):
+    monkeypatch.setattr(supervisor_module, "STOP_RESTART_WAIT", 0.3)
+    cfg = config(tmp_path / "state", f"http://127.0.0.1:{free_port()}", RestartConfig("command", argv=("true",)))
+    async with Running(cfg, restart_fn=never) as run:
+        await run.until(lambda: "restarting" in run.events(), what="restarting")
+    said = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert any("gone: its restart was still running 0.3s into the stop and is ended" in m for m in said), said
+    assert run.events()[-1] == "interrupted"
 
 
 def test_sigterm_mid_incident_then_run_again_keeps_running(tmp_path):

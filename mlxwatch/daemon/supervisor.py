@@ -18,7 +18,9 @@ the loop wakes on them or on its heartbeat, and does the work:
 - **Lifecycle.** Any stop (SIGTERM, SIGINT, a crash, SIGKILL) leaves a journal the next start
   reads: incidents left open are closed with where they stopped, partial bundles whose writer
   is gone are kept as ``-incomplete``, restart budgets come back from the state file (or, if
-  it is unreadable, from the journal).
+  it is unreadable, from the journal). A stop lets a restart under way finish, for up to
+  ``STOP_RESTART_WAIT``: a hook cut half-way (the server stopped, not yet started) would leave
+  the server down until the next start.
 - **Reload is a swap** (SIGHUP): the new config is built whole in a thread; if ``run`` would
   refuse it (``check_runnable``, a bundles dir others can write), or it moves ``state_dir``, it is refused and the old one
   kept. Otherwise top-level settings apply at once, changed instances restart their watchers
@@ -65,6 +67,7 @@ FRONT_METRICS_EVERY = 5.0  # seconds between readings of the doors for the metri
 HEARTBEAT = 30.0  # seconds between the daemon's own liveness writes (status reads `last_tick`)
 LIVENESS_SLACK = 30.0  # seconds past a watcher's promise before it is stuck: thread lookups, log reads, a loaded Mac
 MAX_WATCHER_BACKOFF = 60.0
+STOP_RESTART_WAIT = 10.0  # seconds a stop waits for a restart under way (launchd kills after 20 s, systemd's unit 60 s)
 
 
 class Daemon:
@@ -177,6 +180,22 @@ class Daemon:
             self.journal.close_left_open(rec, reason=f"daemon {how} mid-incident at '{rec.get('state') or rec['event']}'")
         return left
 
+    async def _let_restarts_finish(self) -> None:
+        """A restart under way at a stop is let finish, up to STOP_RESTART_WAIT: a hook that
+        stops the server and then starts it, cut between the two, leaves it down (a new user
+        found the hook killed and only `stopped` in the log). One still running after that is
+        ended, said in one line."""
+        steps = {name: w.restarting for name, w in self.watchers.items()
+                 if w.restarting is not None and not w.restarting.done()}
+        if not steps:
+            return
+        log.warning("stopping: waiting up to %gs for the restart of %s to finish", STOP_RESTART_WAIT, ", ".join(steps))
+        await asyncio.wait(steps.values(), timeout=STOP_RESTART_WAIT)
+        for name, step in steps.items():
+            if not step.done():
+                log.error("%s: its restart was still running %gs into the stop and is ended: the server may be "
+                          "down until mlxwatch starts again", name, STOP_RESTART_WAIT)
+
     def _resume_restart_in_flight(self, rec: dict) -> None:
         """A daemon stopped while a restart ran: its hook may still be bringing the server up,
         so the watcher gives it ``startup_timeout`` even before a process appears."""
@@ -190,6 +209,7 @@ class Daemon:
     async def _shutdown(self, writer: asyncio.Task) -> None:
         for watcher in self.watchers.values():
             watcher.stop.set()
+        await self._let_restarts_finish()
         for task in [*self.tasks.values(), *self.retired]:
             task.cancel()
         await asyncio.gather(*self.retired, return_exceptions=True)

@@ -95,6 +95,7 @@ class InstanceWatcher:
     incident_began: float | None = None  # the open incident's first failure (monotonic)
     loading_seen: tuple[tuple[int, float], float] | None = None  # a loading process and when first seen (monotonic)
     restart_in_flight: bool = False  # a stopped daemon left a restart running: its hook may still be at work
+    restarting: asyncio.Task | None = None  # the restart under way (a stop lets it finish, up to a bound)
     lingering: asyncio.Task | None = None  # the capture probe's stream, still being read
     open_probes: list[CheckReport] = field(default_factory=list)  # failed probes whose late tokens are not counted yet
     draining: list[asyncio.Task] = field(default_factory=list)  # streams counted already, read on to their bound
@@ -568,8 +569,11 @@ class InstanceWatcher:
         attempt = {"at": at.wall, "result": "running", "detail": ""}
         inc.restarts.append(attempt)
         self._change(Event.RESTARTING, self.detect.restarting())
+        # A task of its own, so the daemon's stop can wait for it before cancelling this watcher
+        # (which cancels it too, as before, when the stop's wait is over).
+        self.restarting = asyncio.ensure_future(self.shared.restart_fn(RestartContext(self.inst, server, inc.bundle)))
         try:
-            outcome = await self.shared.restart_fn(RestartContext(self.inst, server, inc.bundle))
+            outcome = await self.restarting
         except (MlxwatchError, OSError) as exc:
             attempt.update(result="failed", detail=str(exc))
             log.error("%s: restart failed: %s", self.name, _one_line(str(exc)))
