@@ -4,7 +4,9 @@ Makes a tiny random model, starts a real ``mlx_lm.server`` through the fault wra
 loopback port, runs the real watchdog on it with a fast config, switches a livelock on, and
 shows detection, the bundle and its classification, the restart and the recovery. Then it
 stops the server it started (by its PID only) and removes the model; the bundle and the
-journal are kept so they can be read afterwards. It prints nothing itself: it tells a
+journal are kept so they can be read afterwards. Ctrl-C or SIGTERM at any point, the server's
+start included, stops that server too and removes the whole directory (``Terminated`` for
+SIGTERM, KeyboardInterrupt for Ctrl-C). It prints nothing itself: it tells a
 ``DemoProgress`` (``mlxwatch.output.demo.DemoView``) each step, and returns a ``DemoResult``::
 
     result = run_demo(DemoView(console), keep=False)
@@ -18,12 +20,15 @@ import asyncio
 import importlib.util
 import logging
 import shutil
+import signal
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from types import FrameType
+from typing import Any, Iterator, Protocol
 
 from mlxwatch.config import (
     CaptureConfig,
@@ -34,7 +39,7 @@ from mlxwatch.config import (
     state_dir_for,
 )
 from mlxwatch.daemon.supervisor import Daemon
-from mlxwatch.errors import UsageError
+from mlxwatch.errors import Terminated, UsageError
 from mlxwatch.journal.incidents import Journal
 
 DEMO_PROBE = ProbeConfig(interval=2.0, first_token_timeout=3.0, timeout=6.0, failures=2, grace_ceiling=30.0,
@@ -77,21 +82,68 @@ class DemoResult:
 def run_demo(progress: DemoProgress, keep: bool = False) -> DemoResult:
     if importlib.util.find_spec("mlx_lm") is None:
         raise UsageError("demo: needs mlx-lm in this environment: pip install 'mlxwatch[demo]'")
-    from mlxwatch._lab.server import LabServer, server_version
+    from mlxwatch._lab.server import SPEC_NAME, LabServer, server_version
 
     workdir = Path(tempfile.mkdtemp(prefix="mlxwatch-demo-"))
     server_dir, state_dir = workdir / "server", workdir / "state"
-    progress.starting(server_version(sys.executable))
-    server = LabServer.start(sys.executable, server_dir)
-    progress.server_started(server.pid, server.url, server.log_path)
-    config = demo_config(server_dir, server.url, server.log_path, server.pid_file, state_dir)
-    try:
-        ok = asyncio.run(_watch(progress, config, server))
-    finally:
-        server.stop()
-        if not keep:
-            shutil.rmtree(server_dir, ignore_errors=True)
+    server: LabServer | None = None
+    finished = False
+    with _terminate_as_interrupt():
+        try:
+            progress.starting(server_version(sys.executable))
+            server = LabServer.start(sys.executable, server_dir)
+            progress.server_started(server.pid, server.url, server.log_path)
+            config = demo_config(server_dir, server.url, server.log_path, server.pid_file, state_dir)
+            ok = asyncio.run(_watch(progress, config, server))
+            finished = True
+        finally:
+            with _signals_held():
+                # The server recorded in lab.json (by PID and create time), whoever started it last:
+                # us, or the restart hook. An interrupted LabServer.start has ended its own already.
+                if server is None and (server_dir / SPEC_NAME).exists():
+                    server = LabServer.load(server_dir)
+                if server is not None:
+                    server.stop()
+                if not keep:  # interrupted: no report names the directory, so none of it is kept
+                    shutil.rmtree(server_dir if finished else workdir, ignore_errors=True)
     return demo_result(Journal(state_dir), state_dir, server_dir if keep else None, ok)
+
+
+@contextmanager
+def _terminate_as_interrupt() -> Iterator[None]:
+    """SIGTERM ends the demo the way Ctrl-C does at that moment (``asyncio.run`` cancels the
+    watch, elsewhere KeyboardInterrupt), so that the cleanup runs; it surfaces as ``Terminated``."""
+    terminated = False
+
+    def on_sigterm(signum: int, frame: FrameType | None) -> None:
+        nonlocal terminated
+        terminated = True
+        on_sigint = signal.getsignal(signal.SIGINT)
+        if callable(on_sigint):
+            on_sigint(signum, frame)
+        else:  # SIGINT ignored (a background job): still stop
+            raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, on_sigterm)
+    try:
+        yield
+    except KeyboardInterrupt:
+        if terminated:
+            raise Terminated from None
+        raise
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+@contextmanager
+def _signals_held() -> Iterator[None]:
+    """The cleanup is not cut short: SIGINT and SIGTERM arriving meanwhile are delivered after it."""
+    held = {signal.SIGINT, signal.SIGTERM}
+    signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, held)
 
 
 async def _watch(progress: DemoProgress, config: Config, server) -> bool:

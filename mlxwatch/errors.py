@@ -9,6 +9,9 @@
     ├── BundleError        a path is not a bundle or archive, or it cannot be read or exported (CLI exit 2)
     └── FrontError         the front door cannot start (its address is taken or cannot be bound)
 
+``Terminated`` (a KeyboardInterrupt: SIGTERM turned into one so that cleanup runs; CLI exit
+143) is outside the tree, beside the KeyboardInterrupt it is.
+
 Library code raises these; only ``mlxwatch.cli`` turns them into messages and exit codes.
 Probe failures are not exceptions: a probe always returns a result that says what went wrong.
 """
@@ -53,3 +56,7 @@ class BundleError(MlxwatchError):
 
 class FrontError(MlxwatchError):
     """The front door cannot serve: ``str()`` is one line naming the address and why."""
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM arrived while a command that must clean up ran (``mlxwatch demo``); exit 143."""

@@ -135,7 +135,8 @@ class LabServer:
 
     def launch(self, ready_timeout: float = 120.0) -> None:
         """Start the server process (fault cleared) and wait until it generates (``ready_timeout``
-        0: do not wait)."""
+        0: do not wait). If it never does, or the wait is interrupted, the process is ended
+        before the exception goes on."""
         self.set_fault("")
         (self.workdir / "hf-cache").mkdir(exist_ok=True)
         with open(self.log_path, "ab") as log:
@@ -143,14 +144,34 @@ class LabServer:
                 self.command(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                 env=self.environment(), cwd=self.workdir, start_new_session=True,
             )
-        self._popen = proc
-        self.pid = proc.pid
-        me = ProcessIdentity.of(proc.pid)
-        self.create_time, self.started = me.create_time, me.started
-        self.pid_file.write_text(f"{proc.pid}\n")
-        self._save_spec()
-        if ready_timeout > 0:
-            self.wait_ready(ready_timeout)
+        try:
+            self._popen = proc
+            self.pid = proc.pid
+            me = ProcessIdentity.of(proc.pid)
+            self.create_time, self.started = me.create_time, me.started
+            self.pid_file.write_text(f"{proc.pid}\n")
+            self._save_spec()
+            if ready_timeout > 0:
+                self.wait_ready(ready_timeout)
+        except BaseException:  # never ready, or interrupted (Ctrl-C, SIGTERM): it must not outlive us
+            self._end_child(proc)
+            raise
+
+    def _end_child(self, proc: subprocess.Popen, grace: float = 5.0) -> None:
+        """End the process ``launch`` just started, by its Popen: until we reap it, its PID
+        cannot be anyone else's. SIGTERM, SIGKILL after ``grace``."""
+        try:
+            if proc.poll() is None:
+                proc.terminate()
+                try:
+                    proc.wait(grace)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait(10)
+        finally:
+            if self._popen is proc:
+                self._popen = None
+
     def wait_ready(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         body = {"messages": [{"role": "user", "content": "ready?"}], "max_tokens": 1}

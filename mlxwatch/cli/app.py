@@ -24,9 +24,10 @@ from mlxwatch.cli.config import cmd_config
 from mlxwatch.cli.daemon import cmd_resume, cmd_run, cmd_status
 from mlxwatch.cli.parser import build_parser, parse
 from mlxwatch.cli.setup import cmd_demo, cmd_doctor, cmd_launch, cmd_launchd
-from mlxwatch.errors import BundleError, ConfigError, MlxwatchError, ProcessGoneError, StateError, UsageError
+from mlxwatch.errors import BundleError, ConfigError, MlxwatchError, ProcessGoneError, StateError, Terminated, UsageError
 
 EXIT_PIPE = 141  # stdout closed by the reader (`| head`): what a shell reports for SIGPIPE
+EXIT_INTERRUPTED, EXIT_TERMINATED = 130, 143  # Ctrl-C, SIGTERM (demo): what a shell reports for them
 DEBUG_ENV = "MLXWATCH_DEBUG"
 
 COMMANDS: dict[str, Callable[[argparse.Namespace, Console], int]] = {
@@ -77,9 +78,12 @@ def run(argv: Sequence[str] | None = None, out: Console | None = None) -> int:
     except MlxwatchError as exc:
         err.print(f"mlxwatch: {exc}", markup=False)
         return EXIT_USAGE if isinstance(exc, BundleError) else EXIT_UNHEALTHY
+    except Terminated:
+        err.print("mlxwatch: terminated")
+        return EXIT_TERMINATED
     except KeyboardInterrupt:
         err.print("mlxwatch: interrupted")
-        return 130
+        return EXIT_INTERRUPTED
     except BrokenPipeError:
         _silence_stdout()
         return EXIT_PIPE
