@@ -920,6 +920,19 @@ def test_status_names_the_state_a_clean_stop_interrupted(tmp_path):
     assert f"gemma: incident {inc.id} open: daemon stopped at restarting" in text
 
 
+def test_status_only_reads_it_creates_no_state_dir(tmp_path, capsys, monkeypatch):
+    """Found by a new user: `status --state-dir /nonexist/x` created it, parents included, and
+    plain `status` created ~/.local/state/mlxwatch: a command that only reads wrote."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("XDG_STATE_HOME", raising=False)
+    monkeypatch.delenv("MLXWATCH_CONFIG", raising=False)
+    where = tmp_path / "none" / "x"
+    assert cli.run(["status", "--state-dir", str(where)]) == 1
+    assert cli.run(["status"]) == 1
+    assert "daemon not running" in capsys.readouterr().out
+    assert not (tmp_path / "none").exists() and not (tmp_path / "home").exists()
+
+
 def test_stderr_and_stdout_of_a_launchd_like_process_rotate_together(tmp_path):
     """As under launchd (stdout and stderr to one file): after rotation both write to the new file."""
     log = tmp_path / "daemon.log"

@@ -45,7 +45,7 @@ def collect_status(config: Config, state_dir: Path, clock: Clock | None = None) 
     """``clock`` (tests inject one) counts the restarts in the window as the flap guard does."""
     clock = clock or Clock()
     state, problem = load_state(state_dir)
-    journal = Journal(state_dir)
+    journal = Journal(state_dir, read_only=True)  # status only reads: it creates nothing
     daemon = _dict(state.get("daemon"))
     holder = lock_holder(state_dir)
     running = holder is not None

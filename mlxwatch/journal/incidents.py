@@ -269,8 +269,9 @@ def has_records(journal_path: Path) -> bool:
 
 
 class Journal:
-    def __init__(self, state_dir: Path, segment_bytes: int = SEGMENT_BYTES) -> None:
-        self.dir = private_dir(state_dir)
+    def __init__(self, state_dir: Path, segment_bytes: int = SEGMENT_BYTES, *, read_only: bool = False) -> None:
+        """``read_only``: for readers (``status``), which must not create the state dir."""
+        self.dir = state_dir if read_only else private_dir(state_dir)
         self.path = self.dir / JOURNAL_NAME
         self.segment_bytes = segment_bytes
         try:
