@@ -344,3 +344,13 @@ def test_policy_numbers_and_messages_are_named_once():
     capped = [p for p, text in _package_sources().items()
               if re.search(r"min\([^()]*(timeout|interval), [0-9.]+\)", text)]
     assert capped == []
+
+
+def test_the_journal_doc_names_every_event():
+    """docs/journal.md says its list of event names is the ``Event`` enum; a new user found
+    `backoff` missing from it."""
+    from mlxwatch.journal.incidents import Event
+
+    text = (ROOT / "docs" / "journal.md").read_text()
+    missing = [e.value for e in Event if f"`{e.value}`" not in text]
+    assert missing == []
