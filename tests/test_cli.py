@@ -142,6 +142,7 @@ BAD_INPUTS = [
     (["config", "validate", "{tmp}/missing.yaml"], 2, "file not found"),
     (["config", "init", "--out", "{tmp}/exists.yaml"], 2, "exists; not overwriting"),
     (["config", "init", "--out", "{tmp}/missing/c.yaml"], 2, "no such directory"),
+    (["config", "init", "--out", "{tmp}"], 2, "config init: {tmp} is a directory; name the file to write"),
     # --config accepted after the subcommand too (a missing file proves it was read)
     (["run", "--config", "{tmp}/missing.yaml"], 2, "{tmp}/missing.yaml: file not found"),
     (["check", "--config", "{tmp}/missing.yaml", "--instance", "x"], 2, "{tmp}/missing.yaml: file not found"),
@@ -580,6 +581,15 @@ def test_systemd_unit_from_cgroup(cgroup, unit):
     from mlxwatch.host.discover import unit_from_cgroup
 
     assert unit_from_cgroup(cgroup) == unit
+
+
+def test_config_init_that_cannot_write_is_one_line_and_exit_2(tmp_path, monkeypatch, capsys):
+    """Found by a new user: `config init --out /proc/c.yaml` printed the bare OS error with
+    exit 1 (documented as "no server running")."""
+    monkeypatch.setattr("mlxwatch.host.discover.find_servers", lambda: ["a server"])
+    monkeypatch.setattr("mlxwatch.host.discover.starter_config", lambda servers: "instances: []\n")
+    one_line_error(capsys, cli.run(["config", "init", "--out", "/proc/c.yaml"]), ["config", "init"], 2,
+                   "config init: cannot write /proc/c.yaml:")
 
 
 def test_config_init_with_no_server_says_so(tmp_path, monkeypatch, capsys):

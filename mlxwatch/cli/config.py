@@ -39,6 +39,8 @@ def cmd_config_init(args: argparse.Namespace, out: Console) -> int:
     from mlxwatch.storage import write_new
 
     path = Path(args.out).expanduser() if args.out else resolve_config_path(args.config)
+    if not args.print_only and path.is_dir():
+        raise UsageError(f"config init: {path} is a directory; name the file to write (e.g. --out {path / 'config.yaml'})")
     if not args.print_only and path.exists():
         raise UsageError(f"config init: {path} exists; not overwriting (`mlxwatch config validate {path}` checks it; "
                          "--out FILE writes elsewhere, --print shows the new one)")
@@ -54,11 +56,13 @@ def cmd_config_init(args: argparse.Namespace, out: Console) -> int:
         sys.stdout.write(text)
         return EXIT_OK
     created = not path.parent.exists()
-    path.parent.mkdir(parents=True, exist_ok=True)  # the default ~/.config/mlxwatch is normally missing
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)  # the default ~/.config/mlxwatch is normally missing
         write_new(path, text.encode())
     except FileExistsError:
         raise UsageError(f"config init: {path} exists; not overwriting") from None
+    except OSError as exc:
+        raise UsageError(f"config init: cannot write {path}: {exc.strerror or exc}") from None
     render_written(path, created, servers, out, f" --config {path}" if args.out else "")
     return EXIT_OK
 
