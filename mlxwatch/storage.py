@@ -3,7 +3,8 @@ written through a name someone else could aim.
 
 - ``write_new``: create a file that must not exist yet (never overwrite), fsync it.
 - ``replace_atomically``: write a temp file beside the target, fsync, rename over it.
-- ``append_record``: one JSON line appended and fsynced (the incident journal).
+- ``append_record``: one JSON line appended and fsynced (the incident journal); a failed
+  append is cut back off, so a full disk leaves no torn line.
 - ``read_records`` / ``read_records_from``: the journal's whole records, all or from an offset.
 - ``private_dir``: a directory only the owner can write (bundles and logs hold private prompts);
   one that others could write, or that another user owns, is refused (``UnsafeDirError``).
@@ -77,6 +78,14 @@ def private_dir_problem(path: Path, st: os.stat_result) -> str | None:
     return None
 
 
+NO_SPACE = (errno.ENOSPC, errno.EDQUOT)  # a write refused for lack of space: the disk, or a quota
+
+
+def no_space(exc: BaseException) -> bool:
+    """Was ``exc`` a write refused for lack of space (ENOSPC, EDQUOT)?"""
+    return isinstance(exc, OSError) and exc.errno in NO_SPACE
+
+
 def free_bytes(path: Path) -> int:
     """Bytes an unprivileged writer can still use on the filesystem holding ``path``."""
     st = os.statvfs(path)
@@ -103,20 +112,23 @@ def _write_all(fd: int, data: bytes) -> None:
         view = view[os.write(fd, view):]
 
 
-def _write_synced(path: Path, flags: int, data: bytes, mode: int = FILE_MODE) -> None:
-    """Open with ``flags`` (never following a link), write all of ``data``, fsync, close: the
-    one way files are written."""
-    fd = os.open(path, os.O_WRONLY | NOFOLLOW | flags, mode)
-    try:
-        _write_all(fd, data)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def write_new(path: Path, data: bytes) -> None:
-    """Create ``path`` with ``data``; raise FileExistsError rather than overwrite."""
-    _write_synced(path, os.O_CREAT | os.O_EXCL, data)
+    """Create ``path`` with ``data``; raise FileExistsError rather than overwrite. A write that
+    fails (a full disk) removes the file it created: no cut-short file is left under the name,
+    where it would look written and refuse the next try ("exists; not overwriting")."""
+    fd = os.open(path, os.O_WRONLY | NOFOLLOW | os.O_CREAT | os.O_EXCL, FILE_MODE)
+    try:
+        try:
+            _write_all(fd, data)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except BaseException:
+        try:
+            os.unlink(path)  # ours: O_EXCL created it just now
+        except OSError:
+            pass
+        raise
 
 
 def replace_atomically(path: Path, data: bytes, mode: int = FILE_MODE) -> None:
@@ -155,7 +167,9 @@ def replace_atomically(path: Path, data: bytes, mode: int = FILE_MODE) -> None:
 def append_record(path: Path, record: dict[str, Any]) -> None:
     """Append one JSON line and fsync: after a crash the journal ends at a whole record.
 
-    If an earlier append was torn (no final newline), a newline goes first, so the torn line
+    An append that fails (ENOSPC part-way through the line, or at the fsync) is undone: the file
+    is cut back to its size before the append, then the error is raised. If an earlier append
+    was torn anyway (killed mid-write: no final newline), a newline goes first, so the torn line
     stays alone and this record is not glued to it.
     """
     line = (json.dumps(record, sort_keys=True, default=str) + "\n").encode()
@@ -167,10 +181,27 @@ def append_record(path: Path, record: dict[str, Any]) -> None:
         size = st.st_size
         if size and os.pread(fd, 1, size - 1) != b"\n":
             line = b"\n" + line
-        _write_all(fd, line)
-        os.fsync(fd)
+        try:
+            _write_all(fd, line)
+            os.fsync(fd)
+        except BaseException:
+            _cut_back(fd, size)
+            raise
     finally:
         os.close(fd)
+
+
+def _cut_back(fd: int, size: int) -> None:
+    """Undo an append that failed part-way (a full disk mid-line): the file ends at the whole
+    record before it again, so no torn line is left for a JSON Lines reader (jq) to stop at, and
+    a record whose fsync failed is not on disk twice once its caller writes it again. Best effort:
+    if even this fails, the torn line stays and ``read_records`` skips it."""
+    try:
+        os.ftruncate(fd, size)
+        os.fsync(fd)
+    except OSError as exc:
+        log.warning("could not undo a failed append (%s); a torn line is left, which readers skip",
+                    exc.strerror or exc)
 
 
 def open_regular_fd(path: Path, *, follow_links: bool = False) -> tuple[int, os.stat_result]:

@@ -8,12 +8,14 @@ failure instead of a skip, so CI cannot pass by skipping the tests that matter.
 
 from __future__ import annotations
 
+import errno
 import importlib.util
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 import pytest
@@ -88,6 +90,64 @@ def lab(server_python: str, lab_root: Path):
 
 
 # Fixtures more than one test module uses live here, never imported from one test file into another.
+class FullDisk:
+    """A disk with ``free`` bytes left under ``directory``, simulated at the OS-call boundary (a
+    real small tmpfs needs root and mount): an ``os.write`` to a file opened (``os.open``) for
+    writing under ``directory`` writes what still fits, then fails with ``error`` (ENOSPC), as a
+    filling disk does, and names no file, as write(2) does not. Every other descriptor is left
+    alone. Set ``free`` again to give space back; ``refused`` counts the refused writes."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, directory: Path, free: int, error: int) -> None:
+        self.directory = os.path.abspath(directory)
+        self.free = free
+        self.error = error
+        self.refused = 0
+        self._fds: set[int] = set()
+        self._lock = threading.Lock()  # bundle files are written from several threads at once
+        real_open, real_write, real_close = os.open, os.write, os.close
+
+        def fake_open(path, flags, mode=0o777, *, dir_fd=None):
+            fd = real_open(path, flags, mode, dir_fd=dir_fd)
+            ours = dir_fd is None and bool(flags & (os.O_WRONLY | os.O_RDWR)) and self._under(path)
+            with self._lock:
+                (self._fds.add if ours else self._fds.discard)(fd)
+            return fd
+
+        def fake_write(fd, data):
+            with self._lock:
+                if fd not in self._fds:
+                    fits = None
+                else:
+                    fits = min(len(data), self.free)
+                    if not fits:
+                        self.refused += 1
+                        raise OSError(self.error, os.strerror(self.error))
+                    self.free -= fits
+            return real_write(fd, data if fits is None else bytes(memoryview(data)[:fits]))
+
+        def fake_close(fd):
+            with self._lock:
+                self._fds.discard(fd)
+            real_close(fd)
+
+        monkeypatch.setattr(os, "open", fake_open)
+        monkeypatch.setattr(os, "write", fake_write)
+        monkeypatch.setattr(os, "close", fake_close)
+
+    def _under(self, path) -> bool:
+        return os.path.abspath(os.fspath(path)).startswith(self.directory + os.sep)
+
+
+@pytest.fixture
+def full_disk(monkeypatch):
+    """``full_disk(directory, free=0, error=errno.ENOSPC)``: files written under ``directory``
+    get only ``free`` more bytes (see ``FullDisk``); undone at the test's end."""
+    def fill(directory: Path, free: int = 0, error: int = errno.ENOSPC) -> FullDisk:
+        return FullDisk(monkeypatch, directory, free, error)
+
+    return fill
+
+
 @pytest.fixture
 def sleeper():
     """A process of ours that is not an mlx-lm server (ended by its PID)."""

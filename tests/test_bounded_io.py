@@ -177,6 +177,42 @@ def test_a_torn_line_costs_only_itself(tmp_path):
     assert read_records(path) == [{"n": 1}, {"n": 3}, {"n": 4}]
 
 
+@pytest.mark.parametrize("fails_at", ["write", "fsync"])
+def test_an_append_cut_short_by_a_full_disk_leaves_only_whole_lines(tmp_path, full_disk, monkeypatch, fails_at):
+    """Measured on a 3 MB tmpfs: an append that hit ENOSPC mid-line left a `recovering` record
+    cut mid-string, whole records after it, and jq stopped there. A failed append (part of the
+    line written, or all of it with the fsync failing) is cut back off; the record waits in
+    memory and the next append that can writes it, whole and once."""
+    from mlxwatch.journal.incidents import Event, Incident, Journal
+
+    journal = Journal(tmp_path / "state")
+    incident = Incident("lab")
+    journal.record(Event.VERDICT, incident)
+    before = journal.path.read_bytes()
+    if fails_at == "write":
+        disk = full_disk(journal.dir, free=40)  # the record is some 400 bytes: 40 of them fit
+    else:
+        real_fsync, fsyncs = os.fsync, []
+
+        def fsync(fd):
+            fsyncs.append(fd)
+            if len(fsyncs) == 1:  # the line is written whole; the disk says no at the fsync
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            real_fsync(fd)
+
+        monkeypatch.setattr(os, "fsync", fsync)
+    journal.record(Event.RECOVERING, incident)  # no exception: the watcher goes on
+    assert journal.path.read_bytes() == before
+    assert [r["event"] for r in journal.backlog] == ["recovering"]
+    if fails_at == "write":
+        assert disk.refused == 1
+        disk.free = 10**9  # space again
+    journal.record(Event.RECOVERED, incident)
+    data = journal.path.read_bytes()
+    assert data.startswith(before) and data.endswith(b"\n") and journal.backlog == []
+    assert [json.loads(line)["event"] for line in data.splitlines()] == ["verdict", "recovering", "recovered"]
+
+
 def test_a_record_glued_to_a_torn_line_is_recovered(tmp_path):
     """Journals written before the fix (or zero-filled by a crash) have the next record on the torn line."""
     path = tmp_path / "j.jsonl"

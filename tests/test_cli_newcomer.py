@@ -7,6 +7,7 @@ what it watches and when a starting server will first be judged."""
 from __future__ import annotations
 
 import asyncio
+import errno
 import io
 import json
 import os
@@ -175,6 +176,49 @@ def test_unwritable_out_is_exit_2_naming_the_users_path(tmp_path, sleeper, capsy
     line = [x for x in err.splitlines() if "--force" not in x]
     assert code == 2 and len(line) == 1, err
     assert str(target) in line[0] and ".partial" not in line[0], line[0]
+
+
+def _full_disk_line(capsys, code: int) -> str:
+    """The one error line of a capture that met a full disk (the target note aside)."""
+    err = capsys.readouterr().err
+    lines = [x for x in err.splitlines() if ": capture: PID " not in x]
+    assert code == 2 and len(lines) == 1, err  # exit 2, "cannot write the output" (docs/commands.md)
+    assert "Traceback" not in err and ".partial" not in lines[0], err
+    return lines[0]
+
+
+def test_a_full_disk_under_the_bundles_dir_is_exit_2_naming_it(tmp_path, fake_server, full_disk, capsys):
+    """Measured with 8 KB free (capture.min_free_bytes: 1KB): `capture PID` printed `mlxwatch: No
+    space left on device`, naming no path, and exited 1, the code for "no such process". Now:
+    exit 2, one line naming the bundles dir, and no partial bundle left holding the space."""
+    pid, port, log = fake_server
+    cfg = _config(tmp_path, port, log)
+    cfg.write_text(cfg.read_text() + "capture: {min_free_bytes: 1KB}\n")
+    bundles = tmp_path / "state" / "bundles"
+    disk = full_disk(bundles, free=2000)
+    code = cli.run(["--config", str(cfg), "capture", str(pid), *FAST], out=Console(file=io.StringIO()))
+    line = _full_disk_line(capsys, code)
+    assert line.startswith(f"mlxwatch: {bundles}: no space left on device writing "), line
+    assert disk.refused >= 1 and list(bundles.iterdir()) == []
+
+
+def test_a_full_disk_under_the_out_archive_is_exit_2_naming_it(tmp_path, fake_server, full_disk, capsys):
+    """The bundle is written, its `--out NAME.tar.gz` meets a full disk: exit 2 with a line naming
+    the --out given (write(2)'s error names no file), and no cut-short archive left under the
+    name (a retry would be refused: "exists; not overwriting")."""
+    pid, port, log = fake_server
+    cfg = _config(tmp_path, port, log)
+    cfg.write_text(cfg.read_text() + "capture: {min_free_bytes: 1KB}\n")
+    archive = tmp_path / "exports" / "hang.tar.gz"
+    archive.parent.mkdir()
+    disk = full_disk(archive.parent, free=100)
+    code = cli.run(["--config", str(cfg), "capture", str(pid), "--out", str(archive), *FAST],
+                   out=Console(file=io.StringIO()))
+    line = _full_disk_line(capsys, code)
+    assert line == (f"mlxwatch: capture: --out {archive}: cannot write there: {os.strerror(errno.ENOSPC)}; "
+                    "free some space there or give another directory"), line
+    assert disk.refused == 1 and list(archive.parent.iterdir()) == []
+    assert len(list((tmp_path / "state" / "bundles").iterdir())) == 1  # the bundle itself is kept
 
 
 def test_capture_out_dir_is_created_with_its_parents(tmp_path, fake_server, capsys):

@@ -190,8 +190,45 @@ def test_below_the_free_space_floor_no_bundle_is_started(tmp_path):
     assert "big" not in writer.files
 
 
-async def test_a_full_disk_gets_a_note_instead_of_a_bundle_and_the_restart_still_happens(tmp_path):
-    """The watchdog journals the refusal (capture_failed, one line) and restarts all the same."""
+def test_a_disk_that_fills_mid_capture_gives_the_bundle_up_and_its_space_back(tmp_path, full_disk):
+    """Measured on a 3 MB tmpfs (min_free_bytes 1KB): a write refused for lack of space left the
+    `.partial` bundle holding the last free bytes for the daemon's whole life (its writer alive:
+    only the next start adopts it), and state.json and journal writes failed after it. Now the
+    partial is removed at once and the capture fails with one line naming the bundles dir;
+    nothing of the bundle is made again, even with space back."""
+    root = tmp_path / "bundles"
+    writer = BundleWriter(root, "lab", 1024)  # statvfs shows room above the floor: the disk fills anyway
+    writer.write("process.json", b"{}" * 500)
+    disk = full_disk(root, free=1000)
+    with pytest.raises(LowDiskSpace) as refused:
+        writer.write("stacks/1.txt", b"x" * 5000)
+    line = str(refused.value)
+    assert "\n" not in line and line.startswith(f"{root}: no space left on device writing stacks/1.txt"), line
+    assert disk.refused == 1 and list(root.iterdir()) == []  # the partial and all it held: gone
+    disk.free = 10**9
+    for late in (lambda: writer.write("log/tail.txt", b"y"), lambda: writer.tool_output("native/sample.txt"),
+                 lambda: writer.finish({}, "summary")):
+        with pytest.raises(LowDiskSpace, match="no space left on device writing stacks/1.txt"):
+            late()
+    assert list(root.iterdir()) == []
+
+
+@pytest.mark.parametrize("error", ["ENOSPC", "EDQUOT"])
+def test_a_bundle_started_on_a_full_disk_leaves_no_partial(tmp_path, full_disk, error):
+    """No room even for the partial's `.writer` file (or over a quota): nothing is left behind."""
+    import errno
+
+    root = tmp_path / "bundles"
+    full_disk(root, free=10, error=getattr(errno, error))
+    with pytest.raises(LowDiskSpace, match=f"^{root}: {os.strerror(getattr(errno, error)).lower()} writing .writer;"):
+        BundleWriter(root, "lab", 1024)
+    assert list(root.iterdir()) == []
+
+
+@pytest.mark.parametrize("how", ["below the floor", "filled mid-capture"])
+async def test_a_full_disk_gets_a_note_instead_of_a_bundle_and_the_restart_still_happens(tmp_path, full_disk, how):
+    """The watchdog journals the refusal (capture_failed, one line) and restarts all the same,
+    whether the floor refused the bundle or the disk filled under a capture."""
     from mlxwatch.daemon.supervisor import Daemon
     from lab.ports import free_port
 
@@ -199,8 +236,11 @@ async def test_a_full_disk_gets_a_note_instead_of_a_bundle_and_the_restart_still
     probe = ProbeConfig(interval=0.2, suspect_interval=0.1, first_token_timeout=0.5, timeout=1.0, failures=1,
                         endpoint_timeout=0.3, startup_timeout=30.0)
     restart = RestartConfig("command", argv=("true",))
+    floor = 1024**4 if how == "below the floor" else 1024
+    if how == "filled mid-capture":
+        full_disk(state / "bundles", free=300)  # the partial's .writer fits, the next file does not
     cfg = Config(None, (InstanceConfig("gone", f"http://127.0.0.1:{free_port()}", None, None, probe, restart),),
-                 state, (), CaptureConfig(snapshots=1, spacing=0.1, ceiling=5.0, min_free_bytes=1024**4))
+                 state, (), CaptureConfig(snapshots=1, spacing=0.1, ceiling=5.0, min_free_bytes=floor))
     daemon, stop = Daemon(cfg, state, heartbeat=3600.0), asyncio.Event()
     task = asyncio.create_task(daemon.run(stop, load_config=lambda: cfg))
     journal = Journal(state)
@@ -213,6 +253,7 @@ async def test_a_full_disk_gets_a_note_instead_of_a_bundle_and_the_restart_still
         stop.set()
         await asyncio.wait_for(task, 30)
     failed = next(r for r in journal.records() if r["event"] == "capture_failed")
-    assert "LowDiskSpace" in failed["error"] and "min_free_bytes" in failed["error"]
+    assert failed["error"].startswith(f"LowDiskSpace: {state / 'bundles'}: ") and "min_free_bytes" in failed["error"]
+    assert "\n" not in failed["error"]
     assert not (state / "bundles").exists() or not any((state / "bundles").iterdir())
     shutil.rmtree(state, ignore_errors=True)

@@ -17,8 +17,12 @@ keep it), else its mtime. Links in the bundles dir are never followed, counted o
 
 Disk floor: ``BundleWriter`` refuses to start a bundle (``LowDiskSpace``, one line) when less
 than ``min_free_bytes`` is free where it would go, and refuses any file that would take the
-free space below it: a capture never takes a nearly full disk's last bytes. The watchdog
-journals that line (``capture_failed``) and restarts the server all the same.
+free space below it: a capture never takes a nearly full disk's last bytes. A disk that fills
+anyway (the floor is a guess from ``statvfs``; other writers share the disk): a write refused
+with ENOSPC or EDQUOT gives the bundle up, its partial dir is removed at once (a daemon lives
+on, and adoption waits for its next start) and every later write or ``finish`` raises the same
+one-line ``LowDiskSpace`` naming the bundles dir. The watchdog journals that line
+(``capture_failed``) and restarts the server all the same.
 
 The writer's methods are plain blocking file I/O (every file is fsynced): the async collector
 calls them through ``asyncio.to_thread``, possibly several at once, so they are thread-safe.
@@ -45,7 +49,7 @@ import psutil
 
 from mlxwatch.errors import BundleError
 from mlxwatch.host.process import ProcessIdentity, start_stamp, this_boot
-from mlxwatch.storage import free_bytes, fsync_dir, private_dir, write_new
+from mlxwatch.storage import free_bytes, fsync_dir, no_space, private_dir, write_new
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -58,7 +62,8 @@ DAY = 86400.0
 
 
 class LowDiskSpace(BundleError):
-    """Less free disk than ``capture.min_free_bytes`` where the bundle would go."""
+    """Less free disk than ``capture.min_free_bytes`` where the bundle would go, or a write of
+    the bundle refused for lack of space (ENOSPC, EDQUOT): then the partial bundle is gone."""
 
 
 def _amount(n: int) -> str:
@@ -90,13 +95,20 @@ class BundleWriter:
         self._check_floor(0, "no bundle written")
         self.name = bundle_name(label)
         self.partial = self.root / f".{self.name}.partial"
-        self.partial.mkdir(mode=0o700)
-        write_new(self.partial / WRITER, json.dumps(_this_writer()).encode())
         self.files: dict[str, dict[str, Any]] = {}
         self.manifest: dict[str, Any] = {}
         self._lock = threading.Condition()
         self._busy = 0  # writes in progress (worker threads)
         self._closed = False
+        self._full: str | None = None  # why the bundle was given up for lack of space (then nothing more is written)
+        self._removed = False
+        try:
+            self.partial.mkdir(mode=0o700)
+            write_new(self.partial / WRITER, json.dumps(_this_writer()).encode())
+        except OSError as exc:
+            if no_space(exc):
+                raise self._out_of_space(exc, WRITER) from None
+            raise
 
     def _check_floor(self, size: int, what: str) -> None:
         if not self.min_free_bytes:
@@ -108,8 +120,35 @@ class BundleWriter:
             raise LowDiskSpace(f"{self.root}: {left} free{after}, below capture.min_free_bytes "
                                f"({floor}); {what}: free some space or lower the floor")
 
+    def _out_of_space(self, exc: OSError, relname: str) -> LowDiskSpace:
+        """A write refused for lack of space gives the bundle up: the partial directory is
+        removed (at once, or when the last write still running ends), so a daemon that lives on
+        does not keep its bytes until its next start, and nothing more of it is written.
+        Returns the one-line error to raise (the same one for every later write)."""
+        with self._lock:
+            if self._full is None:
+                why = (exc.strerror or os.strerror(exc.errno or 0)).lower()
+                self._full = (f"{self.root}: {why} writing {relname}; the unfinished bundle was removed "
+                              "to give its space back: free some space, or raise capture.min_free_bytes "
+                              f"(now {self.min_free_bytes:,} bytes) so that a capture stops short of a full disk")
+            self._remove_if_idle()
+            return LowDiskSpace(self._full)
+
+    def _remove_if_idle(self) -> None:
+        """With ``self._lock`` held: remove the given-up partial once no write is in it."""
+        if self._full is not None and self._busy == 0 and not self._removed:
+            self._removed = True
+            shutil.rmtree(self.partial, ignore_errors=True)
+
+    def _refuse_if_full(self) -> None:
+        with self._lock:
+            if self._full is not None:
+                raise LowDiskSpace(self._full)
+
     def _begin(self, relname: str) -> None:
         with self._lock:
+            if self._full is not None:
+                raise LowDiskSpace(self._full)
             if self._closed:
                 raise RuntimeError(f"bundle {self.name} is finished; {relname} not written")
             self._busy += 1
@@ -117,11 +156,13 @@ class BundleWriter:
     def _end(self) -> None:
         with self._lock:
             self._busy -= 1
+            self._remove_if_idle()
             self._lock.notify_all()
 
     def write(self, relname: str, data: bytes | str) -> Path:
         if isinstance(data, str):
             data = data.encode("utf-8")
+        self._refuse_if_full()
         if relname != SUMMARY:  # the summary (kilobytes) is what says why the rest is missing
             self._check_floor(len(data), f"{relname} not written")
         self._begin(relname)
@@ -132,6 +173,10 @@ class BundleWriter:
             with self._lock:
                 self.files[relname] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
             return path
+        except OSError as exc:
+            if no_space(exc):
+                raise self._out_of_space(exc, relname) from None
+            raise
         finally:
             self._end()
 
@@ -150,9 +195,17 @@ class BundleWriter:
 
     def tool_output(self, relname: str) -> Path:
         """Where a tool should write ``relname`` (its directory made private)."""
-        path = self.partial / relname
-        private_dir(path.parent)
-        return path
+        self._begin(relname)  # a given-up (or finished) bundle's directory is never made again
+        try:
+            path = self.partial / relname
+            private_dir(path.parent)
+            return path
+        except OSError as exc:
+            if no_space(exc):
+                raise self._out_of_space(exc, relname) from None
+            raise
+        finally:
+            self._end()
 
     def copy(self, relname: str, source: Path, max_bytes: int = 16 * 1024 * 1024) -> Path:
         with open(source, "rb") as fh:
@@ -169,18 +222,23 @@ class BundleWriter:
             files = dict(sorted(self.files.items()))
         manifest = {**manifest, "format_version": FORMAT_VERSION, "name": self.name, "files": files}
         data = json.dumps(manifest, indent=2, sort_keys=True, default=str).encode()
-        write_new(self.partial / MANIFEST, data)
-        self.files[MANIFEST] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
-        self.manifest = manifest
         try:
-            os.unlink(self.partial / WRITER)
-        except FileNotFoundError:
-            pass
-        fsync_dir(self.partial)
-        final = self.root / self.name
-        if final.exists():  # names carry a random id; this would be a bug, and we never overwrite
-            raise FileExistsError(final)
-        os.rename(self.partial, final)
+            write_new(self.partial / MANIFEST, data)
+            self.files[MANIFEST] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+            self.manifest = manifest
+            try:
+                os.unlink(self.partial / WRITER)
+            except FileNotFoundError:
+                pass
+            fsync_dir(self.partial)
+            final = self.root / self.name
+            if final.exists():  # names carry a random id; this would be a bug, and we never overwrite
+                raise FileExistsError(final)
+            os.rename(self.partial, final)
+        except OSError as exc:
+            if no_space(exc):
+                raise self._out_of_space(exc, MANIFEST) from None
+            raise
         fsync_dir(self.root)
         return final
 

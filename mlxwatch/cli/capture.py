@@ -51,6 +51,8 @@ def cmd_capture(args: argparse.Namespace, out: Console) -> int:
         stacks=args.stacks or cap.stacks, redact=cap.redact,
         **capture_probe_timeouts(probe),
     )
+    # A bundle or an archive that cannot be written where the user asked is their problem (exit
+    # 2), told for the directory that step wrote in: a full disk's error names no file.
     try:
         if args.json:
             bundle = asyncio.run(capture_bundle(request))
@@ -58,10 +60,15 @@ def cmd_capture(args: argparse.Namespace, out: Console) -> int:
             with CaptureProgress(out) as progress:
                 bundle = asyncio.run(capture_bundle(request, on_step=progress.update))
                 progress.finish(bundle.manifest.get("steps") or [])
+    except OSError as exc:
+        refusal = unwritable(exc, target_dir, "capture", args.out if out_dir else None)
+        if refusal is None:
+            raise
+        raise refusal from None
+    try:
         written = export_bundle(bundle.path, archive) if archive else None
-    except OSError as exc:  # the bundle (or archive) could not be written where the user asked
-        places = [(target_dir, args.out if out_dir else None)] + ([(archive.parent, args.out)] if archive else [])
-        refusal = next(filter(None, (unwritable(exc, d, "capture", given) for d, given in places)), None)
+    except OSError as exc:
+        refusal = unwritable(exc, archive.parent, "capture", args.out) if archive else None
         if refusal is None:
             raise
         raise refusal from None

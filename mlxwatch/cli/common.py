@@ -14,6 +14,7 @@ from rich.console import Console
 
 from mlxwatch.config import Config, bundles_dir_for, load_config, resolve_config_path, state_dir_for
 from mlxwatch.errors import UsageError
+from mlxwatch.storage import no_space
 
 EXIT_OK, EXIT_UNHEALTHY, EXIT_USAGE = 0, 1, 2
 
@@ -106,15 +107,23 @@ def make_out_dir(directory: Path, command: str, given: str) -> None:
 
 def unwritable(exc: OSError, directory: Path, command: str, given: str | None) -> UsageError | None:
     """An ``OSError`` from writing in ``directory`` as the user's problem: their ``--out`` (or
-    capture.dir) named, not the hidden ``.partial`` path the writer was making. None: another file."""
+    capture.dir) named, not the hidden ``.partial`` path the writer was making. None: another file.
+
+    A full disk (ENOSPC, EDQUOT) comes from ``write(2)``, which names no file: it is taken as
+    ``directory``'s, so the caller passes only the directory the failing step wrote in."""
     where = Path(exc.filename) if exc.filename else None
+    full = no_space(exc)
+    if where is None and full:
+        where = directory
     if where is None or not (where == directory or directory in where.parents):
         return None
     why = exc.strerror or str(exc)
     if given is not None:
-        return UsageError(f"{command}: --out {given}: cannot write there: {why}; give a directory you can write")
-    return UsageError(f"{command}: cannot write a bundle in {directory}: {why} "
-                      "(set capture.dir in the config, or give --out DIR)")
+        fix = "free some space there or give another directory" if full else "give a directory you can write"
+        return UsageError(f"{command}: --out {given}: cannot write there: {why}; {fix}")
+    fix = "free some space there, set capture.dir in the config, or give --out DIR" if full \
+        else "set capture.dir in the config, or give --out DIR"
+    return UsageError(f"{command}: cannot write a bundle in {directory}: {why} ({fix})")
 
 
 def url_arg(command: str, text: str, field: str = "--url") -> str:

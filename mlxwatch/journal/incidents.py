@@ -20,6 +20,11 @@ between the rename and the index write; an index deleted or damaged) is folded i
 and covered by the next index the daemon writes. ``records()`` is that bounded view; the whole
 history is the segments in order, then the live one (``cat incidents-*.jsonl incidents.jsonl``).
 
+A full disk. An append that fails part-way is cut back off the file (``append_record``), so
+``incidents.jsonl`` stays whole JSON Lines (jq reads it); the record is kept in memory and
+written first by the next append that can. Only a kill mid-write leaves a torn line, which
+readers skip.
+
 No file here is opened through a symbolic link: a link at the journal's name is refused
 (``StateError``), appends use ``O_NOFOLLOW``.
 
@@ -367,7 +372,8 @@ class Journal:
     def _write(self, entries: list[dict[str, Any]]) -> None:
         """Write ``entries`` after any backlog. A write that fails (a full disk) never stops the
         watcher that made it: the record waits in memory (bounded) and the next append writes
-        it first, in order. Logged once per failing streak."""
+        it first, in order. Logged once per failing streak. A failed append leaves nothing of
+        itself in the file (``append_record`` cuts it back off): no torn line, no record twice."""
         with self._writing:
             self._write_locked(entries)
 
