@@ -17,6 +17,7 @@ ELOOP instead of redirecting a root daemon's write to any file it names).
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import io
 import json
@@ -48,8 +49,11 @@ def private_dir(path: Path) -> Path:
     one must be owned by this user and not group- or world-writable (``UnsafeDirError``
     otherwise, naming the fix). A directory created here that still came out looser (a default
     ACL, a filesystem that ignores the mode) is tightened to 0700, with a warning."""
+    for parent in reversed([p for p in path.parents if not os.path.lexists(p)]):
+        with contextlib.suppress(FileExistsError):  # missing parents are made 0700 too, unlike mkdir -p's
+            parent.mkdir(mode=DIR_MODE)
     try:
-        path.mkdir(parents=True, mode=DIR_MODE)
+        path.mkdir(mode=DIR_MODE)
         created = True
     except FileExistsError:
         created = False

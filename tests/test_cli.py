@@ -930,6 +930,15 @@ def test_status_names_the_state_a_clean_stop_interrupted(tmp_path):
     assert f"gemma: incident {inc.id} open: daemon stopped at restarting" in text
 
 
+def test_capture_of_an_instance_with_no_config_names_the_missing_file(tmp_path, capsys, monkeypatch):
+    """Found by a new user: `capture --instance nope` with no config said
+    `mlxwatch: None: instances: no instance named 'nope' (known: none)`."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.delenv("MLXWATCH_CONFIG", raising=False)
+    line = one_line_error(capsys, cli.run(["capture", "--instance", "nope"]), ["capture"], 2, "file not found")
+    assert str(tmp_path / ".config" / "mlxwatch" / "config.yaml") in line and "None" not in line
+
+
 def test_status_only_reads_it_creates_no_state_dir(tmp_path, capsys, monkeypatch):
     """Found by a new user: `status --state-dir /nonexist/x` created it, parents included, and
     plain `status` created ~/.local/state/mlxwatch: a command that only reads wrote."""

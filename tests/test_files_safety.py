@@ -145,13 +145,17 @@ def test_a_group_writable_bundles_dir_is_refused(tmp_path):
 
 
 def test_a_new_state_dir_is_made_private(tmp_path):
-    """A state dir the daemon makes is 0700 whatever the umask."""
+    """A state dir the daemon makes is 0700 whatever the umask, and so is every missing parent
+    it makes: a new user found `capture` making ~/.local/state/mlxwatch 0755 on its way to
+    the bundles dir under it (mkdir -p gives parents the umask's mode)."""
     old = os.umask(0)
     try:
-        made = private_dir(tmp_path / "a" / "state")
+        made = private_dir(tmp_path / "a" / "state" / "bundles")
     finally:
         os.umask(old)
     assert made.stat().st_mode & 0o777 == 0o700
+    assert [(p.name, p.stat().st_mode & 0o777) for p in (made.parent, made.parent.parent)] == [
+        ("state", 0o700), ("a", 0o700)]
 
 
 def test_links_in_the_bundles_dir_are_never_followed(tmp_path):

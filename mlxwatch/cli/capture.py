@@ -12,6 +12,7 @@ from mlxwatch.cli.common import (
     EXIT_OK,
     bundles_dir,
     err_console,
+    load,
     load_optional,
     log_arg,
     make_out_dir,
@@ -28,7 +29,7 @@ def cmd_capture(args: argparse.Namespace, out: Console) -> int:
     from mlxwatch.doctor import stacks_hint
     from mlxwatch.output.capture import CaptureProgress, render_capture, render_stacks_hint, render_target_notes
 
-    config = load_optional(args)
+    config = load(args) if args.instance else load_optional(args)  # an instance needs the config that names it
     inst = config.instance(args.instance) if args.instance else None
     url = url_arg("capture", args.url) if args.url else inst.url if inst else None
     given_log = log_arg(args.log) if args.log else None
