@@ -618,6 +618,21 @@ async def test_capture_does_not_block_the_event_loop(offline):
     assert steps["process"] == steps["cpu"] == steps["stacks"] == steps["log"] == steps["versions"] == "ok", steps
 
 
+async def test_a_capture_adopts_the_partial_a_killed_capture_left(offline):
+    """Found by a new user: after `kill -9` of `mlxwatch capture`, its hidden `.…partial` stayed,
+    `bundle list` said "no bundles", and later captures left it there (only a daemon's start
+    adopted it). Now each capture adopts such partials as `<name>-incomplete`."""
+    make, _ = offline
+    req, _ = make()
+    killed = BundleWriter(req.out_dir, "killed")
+    killed.write("stacks/pyspy-1.txt", "stack")
+    as_if_written_by(killed, dead_pid(), time.time() - 10)
+    bundle = await capture_bundle(req, runner=_fake_runner)
+    _end_drain(bundle)
+    assert not killed.partial.exists()
+    assert (req.out_dir / f"{killed.name}-incomplete" / "stacks/pyspy-1.txt").read_text() == "stack"
+
+
 def _end_drain(bundle) -> None:
     if getattr(bundle, "lingering", None) is not None:
         bundle.lingering.cancel()

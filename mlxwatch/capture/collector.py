@@ -50,7 +50,7 @@ import httpx
 
 from mlxwatch import __version__, probes, stacks
 from mlxwatch.capture import macos, pyspy
-from mlxwatch.capture.bundle import BundleWriter, prune
+from mlxwatch.capture.bundle import BundleWriter, adopt_partials, prune
 from mlxwatch.capture.classify import Classification, Evidence, classify
 from mlxwatch.capture.procstats import describe_process, sample_process
 from mlxwatch.capture.redact import (
@@ -676,6 +676,9 @@ def _finish(req: CaptureRequest, steps: StepRunner, files: _Files, found: Captur
     summary = redact_text(render_summary(manifest, list(found.stacks.snapshots), markers.to_dict() if markers else None),
                           files.redaction)
     path = files.writer.finish(manifest, summary)
+    # A capture killed earlier here (`mlxwatch capture` has no start of its own that adopts it, as
+    # the daemon's does) becomes <name>-incomplete: listed by `bundle list`, and pruned like any.
+    adopt_partials(req.out_dir)
     prune(req.out_dir, req.keep, req.max_bytes, protect=path, keep_days=req.keep_days)
     return Bundle(path, classification, files.writer.manifest)
 
