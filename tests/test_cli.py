@@ -134,6 +134,7 @@ BAD_INPUTS = [
     (["bundle", "export", "{bundle}", "--out", "{tmp}/passwd/b.tar.gz"], 2, "{tmp}/passwd is not a directory"),
     (["bundle", "export", "{bundle}", "--out", "{bundle}"], 2, "is inside the bundle"),
     (["bundle", "export", "{tmp}/notabundle"], 2, "bundle export: {tmp}/notabundle is not a bundle (no manifest.json)"),
+    (["bundle", "export", "{tmp}/notabundle", "--out", "{tmp}/made/by/a/refusal"], 2, "is not a bundle (no manifest.json)"),
     (["bundle", "list", "--dir", "{tmp}/missing"], 2, "bundle list: --dir {tmp}/missing: no such directory"),
     # config files that are not config files
     (["config", "validate", "{tmp}/latin1.yaml"], 2, "not UTF-8 text at byte"),

@@ -103,12 +103,17 @@ def _bundle_show(args: argparse.Namespace, out: Console) -> int:
 
 def _bundle_export(args: argparse.Namespace, out: Console) -> int:
     from mlxwatch.capture import export_bundle
+    from mlxwatch.capture.bundle import load_manifest
     from mlxwatch.errors import BundleError
     from mlxwatch.output.bundles import render_redaction, render_skipped
 
     path = _find_bundle(args.bundle, args, "export")
     if not path.is_dir():
         raise BundleError(f"bundle export: {path} is not a bundle directory")
+    try:
+        load_manifest(path)  # refused before --out's directory is made: a refusal creates nothing
+    except BundleError as exc:
+        raise BundleError(f"bundle export: {exc}") from None
     out_dir, archive = out_target(args.out, "bundle export") if args.out else (None, None)
     target_dir = archive.parent if archive else out_dir
     if target_dir is not None and not (target_dir.resolve() == path.resolve() or path.resolve() in target_dir.resolve().parents):
