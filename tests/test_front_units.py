@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import json
 
+import pytest
+
 from mlxwatch.front import http1
 from mlxwatch.front.delivery import FAILED_LOUDLY, OK, Ledger
 from mlxwatch.front.tokens import StreamReader, body_tokens
@@ -41,6 +43,19 @@ def test_events_split_anywhere_count_once_when_complete():
     reader = StreamReader()
     reader.feed(stream[:10])
     assert not reader.at_boundary
+
+
+@pytest.mark.parametrize("end", [b"\r\n", b"\r"], ids=["CRLF", "CR alone"])
+def test_lines_ended_by_crlf_or_cr_alone_split_anywhere_count_the_same(end):
+    """SSE ends a line with CRLF, LF or CR alone. Found by an adversarial review: a stream
+    using CR alone counted 0 tokens, and the door wrote a "truncated" error event after it,
+    complete as it was."""
+    stream = (_event(_delta(content="a")) + _event(_delta(content="b")) + b"data: [DONE]\n\n").replace(b"\n", end)
+    for cut in range(1, len(stream)):
+        reader = StreamReader()
+        first = reader.feed(stream[:cut])
+        assert first + reader.feed(stream[cut:]) == 2, cut
+        assert reader.ended and reader.at_boundary, cut
 
 
 def test_an_error_event_and_a_line_over_the_limit():

@@ -34,9 +34,12 @@ class StreamReader:
         self.ended = False  # [DONE] or a finish_reason seen
         self.errored = False  # the server sent an error event itself
         self.at_boundary = True  # the bytes so far end between events (after a blank line)
+        self._after_cr = False  # the last chunk ended with CR: an LF starting the next one is its CRLF's
 
     def feed(self, chunk: bytes) -> int:
         tokens = 0
+        if self._after_cr or b"\r" in chunk:  # SSE ends lines with CRLF, LF or CR alone (mlx-lm: LF)
+            chunk = self._lf_only(chunk)
         lines = chunk.split(b"\n")
         tail = lines.pop()  # after the last newline: the start of a line still to come
         for part in lines:
@@ -53,6 +56,14 @@ class StreamReader:
             self.at_boundary = False
         return tokens
 
+    def _lf_only(self, chunk: bytes) -> bytes:
+        """The chunk's line ends as LF alone (a copy, for judging; the bytes forwarded are the
+        server's). A CRLF split between two chunks is one line end: its CR ended the line."""
+        if self._after_cr and chunk.startswith(b"\n"):
+            chunk = chunk[1:]
+        self._after_cr = chunk.endswith(b"\r")
+        return chunk.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+
     def _take(self, part: bytes) -> None:
         if self._overflow:
             return
@@ -66,8 +77,6 @@ class StreamReader:
         if overflow:  # part of an event, too long to judge: never a boundary
             self.at_boundary = False
             return 0
-        if line.endswith(b"\r"):
-            line = line[:-1]
         if not line:
             self.at_boundary = True
             return 0
