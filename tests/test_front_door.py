@@ -1433,3 +1433,54 @@ async def test_a_request_pipelined_with_expect_100_continue_gets_its_100_after_t
     assert b"100 Continue" not in first
     assert interim == b"HTTP/1.1 100 Continue\r\n\r\n"
     assert second.startswith(b"HTTP/1.1 201 ") and second.endswith(b'"echo": "ok"}')
+
+
+async def _counted(door: FrontDoor):
+    """The one client connection the door counts against its cap (waits for it)."""
+    await _until(lambda: len(door._conns) == 1, "the connection accepted")
+    return next(iter(door._conns))
+
+
+async def test_a_client_that_half_closes_and_never_reads_is_cut_off(monkeypatch):
+    """Found in review: a client that stopped reading, then shut its sending side, was never
+    let go: the transport waited to send what it held, for ever, and the send timeout skipped
+    a closing transport; its request to the server stayed open."""
+    monkeypatch.setattr(http1, "SEND_TIMEOUT", 0.5)
+    async with Upstream() as up, _door(up) as door:
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.connect(door.address)
+        sock.setblocking(False)
+        try:
+            sock.send(b"GET /big/100000000 HTTP/1.1\r\nHost: h\r\n\r\n")
+            conn = await _counted(door)
+            await _until(lambda: conn._paused, "the door's writing paused by the client not reading")
+            sock.shutdown(socket.SHUT_WR)
+            await asyncio.wait_for(up.closed.wait(), BOUND)
+            await _until(lambda: not door._conns and door.view().in_flight == (), "the connection let go")
+        finally:
+            sock.close()
+
+
+async def test_a_refused_client_that_half_closes_with_its_answer_unread_is_cut_off(monkeypatch):
+    """Found in review: a lingering connection (after a 413) whose client shut its side with
+    answers still unread stayed counted against the cap for ever."""
+    monkeypatch.setattr(http1, "SEND_TIMEOUT", 0.5)
+    async with Upstream() as up, _door(up, max_body=100_000) as door:
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.connect(door.address)
+        sock.setblocking(False)
+        try:
+            conn = await _counted(door)
+            n = 0
+            while conn.transport.get_write_buffer_size() < 8000:  # answers the client does not read pile up
+                sock.sendall(b"POST /plain HTTP/1.1\r\nHost: h\r\nContent-Length: 30000\r\n\r\n" + b"a" * 30000)
+                n += 1
+                await _until(lambda n=n: len(up.seen) >= n and (conn._task is None or conn._task.done()), "answered")
+            sock.send(b"POST /plain HTTP/1.1\r\nHost: h\r\nContent-Length: 999999999\r\n\r\n")
+            await _until(lambda: conn._linger_until is not None, "the 413 written, the door lingering")
+            sock.shutdown(socket.SHUT_WR)
+            await _until(lambda: not door._conns, "the connection let go")
+        finally:
+            sock.close()

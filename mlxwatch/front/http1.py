@@ -234,6 +234,13 @@ class ClientConnection(asyncio.Protocol):
             self._drained.set_result(None)  # drain() sees the connection gone
         self.door.closed(self)
 
+    def eof_received(self) -> bool | None:
+        """The client shut its side: ours is closed after what is written, and cut if the client
+        does not take it within SEND_TIMEOUT (left to the transport, a client that half-closes
+        and never reads held the connection for ever; found in review)."""
+        self.close()
+        return None
+
     def pause_writing(self) -> None:
         self._paused = True
         if self.upstream is not None:
@@ -454,6 +461,8 @@ class ClientConnection(asyncio.Protocol):
         self._cancel_timers()
         if self.transport is not None and not self.transport.is_closing():
             self.transport.close()
+            if self._close_timer is not None:
+                self._close_timer.cancel()  # a lingering close's timer: this one takes over
             self._close_timer = asyncio.get_running_loop().call_later(SEND_TIMEOUT, self.transport.abort)
 
     def _linger(self) -> None:
@@ -557,7 +566,7 @@ class ClientConnection(asyncio.Protocol):
         (its request to the server is closed with it), else wait again. A client that never
         reads must not hold a connection, and a generation on the server, for ever."""
         self._send_timer = None
-        if not self._paused or self.transport is None or self.transport.is_closing():
+        if not self._paused or self.transport is None:  # (a closing transport too: its buffer is what is unsent)
             return
         if self._bytes_taken() > self._taken:
             self._arm_send_timer()
