@@ -1484,3 +1484,30 @@ async def test_a_refused_client_that_half_closes_with_its_answer_unread_is_cut_o
             await _until(lambda: not door._conns, "the connection let go")
         finally:
             sock.close()
+
+
+async def test_answers_to_pipelined_requests_a_client_never_reads_do_not_pile_up():
+    """Found in review: while restarting, a client pipelining requests and reading none of the
+    503s got every one written into the door's buffer (the next request was served whatever
+    the client had taken), so memory grew with what it sent. Now the next request waits until
+    the client takes the last answer, and reading stops at the stash's bound."""
+    async with Upstream() as up, _door(up) as door:
+        door.set_gate(Gate.RESTARTING)
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.connect(door.address)
+        conn = await _counted(door)
+        requests = b"GET /plain HTTP/1.1\r\nHost: h\r\n\r\n" * 200_000  # 6.6 MB of requests, 200,000 answers
+        sender = asyncio.create_task(asyncio.to_thread(sock.sendall, requests))
+        most = 0
+        try:
+            for _ in range(150):  # 1.5 s: what an unbounded door would have written by then
+                most = max(most, conn.transport.get_write_buffer_size())
+                if sender.done() and most > 0:
+                    break
+                await asyncio.sleep(0.01)
+        finally:
+            sock.shutdown(socket.SHUT_RDWR)  # ends the sender, blocked or not
+            sock.close()
+            await asyncio.gather(sender, return_exceptions=True)
+    assert 0 < most < 256 * 1024, most

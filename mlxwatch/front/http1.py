@@ -368,6 +368,14 @@ class ClientConnection(asyncio.Protocol):
                 log.exception("front door: serving a request failed")
                 self.abort()
                 return
+            if self._paused and not self._closing:
+                # The next request waits until the client takes this answer: a client pipelining
+                # requests it never reads the answers of (503s during a restart) cannot pile them
+                # up in the door's memory (found in review).
+                try:
+                    await self.drain()
+                except ConnectionError:
+                    return
             if self._close_after or self._closing:
                 self.close()
                 return
