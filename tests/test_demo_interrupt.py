@@ -28,7 +28,10 @@ NEVER_READY = "import time; time.sleep(300)"  # a server whose readiness never c
 # Runs `mlxwatch demo` (the CLI's own main) with the server swapped: argv[1] "start" = never
 # ready, "watch" = the stand-in on the demo's port (ready at once, so the demo goes on to watch).
 DRIVER = f"""
-import importlib.util, sys
+import importlib.util, signal, sys
+# Ctrl-C as in a terminal: started from a script's background job (as .ci/run may be), this
+# process would begin with SIGINT ignored, and Python then installs no KeyboardInterrupt for it.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 from mlxwatch._lab import server
 from mlxwatch.cli.app import main
 
