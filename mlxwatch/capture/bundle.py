@@ -40,10 +40,11 @@ import stat
 import threading
 import time
 import uuid
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import psutil
 
@@ -102,13 +103,9 @@ class BundleWriter:
         self._closed = False
         self._full: str | None = None  # why the bundle was given up for lack of space (then nothing more is written)
         self._removed = False
-        try:
+        with self._space_checked(WRITER):
             self.partial.mkdir(mode=0o700)
             write_new(self.partial / WRITER, json.dumps(_this_writer()).encode())
-        except OSError as exc:
-            if no_space(exc):
-                raise self._out_of_space(exc, WRITER) from None
-            raise
 
     def _check_floor(self, size: int, what: str) -> None:
         if not self.min_free_bytes:
@@ -140,6 +137,26 @@ class BundleWriter:
             self._removed = True
             shutil.rmtree(self.partial, ignore_errors=True)
 
+    @contextmanager
+    def _space_checked(self, relname: str) -> Iterator[None]:
+        """A write of ``relname`` refused for lack of space gives the bundle up (``_out_of_space``)."""
+        try:
+            yield
+        except OSError as exc:
+            if no_space(exc):
+                raise self._out_of_space(exc, relname) from None
+            raise
+
+    @contextmanager
+    def _writing(self, relname: str) -> Iterator[None]:
+        """One write into the partial bundle: counted as in progress (see ``_begin``), space checked."""
+        self._begin(relname)
+        try:
+            with self._space_checked(relname):
+                yield
+        finally:
+            self._end()
+
     def _refuse_if_full(self) -> None:
         with self._lock:
             if self._full is not None:
@@ -165,20 +182,13 @@ class BundleWriter:
         self._refuse_if_full()
         if relname != SUMMARY:  # the summary (kilobytes) is what says why the rest is missing
             self._check_floor(len(data), f"{relname} not written")
-        self._begin(relname)
-        try:
+        with self._writing(relname):
             path = self.partial / relname
             private_dir(path.parent)
             write_new(path, data)
             with self._lock:
                 self.files[relname] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
             return path
-        except OSError as exc:
-            if no_space(exc):
-                raise self._out_of_space(exc, relname) from None
-            raise
-        finally:
-            self._end()
 
     def write_json(self, relname: str, value: Any) -> Path:
         return self.write(relname, json.dumps(value, indent=2, sort_keys=True, default=str))
@@ -195,17 +205,10 @@ class BundleWriter:
 
     def tool_output(self, relname: str) -> Path:
         """Where a tool should write ``relname`` (its directory made private)."""
-        self._begin(relname)  # a given-up (or finished) bundle's directory is never made again
-        try:
+        with self._writing(relname):  # a given-up (or finished) bundle's directory is never made again
             path = self.partial / relname
             private_dir(path.parent)
             return path
-        except OSError as exc:
-            if no_space(exc):
-                raise self._out_of_space(exc, relname) from None
-            raise
-        finally:
-            self._end()
 
     def copy(self, relname: str, source: Path, max_bytes: int = 16 * 1024 * 1024) -> Path:
         with open(source, "rb") as fh:
@@ -222,7 +225,7 @@ class BundleWriter:
             files = dict(sorted(self.files.items()))
         manifest = {**manifest, "format_version": FORMAT_VERSION, "name": self.name, "files": files}
         data = json.dumps(manifest, indent=2, sort_keys=True, default=str).encode()
-        try:
+        with self._space_checked(MANIFEST):
             write_new(self.partial / MANIFEST, data)
             self.files[MANIFEST] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
             self.manifest = manifest
@@ -235,10 +238,6 @@ class BundleWriter:
             if final.exists():  # names carry a random id; this would be a bug, and we never overwrite
                 raise FileExistsError(final)
             os.rename(self.partial, final)
-        except OSError as exc:
-            if no_space(exc):
-                raise self._out_of_space(exc, MANIFEST) from None
-            raise
         fsync_dir(self.root)
         return final
 
