@@ -16,7 +16,7 @@ from mlxwatch.cli.common import (
     load_optional,
     make_out_dir,
     out_target,
-    unwritable,
+    writing_in,
 )
 from mlxwatch.errors import UsageError
 
@@ -120,14 +120,10 @@ def _bundle_export(args: argparse.Namespace, out: Console) -> int:
         make_out_dir(target_dir, "bundle export", args.out)  # (inside the bundle: export_bundle refuses it)
     skipped: list[str] = []
     try:
-        written = export_bundle(path, archive or out_dir, redact=args.redact, on_skip=skipped.append)
+        with writing_in(target_dir, "bundle export", args.out):
+            written = export_bundle(path, archive or out_dir, redact=args.redact, on_skip=skipped.append)
     except FileExistsError as exc:
         raise UsageError(f"bundle export: {exc} (give --out a new name or another directory)") from None
-    except OSError as exc:
-        refusal = unwritable(exc, target_dir, "bundle export", args.out) if target_dir is not None else None
-        if refusal is None:
-            raise
-        raise refusal from None
     if skipped:
         render_skipped(err_console(), skipped)
     print(written)

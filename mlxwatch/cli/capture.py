@@ -17,8 +17,8 @@ from mlxwatch.cli.common import (
     log_arg,
     make_out_dir,
     out_target,
-    unwritable,
     url_arg,
+    writing_in,
 )
 from mlxwatch.config import ProbeConfig
 
@@ -54,25 +54,15 @@ def cmd_capture(args: argparse.Namespace, out: Console) -> int:
     )
     # A bundle or an archive that cannot be written where the user asked is their problem (exit
     # 2), told for the directory that step wrote in: a full disk's error names no file.
-    try:
+    with writing_in(target_dir, "capture", args.out if out_dir else None):
         if args.json:
             bundle = asyncio.run(capture_bundle(request))
         else:
             with CaptureProgress(out) as progress:
                 bundle = asyncio.run(capture_bundle(request, on_step=progress.update))
                 progress.finish(bundle.manifest.get("steps") or [])
-    except OSError as exc:
-        refusal = unwritable(exc, target_dir, "capture", args.out if out_dir else None)
-        if refusal is None:
-            raise
-        raise refusal from None
-    try:
+    with writing_in(archive.parent if archive else None, "capture", args.out):
         written = export_bundle(bundle.path, archive) if archive else None
-    except OSError as exc:
-        refusal = unwritable(exc, archive.parent, "capture", args.out) if archive else None
-        if refusal is None:
-            raise
-        raise refusal from None
     hint = stacks_hint(bundle.manifest, cap.sudo)
     if args.json:
         print(json.dumps({"path": str(bundle.path), "archive": str(written) if written else None,

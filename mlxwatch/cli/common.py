@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import argparse
 import os
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 from rich.console import Console
 
@@ -124,6 +126,22 @@ def unwritable(exc: OSError, directory: Path, command: str, given: str | None) -
     fix = "free some space there, set capture.dir in the config, or give --out DIR" if full \
         else "set capture.dir in the config, or give --out DIR"
     return UsageError(f"{command}: cannot write a bundle in {directory}: {why} ({fix})")
+
+
+@contextmanager
+def writing_in(directory: Path | None, command: str, given: str | None) -> Iterator[None]:
+    """Write in ``directory``: an ``OSError`` there is raised as the user's one-line problem
+    (``unwritable``); any other goes on as it was, FileExistsError too (nothing is overwritten:
+    the caller says so in its own words)."""
+    try:
+        yield
+    except FileExistsError:
+        raise
+    except OSError as exc:
+        refusal = unwritable(exc, directory, command, given) if directory is not None else None
+        if refusal is None:
+            raise
+        raise refusal from None
 
 
 def url_arg(command: str, text: str, field: str = "--url") -> str:
