@@ -1,0 +1,182 @@
+"""What the kernel counts on a server's client connections, readable without root.
+
+Tokens streamed to a client leave no line in mlx-lm's log, and ``/proc/PID/io`` does not count
+the ``send(2)`` its HTTP server uses; but the kernel keeps, for every TCP connection, how many
+bytes it sent and when it last did. That is "bytes left the server for a client, and when", for
+every client, with no change to the server or its clients:
+
+- **Linux**: sock_diag over netlink (``NETLINK_SOCK_DIAG``, what ``ss -tin`` prints) through
+  pyroute2's ``DiagSocket``: ``tcpi_bytes_sent``, ``tcpi_data_segs_out`` and
+  ``tcpi_last_data_sent`` per socket. Any user may dump every socket's TCP info; one dump serves
+  every instance (``KernelCounters`` caches it for ``MAX_AGE``), so the cost does not grow with
+  the number of instances watched, only with the number of sockets on the machine.
+- **macOS**: ``nettop`` in logging mode lists each TCP connection of a process with its bytes in
+  and out, also without root (``mlxwatch.host.nettop``).
+
+The daemon's own connections to the server (its probes, the capture's, the front door's) are
+told apart here (``Connection.own``): the probe judges its own stream, and the door counts its
+own tokens. Every function blocks: call it from a thread.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Collection, Protocol
+
+MAX_AGE = 0.5  # seconds a dump serves every instance that asks for it
+# TCP states a server can still send in: established, and closing from either side.
+_STATES = ("ESTABLISHED", "FIN_WAIT1", "FIN_WAIT2", "CLOSE_WAIT", "LAST_ACK", "CLOSING")
+_STATE_NUMBERS = {"ESTABLISHED": 1, "FIN_WAIT1": 4, "FIN_WAIT2": 5, "CLOSE_WAIT": 8, "LAST_ACK": 9, "CLOSING": 11}
+_INET_DIAG_INFO = 2
+
+
+@dataclass(frozen=True)
+class Connection:
+    """One client connection of a server, as the kernel counts it on the server's side."""
+
+    port: int  # the server's (listening) port
+    client: tuple[str, int]  # the peer's address and port
+    key: tuple[Any, ...]  # stays the same for the connection's life (socket inode or nettop's id)
+    bytes_sent: int  # server -> client
+    bytes_received: int  # client -> server: a request that has arrived
+    segments_out: int | None = None  # data segments sent (Linux): tells keepalive-sized writes from tokens
+    idle_send: float | None = None  # seconds since the server last sent data (None: not known)
+    own: bool = False  # the client end is this process (a probe of ours, the front door)
+
+
+@dataclass(frozen=True)
+class Reading:
+    """One look at the kernel's counters: the connections on the asked ports, or why none."""
+
+    at: float  # monotonic
+    connections: tuple[Connection, ...] = ()
+    error: str | None = None  # why nothing could be read (no sock_diag, no nettop, refused)
+
+    def on(self, port: int) -> tuple[Connection, ...]:
+        return tuple(c for c in self.connections if c.port == port)
+
+
+class Reader(Protocol):
+    def __call__(self, ports: Collection[int]) -> Reading: ...
+
+
+def _own_socket_inodes() -> set[int]:
+    """Socket inodes this process holds (``/proc/self/fd``): the daemon's own client ends."""
+    out = set()
+    try:
+        fds = os.listdir("/proc/self/fd")
+    except OSError:
+        return out
+    for fd in fds:
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            out.add(int(target[8:-1]))
+    return out
+
+
+@dataclass
+class LinuxReader:
+    """sock_diag dumps through pyroute2 (one netlink socket, kept open between dumps)."""
+
+    _sock: Any = field(default=None, repr=False)
+
+    def _socket(self) -> Any:
+        if self._sock is None:
+            from pyroute2 import DiagSocket  # noqa: PLC0415  only on Linux, only when first used
+
+            sock = DiagSocket()
+            sock.bind()
+            self._sock = sock
+        return self._sock
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+
+    def __call__(self, ports: Collection[int]) -> Reading:
+        at = time.monotonic()
+        wanted = set(ports)
+        states = sum(1 << _STATE_NUMBERS[s] for s in _STATES)
+        try:
+            sock = self._socket()
+            messages = []
+            for family in (socket.AF_INET, socket.AF_INET6):
+                messages += sock.get_sock_stats(family=family, states=states, extensions=1 << (_INET_DIAG_INFO - 1))
+        except ImportError:
+            return Reading(at, error="pyroute2 is not installed (pip install pyroute2)")
+        except Exception as exc:  # noqa: BLE001  netlink refused, no sock_diag (a container): said, not raised
+            self.close()
+            return Reading(at, error=f"sock_diag unavailable: {type(exc).__name__}: {exc}")
+        servers, client_ends = [], {}
+        for m in messages:
+            sport, dport = m["idiag_sport"], m["idiag_dport"]
+            if sport in wanted:
+                servers.append(m)
+            if dport in wanted:  # a client end on this machine: whose is it?
+                client_ends[(m["idiag_src"], sport)] = m["idiag_inode"]
+        own = _own_socket_inodes() if client_ends else set()
+        out = []
+        for m in servers:
+            info = m.get_attr("INET_DIAG_INFO")
+            if not info:
+                continue
+            client = (m["idiag_dst"], m["idiag_dport"])
+            last = info.get("tcpi_last_data_sent")
+            out.append(Connection(
+                port=m["idiag_sport"], client=client, key=(m["idiag_inode"], m["idiag_cookie"]),
+                bytes_sent=int(info.get("tcpi_bytes_sent") or 0),
+                bytes_received=int(info.get("tcpi_bytes_received") or 0),
+                segments_out=info.get("tcpi_data_segs_out"),
+                idle_send=None if last is None else last / 1000.0,
+                own=client_ends.get(client) in own,
+            ))
+        return Reading(at, tuple(out))
+
+
+def unavailable(why: str) -> Reader:
+    def read(ports: Collection[int]) -> Reading:
+        return Reading(time.monotonic(), error=why)
+    return read
+
+
+def platform_reader(platform: str = sys.platform) -> Reader:
+    """The reader this machine has: sock_diag on Linux, nettop on macOS, none elsewhere."""
+    if platform.startswith("linux"):
+        return LinuxReader()
+    if platform == "darwin":
+        from mlxwatch.host.nettop import NettopReader
+
+        return NettopReader()
+    return unavailable(f"no kernel sight on {platform}")
+
+
+@dataclass
+class KernelCounters:
+    """The daemon's one view of the kernel's counters, shared by every instance: a reading
+    serves every caller for ``max_age`` seconds, so N instances cost one dump per tick."""
+
+    reader: Reader = field(default_factory=platform_reader)
+    max_age: float = MAX_AGE
+    clock: Callable[[], float] = time.monotonic
+    ports: set[int] = field(default_factory=set)  # every port any instance asked about
+    _last: Reading | None = None
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def read(self, port: int) -> Reading:
+        """The counters for ``port`` (blocking: call from a thread; one dump at a time)."""
+        with self._lock:
+            new_port = port not in self.ports
+            self.ports.add(port)
+            last = self._last
+            if last is None or new_port or self.clock() - last.at > self.max_age:
+                last = self._last = self.reader(frozenset(self.ports))
+        return Reading(last.at, last.on(port), last.error)
