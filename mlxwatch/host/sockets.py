@@ -67,7 +67,7 @@ class Reader(Protocol):
 
 def _own_socket_inodes() -> set[int]:
     """Socket inodes this process holds (``/proc/self/fd``): the daemon's own client ends."""
-    out = set()
+    out: set[int] = set()
     try:
         fds = os.listdir("/proc/self/fd")
     except OSError:
@@ -90,7 +90,7 @@ class LinuxReader:
 
     def _socket(self) -> Any:
         if self._sock is None:
-            from pyroute2 import DiagSocket  # noqa: PLC0415  only on Linux, only when first used
+            from pyroute2 import DiagSocket  # type: ignore[import-untyped]  # no types; Linux only, when first used
 
             sock = DiagSocket()
             sock.bind()
@@ -113,7 +113,7 @@ class LinuxReader:
                 messages += sock.get_sock_stats(family=family, states=states, extensions=1 << (_INET_DIAG_INFO - 1))
         except ImportError:
             return Reading(at, error="pyroute2 is not installed (pip install pyroute2)")
-        except Exception as exc:  # noqa: BLE001  netlink refused, no sock_diag (a container): said, not raised
+        except Exception as exc:  # netlink refused, no sock_diag (a container): said, not raised
             self.close()
             return Reading(at, error=f"sock_diag unavailable: {type(exc).__name__}: {exc}")
         servers, client_ends = [], {}
