@@ -9,6 +9,12 @@ written out below from the manual (not from mlxwatch's code):
                usage text (macOS 26, quoted in blacktop/ipsw-diffs, MACHOS/spindump.md): -onlyTarget,
                -stdout, -noFile ("the report ... will go to stdout instead"), -noBinary, -o <path>,
                -timelimit <t>, -wait, -noProcessingWhileSampling, ...
+- nettop(1) (mojave, https://www.unix.com/man-page/mojave/1/nettop): nettop [-ncd] [-m <mode>]
+               [-t <type>] [-s <seconds>] [-p <process-name|pid>] [-n] [-l <samples>] [-L <samples>]
+               [-P] [-j|k|J <column-name[,column-name]...>]; "-m <mode> ... tcp Only TCP sockets
+               will be monitored", "-n Disable address to name resolution". -L's meaning (logging
+               mode in CSV, that many samples, then exit) and the column names are from real
+               output, not the manual's excerpt: tests/data/nettop-netglass-capture.csv
 - launchctl(1): kickstart [-kp] service-target; service-target = domain-target/service-name,
                domain-target = system | user/<uid> | gui/<uid>
 """
@@ -29,6 +35,8 @@ from mlxwatch.restart.methods import launchd_command
 
 SAMPLE_MAN = {"positional": ["pid", "duration", "samplingInterval"],
               "flags": {"-wait", "-mayDie", "-fullPaths", "-e"}, "with_value": {"-file"}}
+NETTOP_MAN = {"positional": [], "flags": {"-n", "-c", "-d", "-P"},
+              "with_value": {"-m", "-t", "-s", "-p", "-l", "-L", "-j", "-k", "-J"}}
 SPINDUMP_MAN = {"positional": ["pid", "duration", "interval"],
                 "flags": {"-onlyTarget", "-stdout", "-noFile", "-noBinary", "-noText", "-wait", "-heavy", "-timeline",
                           "-noProcessingWhileSampling", "-noThrottle"},
@@ -83,6 +91,25 @@ def test_spindump_argv_follows_spindump8_and_writes_no_file(sudo):
     assert positional["pid"] == "4242" and int(positional["duration"]) >= 1 and int(positional["interval"]) >= 1
     assert {"-onlyTarget", "-stdout", "-noFile"} <= flags
     assert "-o" not in values
+
+
+def test_nettop_argv_follows_nettop1_and_asks_for_the_columns_of_the_real_output():
+    """TCP only, numeric, one logging-mode sample, every process (no -p: the reader knows
+    ports, not PIDs), per connection (no -P: a per-process summary has no connections), and
+    exactly the columns of the real capture the parser is tested on (its header), so the
+    output shape nettop gives this command is one that has been seen."""
+    from mlxwatch.host import nettop
+
+    argv = nettop.nettop_command()
+    assert argv[0] == "/usr/bin/nettop"
+    positional, flags, values = parse_by_synopsis(argv[1:], NETTOP_MAN)
+    assert positional == {}
+    assert values["-m"] == "tcp" and "-n" in flags
+    assert values["-L"] == "1" and "-l" not in values
+    assert not {"-P", "-d"} & flags and not {"-p", "-j", "-k"} & set(values)
+    text = (Path(__file__).parent / "data" / "nettop-netglass-capture.csv").read_text()
+    header = text.partition("# ----- output below, as quoted -----\n")[2].splitlines()[0]
+    assert set(values["-J"].split(",")) == {name for name in header.split(",") if name}
 
 
 def test_kickstart_argv_follows_launchctl1():

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -346,3 +347,113 @@ def test_without_python_stacks_the_classification_shows_what_sample_saw():
     assert any(line.startswith("sample: Thread_1447670") and "_dispatch_queue_invoke" in line
                for line in result.evidence)
     assert any("no stacks" in line for line in result.competing)
+
+
+# --- nettop's logging-mode CSV (kernel sight on macOS)
+#
+# vrlda/netglass's capture (macOS 26.5.2, `nettop -n -L 1 -J bytes_in,bytes_out,interface,
+# state,time`, not root). Expectations are read off the fixture by eye: OpenCode Helper.71830
+# serves 127.0.0.1:52122 to two clients; Tunnel.41723 serves 127.0.0.1:10808 to its own
+# clients (30 rows `tcp4 127.0.0.1:10808<->127.0.0.1:N,lo0,Established`, one `Closed` with no
+# counts, a listener, and a udp4 socket on the same port).
+
+NETTOP_CSV = "nettop-netglass-capture.csv"
+
+
+def test_nettop_gives_each_server_end_with_bytes_out_as_sent():
+    """Only the server's ends (local port 52122): not its listener, not the clients' ends
+    (`127.0.0.1:62377<->127.0.0.1:52122`, whose remote port is the server's)."""
+    from mlxwatch.host import nettop
+
+    conns = {c.client: c for c in nettop.parse(recorded(NETTOP_CSV), {52122})}
+    assert set(conns) == {("127.0.0.1", 62377), ("127.0.0.1", 52142)}
+    # `tcp4 127.0.0.1:52122<->127.0.0.1:52142,lo0,Established,608,264370376,`
+    c = conns[("127.0.0.1", 52142)]
+    assert (c.port, c.bytes_sent, c.bytes_received) == (52122, 264370376, 608)
+    assert (conns[("127.0.0.1", 62377)].bytes_sent, conns[("127.0.0.1", 62377)].bytes_received) == (219091, 2316)
+    assert c.idle_send is None and not c.own
+
+
+def test_nettop_lists_tcp_connections_that_can_still_send_and_nothing_else():
+    """Port 10808: 30 established server ends; the `Closed` row (no counts), the listener and
+    the udp4 socket on the same port are left out; listeners alone (51560) give nothing."""
+    from mlxwatch.host import nettop
+
+    conns = nettop.parse(recorded(NETTOP_CSV), {10808})
+    assert len(conns) == 30 and {c.port for c in conns} == {10808}
+    assert ("127.0.0.1", 62345) not in {c.client for c in conns}  # the Closed one
+    assert len({c.key for c in conns}) == 30
+    assert nettop.parse(recorded(NETTOP_CSV), {51560, 5000, 7000}) == ()
+    both = nettop.parse(recorded(NETTOP_CSV), {10808, 52122})
+    assert len(both) == 32
+
+
+def test_nettop_keys_are_stable_and_own_client_ends_are_marked():
+    """The same connection has the same key in another reading (it is the 4-tuple: nettop
+    shows no socket id); a server end whose client end is one of ours is `own`."""
+    from mlxwatch.host import nettop
+
+    text = recorded(NETTOP_CSV)
+    first = {c.client: c for c in nettop.parse(text, {52122}, {("127.0.0.1", 62377, 52122)})}
+    again = {c.client: c for c in nettop.parse(text, {52122})}
+    assert {k: c.key for k, c in first.items()} == {k: c.key for k, c in again.items()}
+    assert first[("127.0.0.1", 62377)].own and not first[("127.0.0.1", 52142)].own
+    # Our socket to another port with the same client port is not this connection.
+    assert not any(c.own for c in nettop.parse(text, {52122}, {("127.0.0.1", 62377, 9999)}))
+
+
+def test_nettop_asks_for_our_own_sockets_only_when_it_found_a_connection():
+    from mlxwatch.host import nettop
+
+    calls = []
+    nettop.parse(recorded(NETTOP_CSV), {51560}, lambda: calls.append(1) or set())
+    assert calls == []
+    nettop.parse(recorded(NETTOP_CSV), {52122}, lambda: calls.append(1) or set())
+    assert calls == [1]
+
+
+def test_nettop_ipv6_endpoints_are_address_dot_port():
+    """Written here, not recorded: the capture has no established tcp6 connection, only tcp6
+    listeners (`tcp6 *.51560<->*.*`) and a quic6 row in the same addr.port form; this applies
+    that form to a connection, and an IPv4-mapped client to our socket's plain address."""
+    from mlxwatch.host import nettop
+
+    text = ("time,,interface,state,bytes_in,bytes_out,\n"
+            "00:00:00.000001,tcp6 ::1.8080<->::1.50001,lo0,Established,120,4096,\n"
+            "00:00:00.000002,tcp6 ::ffff:127.0.0.1.8080<->::ffff:127.0.0.1.50002,lo0,FinWait2,7,9,\n")
+    conns = {c.client: c for c in nettop.parse(text, {8080}, {("127.0.0.1", 50002, 8080)})}
+    assert set(conns) == {("::1", 50001), ("::ffff:127.0.0.1", 50002)}
+    assert conns[("::1", 50001)].bytes_sent == 4096 and not conns[("::1", 50001)].own
+    assert conns[("::ffff:127.0.0.1", 50002)].own
+
+
+def test_nettop_finds_columns_by_the_header_not_by_position():
+    """nettop prints columns in its own order whatever -J asks (netglass's notes quote the
+    manual: "The ordering is currently as per nettop default"); the fixture's rows with the
+    columns rearranged, as another macOS could print them, read the same."""
+    from mlxwatch.host import nettop
+
+    lines = recorded(NETTOP_CSV).splitlines()
+    order = [5, 4, 3, 0, 1, 2, 6]  # bytes_out,bytes_in,state,time,(unnamed),interface,(trailing)
+    shuffled = "\n".join(",".join(line.split(",")[i] for i in order) for line in lines)
+    assert shuffled.startswith("bytes_out,bytes_in,state,time,,interface,")
+    assert nettop.parse(shuffled, {52122, 10808}) == nettop.parse(recorded(NETTOP_CSV), {52122, 10808})
+
+
+@pytest.mark.parametrize(("text", "says"), [
+    ("", "printed nothing"),
+    # Written here: what nettop prints for a column it does not know is its usage (netglass's
+    # notes), not a CSV header; the exact usage text is not quoted anywhere public.
+    ("usage: nettop [-ncd] [-m <mode>] [-t <type>] [-s <seconds>] [-p <process-name|pid>] [-n]"
+     " [-l <samples>] [-L <samples>] [-P] [-j|k|J <column-name[,column-name]...>]\n", "no CSV header"),
+    ("time,,interface,bytes_in\n00:00,tcp4 127.0.0.1:8080<->127.0.0.1:5,lo0,1\n", "lacks state, bytes_out"),
+    ("time,,state,bytes_in,bytes_out,\n0,tcp4 127.0.0.1:8080<->127.0.0.1:5,Established,1.2 KiB,3,\n",
+     "bytes_in is not a byte count: '1.2 KiB'"),
+    ("time,,state,bytes_in,bytes_out,\n0,tcp4 127.0.0.1:8080<->127.0.0.1:5,Established,1,\n", "a tcp row has 5 fields"),
+])
+def test_nettop_output_it_cannot_read_is_a_format_error(text, says):
+    from mlxwatch.host import nettop
+
+    with pytest.raises(nettop.NettopFormatError, match=re.escape(says)) as caught:
+        nettop.parse(text, {8080})
+    assert "\n" not in str(caught.value)
