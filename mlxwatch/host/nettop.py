@@ -33,7 +33,7 @@ from typing import AbstractSet, Callable, Collection
 import psutil
 
 from mlxwatch.host.commands import MAX_OUTPUT, error_line
-from mlxwatch.host.sockets import Connection, Reading
+from mlxwatch.host.connections import Connection, Reading
 
 NETTOP = "/usr/bin/nettop"
 TIMEOUT = 5.0  # seconds for one run; one sample usually takes well under a second
@@ -174,7 +174,7 @@ def run_bounded(argv: list[str], timeout: float, cap: int = MAX_OUTPUT) -> Ran:
 
 @dataclass
 class NettopReader:
-    """Kernel sight on macOS: one ``nettop`` run per reading (see ``KernelCounters``)."""
+    """Kernel sight on macOS: one ``nettop`` run per reading (``mlxwatch.host.sockets.KernelCounters`` shares it)."""
 
     nettop: str = NETTOP
     timeout: float = TIMEOUT

@@ -26,43 +26,16 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Collection, Protocol
+from typing import Any, Callable, Collection
+
+from mlxwatch.host.connections import Connection, Reader, Reading  # defined there, for nettop too
+from mlxwatch.host.nettop import NettopReader
 
 MAX_AGE = 0.5  # seconds a dump serves every instance that asks for it
 # TCP states a server can still send in: established, and closing from either side.
 _STATES = ("ESTABLISHED", "FIN_WAIT1", "FIN_WAIT2", "CLOSE_WAIT", "LAST_ACK", "CLOSING")
 _STATE_NUMBERS = {"ESTABLISHED": 1, "FIN_WAIT1": 4, "FIN_WAIT2": 5, "CLOSE_WAIT": 8, "LAST_ACK": 9, "CLOSING": 11}
 _INET_DIAG_INFO = 2
-
-
-@dataclass(frozen=True)
-class Connection:
-    """One client connection of a server, as the kernel counts it on the server's side."""
-
-    port: int  # the server's (listening) port
-    client: tuple[str, int]  # the peer's address and port
-    key: tuple[Any, ...]  # stays the same for the connection's life (socket inode or nettop's id)
-    bytes_sent: int  # server -> client
-    bytes_received: int  # client -> server: a request that has arrived
-    segments_out: int | None = None  # data segments sent (Linux): tells keepalive-sized writes from tokens
-    idle_send: float | None = None  # seconds since the server last sent data (None: not known)
-    own: bool = False  # the client end is this process (a probe of ours, the front door)
-
-
-@dataclass(frozen=True)
-class Reading:
-    """One look at the kernel's counters: the connections on the asked ports, or why none."""
-
-    at: float  # monotonic
-    connections: tuple[Connection, ...] = ()
-    error: str | None = None  # why nothing could be read (no sock_diag, no nettop, refused)
-
-    def on(self, port: int) -> tuple[Connection, ...]:
-        return tuple(c for c in self.connections if c.port == port)
-
-
-class Reader(Protocol):
-    def __call__(self, ports: Collection[int]) -> Reading: ...
 
 
 def _own_socket_inodes() -> set[int]:
@@ -153,8 +126,6 @@ def platform_reader(platform: str = sys.platform) -> Reader:
     if platform.startswith("linux"):
         return LinuxReader()
     if platform == "darwin":
-        from mlxwatch.host.nettop import NettopReader
-
         return NettopReader()
     return unavailable(f"no kernel sight on {platform}")
 

@@ -1,0 +1,38 @@
+"""What one look at the kernel's per-connection counters gives, whatever read them: the types
+shared by the Linux reader (``mlxwatch.host.sockets``) and the macOS one
+(``mlxwatch.host.nettop``). ``mlxwatch.host.sockets`` re-exports them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Collection, Protocol
+
+
+@dataclass(frozen=True)
+class Connection:
+    """One client connection of a server, as the kernel counts it on the server's side."""
+
+    port: int  # the server's (listening) port
+    client: tuple[str, int]  # the peer's address and port
+    key: tuple[Any, ...]  # stays the same for the connection's life (inode and cookie; nettop: the 4-tuple)
+    bytes_sent: int  # server -> client
+    bytes_received: int  # client -> server: a request that has arrived
+    segments_out: int | None = None  # data segments sent (Linux): tells keepalive-sized writes from tokens
+    idle_send: float | None = None  # seconds since the server last sent data (None: not known)
+    own: bool = False  # the client end is this process (a probe of ours, the front door)
+
+
+@dataclass(frozen=True)
+class Reading:
+    """One look at the kernel's counters: the connections on the asked ports, or why none."""
+
+    at: float  # monotonic
+    connections: tuple[Connection, ...] = ()
+    error: str | None = None  # why nothing could be read (no sock_diag, no nettop, refused)
+
+    def on(self, port: int) -> tuple[Connection, ...]:
+        return tuple(c for c in self.connections if c.port == port)
+
+
+class Reader(Protocol):
+    def __call__(self, ports: Collection[int]) -> Reading: ...
