@@ -60,6 +60,7 @@ class ProbeConfig:
     endpoint_timeout: float = 5.0  # /health and /v1/models
     startup_timeout: float = 600.0  # after a restart: large models take minutes to load
     stall_timeout: float = 60.0  # launch shim: requests in flight and no token this long -> suspect at once
+    quiet_window: float = 8.0  # kernel sight: nothing sent to any client this long ends a probe's wait
 
 
 @dataclass(frozen=True)
@@ -112,6 +113,7 @@ class InstanceConfig:
     restart: RestartConfig = field(default_factory=RestartConfig)
     shim: str = "auto"  # launch shim heartbeat: auto (use it when present) | required (warn when missing) | off
     front: FrontConfig | None = None  # the front door; None: off (clients talk to the server directly)
+    kernel: str = "auto"  # kernel sight (bytes sent to every client): auto (used where the OS allows) | off
 
     @property
     def port(self) -> int:
@@ -837,6 +839,7 @@ def _probe(sec: _Section) -> ProbeConfig:
         "endpoint_timeout": _positive_duration,
         "startup_timeout": _positive_duration,
         "stall_timeout": _positive_duration,
+        "quiet_window": _positive_duration,
     }))
     sec.done()
     if probe.first_token_timeout > probe.timeout:
@@ -930,13 +933,14 @@ def _instance(sec: _Section, base: Path) -> InstanceConfig:
     probe = _probe(sec.section("probe"))
     restart = _restart(sec.data.pop("restart", None), sec.key_path("restart"), sec.file)
     shim = sec.take("shim", _choice(SHIM_MODES), "auto")
+    kernel = sec.take("kernel", _choice(KERNEL_MODES), "auto")
     front = _front(sec.section("front")) if "front" in sec.data else None  # an empty `front:` too: it asks for a door
     sec.done()
     if front is not None and _takes_port(f"http://{listen_address(front.listen)}", url, both_bound=False):
         raise ConfigError(sec.file, f"{sec.path}.front.listen",
                           "is the server's own address; the front door needs a port of its own"
                           f" (got {listen_address(front.listen)!r})")
-    return InstanceConfig(name, url, log, pid_file, probe, restart, shim, front)
+    return InstanceConfig(name, url, log, pid_file, probe, restart, shim, front, kernel)
 
 
 def _front(sec: _Section) -> FrontConfig:
@@ -969,6 +973,7 @@ def listen_address(listen: tuple[str, int]) -> str:
 
 
 SHIM_MODES = ("auto", "required", "off")
+KERNEL_MODES = ("auto", "off")
 STACK_SOURCES = ("auto", "pyspy", "shim", "sample")
 REQUEST_CAPTURE = ("metadata", "bodies")
 

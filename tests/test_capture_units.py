@@ -35,7 +35,7 @@ from mlxwatch.capture.runner import StepRunner
 from mlxwatch.capture.summary import render_summary
 from mlxwatch.host.commands import CommandResult, run_command
 from mlxwatch.serverlog.markers import scan, since_last_start
-from mlxwatch.verdict.progress import prompt_advances
+from mlxwatch.serverlog.markers import prompt_advances
 
 
 def thread(name="Thread-1 (_generate)", frames=(("_step", 1369), ("next", 1415), ("_generate", 853))):
@@ -419,7 +419,7 @@ def test_log_window_counts_other_prompts_progress_only():
 
 
 def test_log_window_reads_progress_by_the_watchers_rule():
-    """Capture's window and the watcher read progress by one rule (verdict.progress): a prompt
+    """Capture's window and the watcher read progress by one rule (serverlog.markers.prompt_advances): a prompt
     that advanced before the server restarted within the window advanced all the same, and the
     new process's prompts start over."""
     gained = ("Prompt processing progress: 4096/25660\n"

@@ -39,7 +39,7 @@ from mlxwatch.restart.methods import (
     restart,
 )
 from mlxwatch.verdict import policy
-from mlxwatch.verdict.progress import late_delivery
+from mlxwatch.evidence.probes import late_delivery
 
 LATE = ["the previous probe's reply arrived late: 4 token(s)"]
 

@@ -24,7 +24,10 @@ from mlxwatch.config import (
     ProbeConfig,
     RestartConfig,
 )
-from mlxwatch.daemon.frontwatch import FrontWatch, quiet_start, requests_evidence
+from mlxwatch.daemon.frontwatch import requests_evidence
+from mlxwatch.evidence import Window
+from mlxwatch.evidence.door import DoorSource, quiet_start, stall_of
+from mlxwatch.evidence.sight import Sight
 from mlxwatch.daemon.metrics import Metrics
 from mlxwatch.daemon.status import collect_status
 from mlxwatch.errors import FrontError
@@ -141,20 +144,32 @@ def test_quiet_starts_at_the_later_of_the_last_token_and_the_oldest_request():
 
 
 def test_stall_is_one_early_probe_per_episode():
-    watch = FrontWatch(stall_timeout=10.0)
+    sight = Sight([])
     view = DeliveryView((request(100.0),), 95.0, 3, {})
-    assert watch.stall(view, 109.0) is None
-    stall = watch.stall(view, 110.5)
+    assert stall_of(view, 109.0, 10.0) is None
+    stall = stall_of(view, 110.5, 10.0)
     assert stall and "1 request(s) in flight and no token delivered to anyone for 10s" in stall.reason
-    assert watch.first_time(stall) and not watch.first_time(watch.stall(view, 130.0))
-    assert watch.first_time(watch.stall(replace(view, last_token_mono=120.0), 131.0))  # tokens came, then a new stall
+    assert sight.first_time(stall) and not sight.first_time(stall_of(view, 130.0, 10.0))
+    assert sight.first_time(stall_of(replace(view, last_token_mono=120.0), 131.0, 10.0))  # tokens came, then a new stall
 
 
-def test_delivered_counts_tokens_since_the_last_reading():
-    watch = FrontWatch(stall_timeout=10.0)
-    assert watch.delivered(DeliveryView((), None, 5, {})) == []  # the first reading is the baseline
-    assert watch.delivered(DeliveryView((), 1.0, 12, {}), 30) == ["front door: 7 token(s) delivered to clients in the last 30s"]
-    assert watch.delivered(DeliveryView((), 1.0, 12, {})) == []
+class _Door:
+    """A door that shows the given views, one per look (only what the door source reads)."""
+
+    def __init__(self, *views: DeliveryView) -> None:
+        self.views, self.gate = list(views), Gate.OPEN
+
+    def view(self) -> DeliveryView:
+        return self.views.pop(0)
+
+
+def test_delivered_counts_tokens_in_the_window():
+    door = _Door(DeliveryView((), None, 5, {}), DeliveryView((), 1.0, 12, {}), DeliveryView((), 1.0, 12, {}))
+    source = DoorSource(door=lambda: door, stall_timeout=lambda: 10.0)  # type: ignore[arg-type, return-value]
+    assert asyncio.run(source.look(Window(0.0, 10.0))).delivered == ()  # the first look is the baseline
+    assert asyncio.run(source.look(Window(10.0, 40.0))).delivered == (
+        "front door: 7 token(s) delivered to clients in the last 30s",)
+    assert asyncio.run(source.look(Window(40.0, 50.0))).delivered == ()  # none since
 
 
 def test_evidence_has_ages_and_sizes_never_a_prompt():

@@ -14,7 +14,8 @@ from pathlib import Path
 
 from mlxwatch.probes import CheckReport, EndpointResult, GenerationProbeResult
 from mlxwatch.serverlog.follow import LogFollower, open_by
-from mlxwatch.verdict.progress import ProgressTracker
+from mlxwatch.evidence.log import ProgressTracker
+from tests.lab.evidence import LogLooks
 
 TURNED_OVER = "Jul  5 08:20:00 mac newsyslog[123]: logfile turned over\n"
 
@@ -40,7 +41,7 @@ def test_rename_rotation_while_the_writer_stays_on_the_old_file(tmp_path):
     writing to the renamed file. Measured: a false verdict 0.3 s after the rotation. Its progress
     lines still count, for as long as they keep coming, and the new file's lines are read too."""
     log, server = started_log(tmp_path)
-    tracker = ProgressTracker(log)
+    tracker = LogLooks(ProgressTracker(log))
     tracker.prime()
     with server:
         log.rename(tmp_path / "server.log.0")
@@ -48,12 +49,12 @@ def test_rename_rotation_while_the_writer_stays_on_the_old_file(tmp_path):
         for x in (2048, 4096, 6144):
             server.write(step(x))
             got = tracker.observe(failed_probe())
-            assert got.signals == (f"log: prompt processing advanced (1 step(s), now {x}/25660)",), (x, got)
-        assert tracker.observe(failed_probe()).signals == ()  # a pause: the old file is idle, not left
+            assert got.progress == (f"log: prompt processing advanced (1 step(s), now {x}/25660)",), (x, got)
+        assert tracker.observe(failed_probe()).progress == ()  # a pause: the old file is idle, not left
         server.write(step(8192))
         with open(log, "a") as other:
             other.write(step(9000, 9999))  # something else writes to the new file meanwhile
-        chunk_signals = tracker.observe(failed_probe()).signals
+        chunk_signals = tracker.observe(failed_probe()).progress
     assert chunk_signals == ("log: prompt processing advanced (2 step(s), now 9000/9999)",)
 
 
@@ -84,30 +85,30 @@ def test_rename_then_reopen_later_loses_nothing_and_lets_the_old_file_go(tmp_pat
 def test_reopen_into_an_empty_new_file_reads_it_from_its_start(tmp_path):
     """The rotation and the reopen both happen between two reads: nothing is lost."""
     log, server = started_log(tmp_path)
-    tracker = ProgressTracker(log)
+    tracker = LogLooks(ProgressTracker(log))
     tracker.prime()
     server.write(step(2048))
     server.close()
     log.rename(tmp_path / "server.log.0")
     with open(log, "a", buffering=1) as server:
         server.write(step(4096))
-    assert tracker.observe(failed_probe()).signals == ("log: prompt processing advanced (2 step(s), now 4096/25660)",)
+    assert tracker.observe(failed_probe()).progress == ("log: prompt processing advanced (2 step(s), now 4096/25660)",)
 
 
 def test_copy_truncate_is_still_handled(tmp_path):
     """logrotate's copytruncate: the log is copied, then truncated in place; the writer (O_APPEND)
     goes on at the new start."""
     log, server = started_log(tmp_path)
-    tracker = ProgressTracker(log)
+    tracker = LogLooks(ProgressTracker(log))
     tracker.prime()
     with server:
         server.write(step(2048))
         (tmp_path / "server.log.0").write_bytes(log.read_bytes())
         os.truncate(log, 0)
         got = tracker.observe(failed_probe())
-        assert got.signals == () and any(n.startswith("log truncated") for n in got.notes)
+        assert got.progress == () and any(n.startswith("log truncated") for n in got.notes)
         server.write(step(4096))
-        assert tracker.observe(failed_probe()).signals == ("log: prompt processing advanced (1 step(s), now 4096/25660)",)
+        assert tracker.observe(failed_probe()).progress == ("log: prompt processing advanced (1 step(s), now 4096/25660)",)
 
 
 def test_a_symlink_swapped_to_an_old_file_is_history_not_progress(tmp_path):
@@ -121,16 +122,16 @@ def test_a_symlink_swapped_to_an_old_file_is_history_not_progress(tmp_path):
     os.utime(old, (hour_ago, hour_ago))
     log = tmp_path / "server.log"
     log.symlink_to(current)
-    tracker = ProgressTracker(log)
+    tracker = LogLooks(ProgressTracker(log))
     tracker.prime()
     log.unlink()
     log.symlink_to(old)
     got = tracker.observe(failed_probe())
-    assert got.signals == ()
+    assert got.progress == ()
     assert any(n.startswith("log relinked: ") and "history" in n for n in got.notes), got.notes
     with open(old, "a") as fh:
         fh.write(step(512, 700))
-    assert tracker.observe(failed_probe()).signals == ("log: prompt processing advanced (1 step(s), now 512/700)",)
+    assert tracker.observe(failed_probe()).progress == ("log: prompt processing advanced (1 step(s), now 512/700)",)
 
 
 def test_a_symlink_swapped_to_a_new_file_is_read_from_its_start(tmp_path):
@@ -140,7 +141,7 @@ def test_a_symlink_swapped_to_a_new_file_is_read_from_its_start(tmp_path):
     first.write_text(step(100, 900))
     log = tmp_path / "server.log"
     log.symlink_to(first)
-    tracker = ProgressTracker(log)
+    tracker = LogLooks(ProgressTracker(log))
     tracker.prime()
     with open(first, "a", buffering=1) as server:
         second = tmp_path / "server-2.log"
@@ -149,7 +150,7 @@ def test_a_symlink_swapped_to_a_new_file_is_read_from_its_start(tmp_path):
         log.symlink_to(second)
         server.write(step(200, 900))
         got = tracker.observe(failed_probe())
-    assert set(got.signals) == {"log: prompt processing advanced (2 step(s), now 2048/25660)"}, got
+    assert set(got.progress) == {"log: prompt processing advanced (2 step(s), now 2048/25660)"}, got
 
 
 def test_a_writer_that_still_has_the_old_file_open_keeps_it_followed(tmp_path):

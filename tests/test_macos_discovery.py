@@ -225,7 +225,7 @@ async def test_only_url_and_a_launchd_label_end_to_end(procs, tmp_path, monkeypa
         await until(lambda: "local" in getattr(daemon, "watchers", {}) and daemon.watchers["local"].identity,
                     "the server proven by label")
         watcher = daemon.watchers["local"]
-        assert watcher.identity.pid == server.pid and watcher.tracker.log == log
+        assert watcher.identity.pid == server.pid and watcher.log_source.tracker.log == log
         mode_file.write_text("hang")
         await until(lambda: kicked, "the restart")
         await until(lambda: any(r.get("event") == "recovered" for r in journal.records()), "recovery")

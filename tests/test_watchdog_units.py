@@ -29,7 +29,8 @@ from mlxwatch.restart.methods import (
     systemd_command,
 )
 from mlxwatch.verdict import policy
-from mlxwatch.verdict.progress import ProgressTracker
+from mlxwatch.evidence.log import ProgressTracker
+from tests.lab.evidence import LogLooks
 
 
 def test_verdict_after_n_consecutive_failures():
@@ -189,22 +190,22 @@ def test_progress_tracker_counts_only_work_that_advanced(tmp_path):
     (POST ... 200) lines and lines written before the tracker was primed do not."""
     log = tmp_path / "server.log"
     log.write_text("Starting httpd at 127.0.0.1 on port 1...\n" + "Prompt processing progress: 512/9000\n" * 3)
-    t = ProgressTracker(log)
+    t = LogLooks(ProgressTracker(log))
     t.prime()
     with open(log, "a") as fh:  # our probe: admitted (POST 200), prefilled 25/25, then nothing
         fh.write('127.0.0.1 - - [x] "POST /v1/chat/completions HTTP/1.1" 200 -\n'
                  "Prompt processing progress: 24/25\nPrompt processing progress: 25/25\n")
-    assert t.observe(report(keepalives=[(24, 25), (25, 25)])).signals == ()
+    assert t.observe(report(keepalives=[(24, 25), (25, 25)])).progress == ()
     with open(log, "a") as fh:  # someone else's long prompt is advancing
         fh.write("Prompt processing progress: 1024/25660\nPrompt processing progress: 2048/25660\n")
-    assert t.observe(report(status=None)).signals == ("log: prompt processing advanced (2 step(s), now 2048/25660)",)
+    assert t.observe(report(status=None)).progress == ("log: prompt processing advanced (2 step(s), now 2048/25660)",)
     with open(log, "a") as fh:  # a client retrying against a livelocked server: admitted, never served
         fh.write('127.0.0.1 - - [x] "POST /v1/chat/completions HTTP/1.1" 200 -\n' * 3)
-    assert t.observe(report(status=200)).signals == ()
+    assert t.observe(report(status=200)).progress == ()
     with open(log, "a") as fh:  # the same line again is not progress
         fh.write("Prompt processing progress: 2048/25660\n")
-    assert t.observe(report(status=200)).signals == ()
-    assert t.observe(report(keepalives=[(64, 900), (128, 900)])).signals == (
+    assert t.observe(report(status=200)).progress == ()
+    assert t.observe(report(keepalives=[(64, 900), (128, 900)])).progress == (
         "the probe's own prompt was being processed (128/900)",)
 
 
@@ -217,12 +218,12 @@ def test_progress_in_a_log_of_many_megabytes_is_never_phantom(tmp_path):
     with open(log, "w") as fh:
         fh.write("Starting httpd at 127.0.0.1 on port 1...\n")
         fh.write(line * (6 * 1024 * 1024 // len(line)))  # 6 MB of old work
-    t = ProgressTracker(log)
+    t = LogLooks(ProgressTracker(log))
     t.prime()
     for _ in range(5):
         with open(log, "a") as fh:  # only admissions: a retrying client
             fh.write('127.0.0.1 - - [x] "POST /v1/chat/completions HTTP/1.1" 200 -\n')
-        assert t.observe(report()).signals == ()
+        assert t.observe(report()).progress == ()
 
 
 def test_log_follower_handles_rotation_truncation_and_bursts(tmp_path):

@@ -96,7 +96,7 @@ from mlxwatch.serverlog.markers import (
 from mlxwatch.shim import stacks as shim_stacks
 from mlxwatch.shim.heartbeat import Heartbeat, ShimError
 from mlxwatch.shim.stacks import ShimWindow
-from mlxwatch.verdict.progress import prompt_advances
+from mlxwatch.serverlog.markers import prompt_advances
 
 DUMP_TIMEOUT = 10.0
 # The stacks step holds the live process to the one the capture recorded, read milliseconds
@@ -589,7 +589,7 @@ class LogWindow:
 
 def log_window(before: dict[int, int], gained: str, probe_totals: set[int]) -> LogWindow:
     """Read the log text written during the window by the watcher's progress rule
-    (``verdict.progress.prompt_advances``); ``before`` maps each prompt's Y to the last X seen
+    (``serverlog.markers.prompt_advances``); ``before`` maps each prompt's Y to the last X seen
     before the window. Admission lines are counted apart, for the current server process only:
     they are not progress."""
     advances, _ = prompt_advances(gained.splitlines(), before, probe_totals)

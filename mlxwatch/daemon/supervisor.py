@@ -56,6 +56,7 @@ from mlxwatch.daemon.notify import Notifier
 from mlxwatch.daemon.watcher import InstanceWatcher, Shared
 from mlxwatch.errors import ConfigError, FrontError, StateError
 from mlxwatch.front.door import FrontDoor
+from mlxwatch.host.sockets import KernelCounters
 from mlxwatch.journal.incidents import Event, Journal
 from mlxwatch.journal.lock import StateDirLock
 from mlxwatch.journal.state import StateFile
@@ -136,9 +137,10 @@ class Daemon:
         now = time.time()
         self.state.set_daemon(pid=os.getpid(), started_at=now, running=True, stopped_at=None, last_tick=now,
                               watcher_errors=0, last_reload=None)
+        overrides = {"kernel": KernelCounters(), **self.overrides}  # one view of the kernel for every instance
         self.shared = Shared(journal=self.journal, state=self.state, state_dir=self.state_dir,
                              notifier=Notifier(self.config.notify), capture=self.config.capture,
-                             bundles_dir=bundles, **self.overrides)
+                             bundles_dir=bundles, **overrides)
         from mlxwatch.daemon.metrics import (
             start_metrics,  # here: mlxwatch.daemon.metrics imports the watchdog package
         )
@@ -230,6 +232,8 @@ class Daemon:
             log.error("cannot write the state file at stop: %s", exc)
         await self._stop_doors()
         await self.metrics.stop()
+        if self.shared.kernel is not None:
+            self.shared.kernel.close()
         log.info("stopped")
 
     # --- supervision
@@ -326,7 +330,7 @@ class Daemon:
             self.doors.pop(name)
             watcher = self.watchers.get(name)
             if watcher is not None and watcher.door is door:
-                watcher.door, watcher.frontwatch = None, None
+                watcher.door = None
             await self._stop_door(name, door)
             if name not in wanted:
                 self.state.update(name, front=None)
@@ -348,7 +352,7 @@ class Daemon:
                 log.info("%s: front door on %s for %s", name, listen_address(front.listen), url)
             watcher = self.watchers.get(name)
             if watcher is not None and watcher.door is not self.doors[name][1]:
-                watcher.door, watcher.frontwatch = self.doors[name][1], None  # a new door: a new baseline
+                watcher.door = self.doors[name][1]  # a new door: the door source takes a new baseline
 
     def _read_doors(self) -> None:
         """Each door's delivery, read on the event loop (the door's ledger is the loop's), into

@@ -3,15 +3,22 @@
 Each instance runs in its own task with its own HTTP connections, so a slow, refused or wedged
 instance never delays another's probes or takes its connections. At most one probe per
 instance is in flight: a probe that failed at its first-token deadline keeps its stream open
-and read until the server ends it or ``probe.timeout`` after sending (mlx-lm notices a closed
-stream only when it next writes, so an abandoned probe would stay in its batch and queue the next
-one); a token within that time is a delivery, and a verdict waits for those streams.
+and read until the server ends it or ``probe.timeout`` after sending, and longer while the server
+shows progress or delivery (mlx-lm notices a closed stream only when it next writes, so an
+abandoned probe would stay in its batch and lose its reply); a token on it is a delivery, and a
+verdict waits for those streams unless nothing flows anywhere.
 
-Blocking work (log reads, process lookups) runs in threads and only when the state changes:
-a healthy probe costs one HTTP exchange and nothing else. Every state change is logged (one
-line), journaled (one fsynced record) and marked for the state file. On a verdict the order is
-fixed: the server is proven (see ``mlxwatch.host.process``), the bundle is captured while it is
-still in its bad state, and only then is anything restarted.
+What the server delivers is read through one seam (``mlxwatch.evidence``): the watcher asks
+every source the same question, between two instants, and knows none of their details. While a
+probe waits it asks every second: nothing flowing to any client for ``probe.quiet_window`` (where
+the kernel's counters show every client) ends the wait early; between probes it asks for a
+stall, which makes the instance suspect at once.
+
+Blocking work (log and kernel reads, process lookups) runs in threads. A healthy cycle costs one
+HTTP exchange and, with kernel sight, one shared kernel reading every few seconds. Every state
+change is logged (one line), journaled (one fsynced record) and marked for the state file. On a
+verdict the order is fixed: the server is proven (see ``mlxwatch.host.process``), the bundle is
+captured while it is still in its bad state, and only then is anything restarted.
 """
 
 from __future__ import annotations
@@ -28,10 +35,18 @@ import httpx
 from mlxwatch.capture import Bundle, CaptureRequest, capture_bundle, capture_probe_timeouts
 from mlxwatch.clock import Clock, Stamp
 from mlxwatch.config import CaptureConfig, InstanceConfig
+from mlxwatch.daemon.frontwatch import requests_evidence
 from mlxwatch.daemon.notify import Notifier
-from mlxwatch.daemon.frontwatch import FrontWatch, quiet_start, requests_evidence
 from mlxwatch.errors import MlxwatchError
+from mlxwatch.evidence import Evidence, Window
+from mlxwatch.evidence.door import DoorSource
+from mlxwatch.evidence.kernel import KernelSource
+from mlxwatch.evidence.log import LogSource, ProgressTracker
+from mlxwatch.evidence.probes import ProbeStreams
+from mlxwatch.evidence.shim import ShimSource
+from mlxwatch.evidence.sight import Sight
 from mlxwatch.front.door import FrontDoor, Gate
+from mlxwatch.host.sockets import KernelCounters
 from mlxwatch.host.process import ProcessIdentity, ServerLookup, lookup_instance, lookup_server
 from mlxwatch.journal.incidents import Event, Incident, Journal
 from mlxwatch.journal.state import StateFile, take_resume
@@ -45,11 +60,7 @@ from mlxwatch.restart.methods import (
     describe,
     restart,
 )
-from mlxwatch.shim import heartbeat
-from mlxwatch.shim.watch import POLL as SHIM_POLL
-from mlxwatch.shim.watch import ShimWatch
 from mlxwatch.verdict import policy
-from mlxwatch.verdict.progress import ProgressTracker, late_delivery
 
 log = logging.getLogger("mlxwatch.watchdog")
 
@@ -57,6 +68,8 @@ RECOVERY_PROBE_EVERY = 5.0
 SETTLE_POLL = 0.5  # how often the look-again looks for a new server after the old one went
 FIRST_PROBE_SPREAD = 5.0  # each instance's first probe comes within min(interval, this): spread out
 KEPT_FAILED_REPORTS = 20
+LOOK_EVERY = 1.0  # seconds between looks while a probe waits or the instance is suspect
+WATCH_EVERY = 2.0  # ... while healthy (each source reads at its own rate; a look costs no I/O otherwise)
 
 
 @dataclass
@@ -77,6 +90,7 @@ class Shared:
     lookup_fn: Callable[[str, Path | None], ServerLookup] = lookup_server  # blocking; run in a thread
     make_client: Callable[[], httpx.AsyncClient] = make_client
     clock: Clock = field(default_factory=Clock)
+    kernel: KernelCounters | None = None  # kernel sight, one for the daemon (None: off)
 
 
 @dataclass
@@ -86,7 +100,9 @@ class InstanceWatcher:
     stop: asyncio.Event
     detect: policy.Detection = field(init=False)
     guard: FlapGuard = field(init=False)
-    tracker: ProgressTracker = field(init=False)
+    log_source: LogSource = field(init=False)
+    streams: ProbeStreams = field(init=False)  # failed probes' streams, read on
+    sight: Sight = field(init=False)  # every evidence source, asked as one
     identity: ProcessIdentity | None = None  # recorded when first seen healthy; proven before use
     incident: Incident | None = None
     failed_reports: list[CheckReport] = field(default_factory=list)
@@ -97,16 +113,13 @@ class InstanceWatcher:
     restart_in_flight: bool = False  # a stopped daemon left a restart running: its hook may still be at work
     restarting: asyncio.Task | None = None  # the restart under way (a stop lets it finish, up to a bound)
     lingering: asyncio.Task | None = None  # the capture probe's stream, still being read
-    open_probes: list[CheckReport] = field(default_factory=list)  # failed probes whose late tokens are not counted yet
-    draining: list[asyncio.Task] = field(default_factory=list)  # streams counted already, read on to their bound
-    door_cut: bool = False  # the last probe's first-token deadline was cut by a stall at the front door
-    looking_again: bool = False  # the probe right before a restart is under way
+    probe_sent: float | None = None  # monotonic: when the last probe was sent
+    judged_at: float | None = None  # monotonic: the last failed probe's judgement (the next window starts there)
+    cut: bool = False  # the last probe's wait was ended early by the evidence (nothing flowed)
     slow_said: bool = False  # this slow episode was journaled and notified (once, until healthy or a verdict)
     client: httpx.AsyncClient | None = None
     said: set[str] = field(default_factory=set)  # notes already logged once
-    shimwatch: ShimWatch | None = None  # the launch shim's heartbeat readings (see "launch shim" below)
     door: FrontDoor | None = None  # the instance's front door (the daemon starts and stops it; see "front door" below)
-    frontwatch: FrontWatch | None = None  # the door's delivery view, read as signals for the policy
     alive_at: float | None = None  # monotonic: the last sign of life (a cycle done, an incident step begun)
     alive_within: float = 0.0  # ... and the most it promised to take until the next one
 
@@ -125,7 +138,19 @@ class InstanceWatcher:
                 self.identity = ProcessIdentity.from_dict(server)  # proven again (alive) before any use
             except (KeyError, TypeError, ValueError, IndexError):
                 self.identity = None
-        self.tracker = ProgressTracker(self.inst.log, writer_pid=self._server_pid)
+        self.log_source = LogSource(ProgressTracker(self.inst.log, writer_pid=self._server_pid), self.shared.clock.monotonic)
+        self.streams = ProbeStreams()
+        sources: list = [
+            self.streams, self.log_source,
+            ShimSource(identity=lambda: self.identity, mode=lambda: self.inst.shim,
+                       stall_timeout=lambda: self.inst.probe.stall_timeout, clock=self.shared.clock.monotonic),
+            DoorSource(door=lambda: self.door if self.inst.front is not None else None,
+                       stall_timeout=lambda: self.inst.front.stall_timeout if self.inst.front else 0.0),
+        ]
+        if self.shared.kernel is not None and self.inst.kernel != "off":
+            sources.append(KernelSource(self.shared.kernel, self.inst.port, lambda: self.inst.probe.quiet_window,
+                                        server_pid=self._server_pid, clock=self.shared.clock.monotonic))
+        self.sight = Sight(sources)
 
     @property
     def name(self) -> str:
@@ -140,10 +165,11 @@ class InstanceWatcher:
         launchd is looked up by its label too, and without a configured ``log`` follows the job's
         StandardErrorPath that launchd names."""
         found = lookup_instance(self.inst, self.shared.lookup_fn)
-        if self.inst.log is None and found.log is not None and found.log != self.tracker.log:
+        if self.inst.log is None and found.log is not None and found.log != self.log_source.tracker.log:
             log.info("%s: following %s (the launchd job's log)", self.name, found.log)
-            self.tracker = ProgressTracker(found.log, writer_pid=self._server_pid)
-            self.tracker.prime()
+            tracker = ProgressTracker(found.log, writer_pid=self._server_pid)
+            tracker.prime()
+            self.log_source.tracker = tracker
         return found
 
     @property
@@ -192,7 +218,7 @@ class InstanceWatcher:
         async with self.shared.make_client() as client:
             self.client = client
             try:
-                self._say(await asyncio.to_thread(self.tracker.prime))
+                await self.sight.prime()
                 self._save()
                 await self._sleep(random.uniform(0, min(self.inst.probe.interval, FIRST_PROBE_SPREAD)))
                 loop = asyncio.get_running_loop()
@@ -233,72 +259,116 @@ class InstanceWatcher:
             pass
 
     async def probe(self) -> CheckReport:
-        """One check. A failed probe's stream is read on until the server ends it or
-        ``probe.timeout`` after it was sent (``read_until``), whatever probes come meanwhile:
-        the server serves that reply anyway (mlx-lm notices a closed stream only when it
-        writes), and a token within ``timeout`` of sending is a delivery (``_late_deliveries``).
-        A healthy answer ends the streams still open: nothing they say matters any more."""
+        """One check. While it waits for its first token the evidence is looked at every
+        ``LOOK_EVERY`` s (``_cut_reason``): nothing flowing to anyone for ``probe.quiet_window``
+        ends the wait early, as a failure. A failed probe's stream is read on until the server
+        ends it or ``probe.timeout`` after it was sent, and longer while the server shows
+        progress or delivery (``_hold_streams``): the server serves that reply anyway (mlx-lm
+        notices a closed stream only when it writes), and a token on it is a delivery. A healthy
+        answer ends the streams still open: nothing they say matters any more."""
+        loop = asyncio.get_running_loop()
+        check: asyncio.Future[CheckReport] | None = None
         try:
-            if self.detect.state == policy.HEALTHY and self.tracker.follower is not None:
-                # Progress is judged from here on: lines written while it was healthy are history.
-                self._say(await asyncio.to_thread(self.tracker.prime))
+            if self.detect.state == policy.HEALTHY:
+                await self.sight.prime()  # evidence is judged from here on: what came before is history
             p = self.inst.probe
             assert self.client is not None
-            first_token_timeout = self._front_probe_starts()
-            self.door_cut = first_token_timeout < p.first_token_timeout
-            report = await run_check(self.client, self.inst.url, first_token_timeout=first_token_timeout,
-                                     timeout=p.timeout, max_tokens=p.max_tokens, endpoint_timeout=p.endpoint_timeout,
-                                     read_until=p.timeout)
+            cut: asyncio.Future[str] = loop.create_future()
+            self.cut, self.probe_sent = False, self.shared.clock.monotonic()
+            await self._look(self.probe_sent, suspect=self.detect.state != policy.HEALTHY)  # the window opens
+            check = asyncio.ensure_future(run_check(
+                self.client, self.inst.url, first_token_timeout=p.first_token_timeout, timeout=p.timeout,
+                max_tokens=p.max_tokens, endpoint_timeout=p.endpoint_timeout, read_until=p.timeout, cut=cut))
+            while not check.done():
+                await asyncio.wait({check}, timeout=LOOK_EVERY)
+                if check.done() or cut.done():
+                    continue
+                reason = await self._cut_reason(self.probe_sent)
+                if reason and not cut.done():
+                    self.cut = True
+                    cut.set_result(reason)
+            report = check.result()
         except BaseException:
+            if check is not None and not check.done():
+                check.cancel()
+                await asyncio.gather(check, return_exceptions=True)
             await self._end_linger()
             raise
         if report.healthy:
             await self._end_linger()
-        elif report.lingering is not None:
-            self.open_probes.append(report)
+        else:
+            self.streams.add(report)
         return report
 
-    def _late_deliveries(self) -> list[str]:
-        """Tokens that arrived on failed probes' streams after their deadlines (within their
-        ``timeout``: the stream is not read longer), each probe counted once. Streams that ended
-        with nothing are let go; counted ones are read on to their bound."""
-        lines, still_open = [], []
-        for report in self.open_probes:
-            line = late_delivery(report)
-            if line:
-                lines.append(line)
-                if report.lingering is not None and not report.lingering.done():
-                    self.draining.append(report.lingering)
-            elif report.lingering is not None and not report.lingering.done():
-                still_open.append(report)
-        self.open_probes = still_open
-        self.draining = [t for t in self.draining if not t.done()]
-        return lines
+    async def _look(self, start: float, probe: CheckReport | None = None, suspect: bool = True) -> Evidence:
+        """Every source's evidence from ``start`` to now; notes said once, open streams held."""
+        now = self.shared.clock.monotonic()
+        evidence = await self.sight.look(Window(start, now, probe=probe, suspect=suspect))
+        for note in evidence.notes:
+            self._say(note)
+        self._hold_streams(evidence, now)
+        return evidence
+
+    async def _cut_reason(self, sent: float) -> str | None:
+        """Why the probe sent at ``sent`` should stop waiting for its first token now, or None:
+        nothing flowed to any client (nor any other sign of work) for ``probe.quiet_window``,
+        where a source sees every client; or a source's own bound (a stall at the front door)."""
+        evidence = await self._look(sent)
+        now = self.shared.clock.monotonic()
+        if evidence.cut_after is not None and now - sent >= evidence.cut_after:
+            stall = evidence.stall.reason if evidence.stall else "the front door delivered nothing meanwhile"
+            return f"{stall}"
+        quiet = evidence.quiet_for(now, since=sent)
+        window = self.inst.probe.quiet_window
+        if quiet is not None and quiet >= window:
+            return f"nothing sent to any client for {quiet:.0f}s (probe.quiet_window {window:g}s)"
+        return None
+
+    def _hold_streams(self, evidence: Evidence, now: float) -> None:
+        """The failed probes' streams stay open while the server shows progress or delivery
+        (anything flowed within ``quiet_window``), up to ``grace_ceiling`` after the first
+        failure: closing one would cost its reply and leave the server a broken pipe."""
+        if evidence.last_flow is None or now - evidence.last_flow > self.inst.probe.quiet_window:
+            return
+        p = self.inst.probe
+        first = self.detect.first_failure_at if self.detect.first_failure_at is not None else now
+        left = first + p.grace_ceiling - now
+        if left > 0:
+            self.streams.hold(asyncio.get_running_loop().time() + min(left, p.quiet_window + LOOK_EVERY))
 
     async def _await_late_delivery(self) -> list[str]:
-        """Before a verdict: wait for the failed probes' streams still open (each at most until
-        ``timeout`` after its probe was sent), until one delivers, all end, or stop. Returns the
-        late deliveries (none: the verdict stands)."""
+        """Before a verdict: wait for the failed probes' streams still open, until one delivers,
+        all end, the evidence shows delivery elsewhere (returned as such), nothing flows
+        anywhere for ``quiet_window`` (where a source sees every client), or stop. Returns the
+        deliveries (none: the verdict stands)."""
         loop = asyncio.get_running_loop()
+        sent = self.probe_sent if self.probe_sent is not None else self.shared.clock.monotonic()
         while not self.stop.is_set():
-            if lines := self._late_deliveries():
+            if lines := self.streams.count(self.shared.clock.monotonic()):
                 return lines
-            tasks = {r.lingering for r in self.open_probes if r.lingering is not None}
+            tasks = self.streams.tasks()
             if not tasks:
                 return []
-            self.promise(self.inst.probe.timeout)  # a bounded step: each stream ends by its read_until
+            evidence = await self._look(sent)
+            now = self.shared.clock.monotonic()
+            if evidence.delivered:
+                return list(evidence.delivered)
+            quiet = evidence.quiet_for(now, since=sent)
+            if (quiet is not None and quiet >= self.inst.probe.quiet_window) or \
+                    (evidence.cut_after is not None and now - sent >= evidence.cut_after):
+                return []  # nothing flows anywhere: no late token is coming
+            self.promise(self.inst.probe.timeout)  # a bounded step: each stream ends by its bound
             waiting = loop.create_task(self.stop.wait())
             try:
-                await asyncio.wait({*tasks, waiting}, timeout=0.25, return_when=asyncio.FIRST_COMPLETED)
+                await asyncio.wait({*tasks, waiting}, timeout=LOOK_EVERY, return_when=asyncio.FIRST_COMPLETED)
             finally:
                 waiting.cancel()
         return []
 
     async def _end_linger(self) -> None:
-        tasks = [self.lingering, *(r.lingering for r in self.open_probes), *self.draining]
-        self.lingering, self.open_probes, self.draining = None, [], []
-        for task in tasks:
-            await _end(task)
+        task, self.lingering = self.lingering, None
+        await self.streams.end()
+        await _end(task)
 
     async def cycle(self) -> None:
         now = self.shared.clock.monotonic()
@@ -308,40 +378,42 @@ class InstanceWatcher:
             self._resume(f"cool-down of {self.inst.restart.cooldown:g}s passed")
         report = await self.probe()
         now = self.shared.clock.monotonic()
-        front_delivered = self._front_reading()  # the door's deliveries while this probe waited
         self.shared.state.update(self.name, quiet=True, last_probe=_probe_summary(report, self.shared.clock.wall()))
         if report.healthy:
             await self._healthy(report, now)
             return
         log.info("%s: probe failed: %s", self.name, _one_line(report.reason))
-        late = self._late_deliveries()  # the earlier failed probes' tokens that came after their deadlines
         if self.detect.state == policy.GAVE_UP or self.incident is not None:
+            self.streams.count(now)  # lets go of the failed probes' streams that ended
             return  # gave up, or waiting for a server we may not restart to come back by itself
         if not self.seen_healthy and await self._starting(now):
             return
-        progress = await asyncio.to_thread(self.tracker.observe, report)
-        for note in progress.notes:
-            self._say(note)
+        # The window: since the previous failed probe's judgement (the wait between included), or
+        # since this probe was sent when it is the first failure.
+        start = self.judged_at if self.judged_at is not None else (self.probe_sent or now)
+        evidence = await self._look(start, probe=report)
+        self.judged_at = now
         self.failed_reports = [*self.failed_reports[-(KEPT_FAILED_REPORTS - 1):], report]
-        busy, delivered = await self._shim_on_failure(report)
-        delivered += self._front_on_failure(front_delivered)
-        delivered += late
-        signals = list(progress.signals) + busy
-        if not delivered and not progress.delivered and not self.door_cut and self.detect.would_judge(now, signals):
-            # A verdict waits for the window's failed probes' streams: a token within `timeout` of
-            # a probe's sending is a delivery (slow, never hung), so it must not be cut off. Not
-            # when the door cut this probe's deadline: it saw no token to anyone for that long.
+        for line in (*evidence.seen, *evidence.delivered):
+            log.info("%s: %s", self.name, line)
+        delivered, progress = list(evidence.delivered), list(evidence.progress)
+        if evidence.stall is not None and not delivered and not progress:
+            log.info("%s: %s", self.name, evidence.stall.reason)
+            self.detect.stall_seen()  # the stall was the first failure: this one is decisive
+        if not delivered and not self.cut and self.detect.would_judge(now, progress):
+            # A verdict waits for the window's failed probes' streams: a token on one is a
+            # delivery (slow, never hung), so it must not be cut off. Not when the evidence ended
+            # this probe's wait: nothing flowed to anyone for that long.
             delivered += await self._await_late_delivery()
             if self.stop.is_set():
                 return
             now = self.shared.clock.monotonic()
         was = self.detect.state
-        if not self.detect.failure(now, list(progress.signals) + busy, list(progress.delivered) + delivered):
+        if not self.detect.failure(now, progress, delivered):
             if self.detect.state == policy.SLOW:
                 self._slow(was)
-            elif progress.signals or busy:
-                log.info("%s: no token, but progress holds the verdict: %s", self.name,
-                         "; ".join([*progress.signals, *busy]))
+            elif progress:
+                log.info("%s: no token, but progress holds the verdict: %s", self.name, "; ".join(progress))
             self._save()
             return
         await self.handle_verdict(now)
@@ -427,6 +499,7 @@ class InstanceWatcher:
             self.guard.resume()
         self.detect.success()
         self.failed_reports.clear()
+        self.judged_at = None
         self._save(**fields)
 
     # --- verdict -> capture -> restart -> recover
@@ -491,17 +564,14 @@ class InstanceWatcher:
     async def _look_again(self, server: ProcessIdentity | None) -> lookagain.LookAgain:
         """Right before a restart: probe once more and prove the server's identity again
         (``mlxwatch.restart.lookagain``). Someone else may have fixed it meanwhile."""
-        self.looking_again = True
-        try:
-            report = await self.probe()
-        finally:
-            self.looking_again = False
+        report = await self.probe()
         self.shared.state.update(self.name, quiet=True, last_probe=_probe_summary(report, self.shared.clock.wall()))
         answered = report.healthy
-        if not answered and not self.door_cut:  # a token within `timeout` of sending is a delivery:
-            # wait for it before acting. Not with a front door: its clients' requests were failed
-            # at the verdict and a probe cut to front.stall_timeout saw no token to anyone either,
-            # so waiting would only hold every client at 503 for up to `timeout`.
+        if not answered and not self.cut:  # a token within `timeout` of sending is a delivery:
+            # wait for it before acting. Not when the evidence ended the probe's wait: nothing
+            # flowed to anyone (with a front door, its clients' requests were failed at the
+            # verdict and it delivered nothing since), so waiting would only hold every client
+            # at 503 for up to `timeout`.
             late = await self._await_late_delivery()
             if self.stop.is_set():
                 return lookagain.LookAgain()
@@ -542,7 +612,7 @@ class InstanceWatcher:
         cap, p = self.shared.capture, self.inst.probe
         request = CaptureRequest(
             pid=server.pid if server else None, out_dir=self.shared.bundles_dir, label=self.name, url=self.inst.url,
-            log=self.inst.log or self.tracker.log, snapshots=cap.snapshots, spacing=cap.spacing,
+            log=self.inst.log or self.log_source.tracker.log, snapshots=cap.snapshots, spacing=cap.spacing,
             ceiling=cap.ceiling, sudo=cap.sudo, stacks=cap.stacks, redact=cap.redact,
             log_tail_lines=cap.log_tail_lines, **capture_probe_timeouts(p),
             prior_probes=[r.to_dict() for r in self.failed_reports],
@@ -596,7 +666,7 @@ class InstanceWatcher:
             if report.healthy:
                 await self._recovered(self.shared.clock.monotonic(), "recovery verified by a probe")
                 return True
-            self._late_deliveries()  # lets go of the failed probes' streams that ended
+            self.streams.count(self.shared.clock.monotonic())  # lets go of the failed probes' streams that ended
             await self._sleep(min(RECOVERY_PROBE_EVERY, self.inst.probe.interval))
         if not self.stop.is_set():
             log.error("%s: not healthy %.0fs after the restart", self.name, self.inst.probe.startup_timeout)
@@ -622,6 +692,7 @@ class InstanceWatcher:
             self.guard.resume()
         self.detect.recovered(answered)
         self.failed_reports.clear()
+        self.judged_at = None
         if not answered:
             self.identity = None
             self._save(last_incident=_incident_summary(inc))
@@ -653,171 +724,50 @@ class InstanceWatcher:
             self.detect.resumed()
         self._save()
 
-    # --- launch shim (`mlxwatch launch`): the proven server's heartbeat as signals for the policy
-    # (mlxwatch.shim.watch). Without a heartbeat every method here is a no-op.
+    # --- between probes: the evidence watched for a stall (a source's reason to probe now)
 
-    def _shim(self) -> ShimWatch:
-        if self.shimwatch is None:
-            self.shimwatch = ShimWatch()
-        self.shimwatch.mode, self.shimwatch.stall_timeout = self.inst.shim, self.inst.probe.stall_timeout  # reloads
-        self.shimwatch.reset_for(self.identity.pid if self.identity else None)
-        return self.shimwatch
-
-    async def _shim_read(self) -> heartbeat.Heartbeat | None:
-        watch = self._shim()
-        if watch.mode == "off" or self.identity is None or not watch.should_read(self.shared.clock.monotonic()):
-            return None
-        hb, problem = await asyncio.to_thread(heartbeat.find, self.identity.pid, self.identity.create_time)
-        if hb is None:
-            watch.absent(self.shared.clock.monotonic())
-            if watch.mode == "required":
-                self._say(f"shim: required, but the server (PID {self.identity.pid}) has none: {problem}")
-        return hb
-
-    async def _shim_on_failure(self, report: CheckReport) -> tuple[list[str], list[str]]:
-        """A failed probe: (busy, delivered) from the heartbeat. Busy lines hold the verdict like
-        prompt progress; tokens delivered to other clients make the server slow, not hung; a
-        stall it shows makes this failure decisive (the heartbeat was the first failure)."""
-        hb = await self._shim_read()
-        judged = self._shim().judge(hb, report.generation.tokens)
-        for line in judged.evidence + judged.busy + judged.delivered:
-            log.info("%s: %s", self.name, line)
-        if judged.stall and not judged.busy and not judged.delivered:
-            self.detect.stall_seen()
-        return judged.busy, judged.delivered
-
-    async def _sleep_watching_shim(self, seconds: float) -> bool:
-        """``_sleep``, reading the heartbeat every ``SHIM_POLL`` s meanwhile: a stall (requests in
-        flight and no token for stall_timeout, a stale heartbeat, a dead thread) makes the
-        server suspect at once and ends the wait, so the next probe runs now. Without a
-        heartbeat this is ``_sleep`` after one read. True: it ended early for a stall."""
+    async def _sleep_watching(self, seconds: float) -> None:
+        """The wait before the next probe, looking at the evidence meanwhile (every
+        ``LOOK_EVERY`` s while failed probes' streams are open or the instance is suspect, else
+        every ``WATCH_EVERY`` s; each source reads at its own rate): a stall ends the wait, so the
+        next probe runs now, and open streams are held while the server shows work."""
         loop = asyncio.get_running_loop()
         end = loop.time() + seconds
-        while not self.stop.is_set():
-            left = end - loop.time()
-            if left <= 0:
-                return False
-            if (self.inst.shim == "off" or self.identity is None or self.incident is not None
-                    or self.detect.state not in (policy.HEALTHY, *policy.PROBING_SOON)):
-                await self._sleep(left)
-                return False
-            hb = await self._shim_read()
-            if hb is None:
-                await self._sleep(left)
-                return False
-            judged = self._shim().judge(hb)
-            if self._shim().first_time(judged):
-                log.warning("%s: %s: suspect, probing now", self.name, judged.stall)
-                self.shared.journal.note(Event.SHIM_STALL, instance=self.name, pid=hb.pid, reason=judged.stall,
-                                         evidence=judged.evidence, heartbeat=hb.summary())
-                await self._suspect_now()
-                return True
-            await self._sleep(min(left, SHIM_POLL))
-        return False
+        while not self.stop.is_set() and (left := end - loop.time()) > 0:
+            self._door_failed_alone()
+            suspect = self.detect.state != policy.HEALTHY or bool(self.streams.tasks())
+            if self.incident is None and self.detect.state in (policy.HEALTHY, *policy.PROBING_SOON):
+                evidence = await self._look(self.shared.clock.monotonic() - self.inst.probe.quiet_window,
+                                            suspect=suspect)
+                if self.sight.first_time(evidence.stall):
+                    assert evidence.stall is not None
+                    await self._stall_seen(evidence.stall.reason, evidence.stall.event, evidence.stall.journal)
+                    return
+            await self._sleep(min(left, LOOK_EVERY if suspect else WATCH_EVERY))
 
-    # --- front door (instances[].front): the door's delivery view as signals for the policy
-    # (mlxwatch.daemon.frontwatch), and the door told what the verdict means for its clients.
-    # Without a door every method here is a no-op.
+    async def _stall_seen(self, reason: str, event: str, journal: dict) -> None:
+        """A source saw a stall (the shim from inside, the front door, the kernel's counters): a
+        healthy server is suspect at once, so the next probe runs now."""
+        log.warning("%s: %s: suspect, probing now", self.name, reason)
+        self.shared.journal.note(Event(event), instance=self.name, **journal)
+        if self.detect.state == policy.HEALTHY:
+            await self.sight.prime()  # prompt progress logged while it was healthy is history, not progress
+            self.detect.suspect()
+            self._save()
 
-    def _front(self) -> FrontWatch:
-        assert self.inst.front is not None
-        if self.frontwatch is None:
-            self.frontwatch = FrontWatch(self.inst.front.stall_timeout)
-        return self.frontwatch
+    # --- front door (instances[].front): the door told what the verdict means for its clients.
+    # Without a door every method here is a no-op. (What it delivers is evidence: evidence.door.)
 
-    def _front_reading(self) -> list[str]:
-        """Tokens the door delivered since the last reading (a line, or none): taken when a probe
-        starts and when it ends, so the window is the probe's own wait. Tokens delivered before
-        it started say the server worked then, not that it works now."""
+    def _door_failed_alone(self) -> None:
+        """Requests the door failed alone (no token for request_stall_timeout while others got
+        theirs) are said and journaled."""
         if self.door is None or self.inst.front is None:
-            return []
-        return self._front().delivered(self.door.view())
-
-    def _front_stalled(self) -> str | None:
-        """Outside an incident: requests in flight through the door and no token to anyone for
-        ``front.stall_timeout`` (the reason), else None."""
-        if self.door is None or self.inst.front is None or self.incident is not None:
-            return None
-        stall = self._front().stall(self.door.view(), self.shared.clock.monotonic())
-        return stall.reason if stall else None
-
-    def _front_probe_starts(self) -> float:
-        """A probe starts: the door's reading window opens (tokens it delivers while this probe
-        waits are what count), and the probe's first-token deadline is returned:
-        ``probe.first_token_timeout``, but no longer than ``front.stall_timeout`` once clients'
-        requests in flight through the door have had no token for half that (a stall under way:
-        waiting longer only delays the verdict). While tokens flow the deadline is the full one,
-        so a busy server's probe is not called late (``slow``) for waiting its turn."""
-        p = self.inst.probe
-        if self.door is None or self.inst.front is None:
-            return p.first_token_timeout
-        view, now = self.door.view(), self.shared.clock.monotonic()
-        self._front().delivered(view)
-        quiet_since = quiet_start(view)
-        if self.looking_again:  # the door failed every request at the verdict: it is the witness
-            return min(p.first_token_timeout, self.inst.front.stall_timeout)
-        if self.incident is not None or quiet_since is None or now - quiet_since < self.inst.front.stall_timeout / 2:
-            return p.first_token_timeout
-        return min(p.first_token_timeout, self.inst.front.stall_timeout)
-
-    def _front_on_failure(self, delivered: list[str]) -> list[str]:
-        """A failed probe: the door's deliveries in its window count as the shim's "tokens to
-        other clients" do (slow, never a verdict); a stall the door still shows, with nothing
-        delivered, makes this failure decisive (the stall was the first)."""
-        for line in delivered:
-            log.info("%s: %s", self.name, line)
-        stalled = self._front_stalled()
-        if stalled and not delivered:
-            log.info("%s: %s", self.name, stalled)
-            self.detect.stall_seen()
-        return delivered
-
-    async def _front_poll(self) -> bool:
-        """One look at the door while waiting for the next probe: requests it failed alone are
-        said; a stall makes the instance suspect at once. True: probe now."""
-        if self.door is None or self.inst.front is None:
-            return False
+            return
         for req in self.door.take_stalled_requests():
             log.warning("%s: front door: request %s (%s %s) got no token for %gs while others did; it failed loudly",
                         self.name, req.id, req.method, req.path, self.inst.front.request_stall_timeout)
             self.shared.journal.note(Event.FRONT_REQUEST_STALLED, instance=self.name, request=req.id, path=req.path,
                                      tokens=req.tokens, timeout=self.inst.front.request_stall_timeout)
-        if self.incident is not None or self.detect.state not in (policy.HEALTHY, *policy.PROBING_SOON):
-            return False
-        watch, view = self._front(), self.door.view()
-        stall = watch.stall(view, self.shared.clock.monotonic())
-        if not watch.first_time(stall):
-            return False
-        assert stall is not None
-        log.warning("%s: %s: suspect, probing now", self.name, stall.reason)
-        self.shared.journal.note(Event.FRONT_STALL, instance=self.name, reason=stall.reason,
-                                 in_flight=len(view.in_flight))
-        await self._suspect_now()
-        return True
-
-    async def _suspect_now(self) -> None:
-        """A stall seen from inside (the shim) or at the front door makes a healthy server suspect
-        at once, so the next probe runs now. The log is primed first, as ``probe`` does for a
-        healthy server: prompt progress logged while it was healthy is history, not progress."""
-        if self.detect.state == policy.HEALTHY:
-            if self.tracker.follower is not None:
-                self._say(await asyncio.to_thread(self.tracker.prime))
-            self.detect.suspect()
-            self._save()
-
-    async def _sleep_watching(self, seconds: float) -> None:
-        """The wait before the next probe, watching the front door (every ``SHIM_POLL`` s) and the
-        launch shim meanwhile: a stall either sees ends the wait, so the next probe runs now."""
-        if self.door is None:
-            await self._sleep_watching_shim(seconds)
-            return
-        loop = asyncio.get_running_loop()
-        end = loop.time() + seconds
-        while not self.stop.is_set() and (left := end - loop.time()) > 0:
-            if await self._front_poll():
-                return
-            if await self._sleep_watching_shim(min(left, SHIM_POLL)):
-                return
 
     def _front_at_verdict(self) -> list[dict] | None:
         """The verdict, for the door's clients: the requests in flight are kept as evidence, then

@@ -76,6 +76,7 @@ async def run_check(
     endpoint_timeout: float = ProbeConfig.endpoint_timeout,
     linger: float = 0.0,
     read_until: float | None = None,
+    cut: asyncio.Future[str] | None = None,
 ) -> CheckReport:
     """Probe generation and the endpoints concurrently; never raises for the server's behaviour.
 
@@ -85,14 +86,15 @@ async def run_check(
 
     ``linger`` is the generation probe's (see ``probe_generation``): after a deadline verdict
     its stream is read on in ``report.lingering`` rather than dropped on a struggling server;
-    ``read_until`` bounds that reading from the sending instead (``probe_generation``).
+    ``read_until`` bounds that reading from the sending instead (``probe_generation``);
+    ``cut`` ends the wait for a first token early (``probe_generation``).
     """
     loop = asyncio.get_running_loop()
     started = loop.time()
     generation, health, models = await asyncio.gather(
         probe_generation(
             client, url, first_token_timeout=first_token_timeout, timeout=timeout, max_tokens=max_tokens,
-            linger=linger, read_until=read_until,
+            linger=linger, read_until=read_until, cut=cut,
         ),
         probe_endpoint(client, url, "/health", endpoint_timeout),
         probe_endpoint(client, url, "/v1/models", endpoint_timeout),

@@ -25,7 +25,7 @@ import json
 import re
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import httpx
 
@@ -118,6 +118,13 @@ class GenerationProbeResult:
     late_bytes: int = 0  # bytes read (and discarded) after the verdict, while lingering
     late_finished: bool | None = None  # did the server end the stream while we lingered? None: no linger yet/at all
     lingering: asyncio.Task[None] | None = field(default=None, compare=False, repr=False)
+    _read_on: Callable[[float], None] | None = field(default=None, compare=False, repr=False)
+
+    def read_on(self, until: float) -> None:
+        """Keep reading a lingering stream at least until ``until`` (event-loop time): never
+        shortens it. A no-op for a probe that is not lingering."""
+        if self._read_on is not None and self.lingering is not None and not self.lingering.done():
+            self._read_on(until)
 
     @property
     def reason(self) -> str:
@@ -170,6 +177,7 @@ async def probe_generation(
     prompt: str = PROBE_PROMPT,
     linger: float = 0.0,
     read_until: float | None = None,
+    cut: asyncio.Future[str] | None = None,
 ) -> GenerationProbeResult:
     """Send one streaming generation request and judge it by delivery. Never raises for the server.
 
@@ -181,11 +189,17 @@ async def probe_generation(
     finishes the probe's reply cleanly instead of serving an orphan and hitting a broken pipe.
     That task is ``result.lingering``: it never raises, and cancelling it closes the stream.
     ``read_until`` (seconds after sending; the daemon passes its ``timeout``) replaces ``linger``:
-    the stream is read until then, so a token within it is a delivery; past it, nothing is.
+    the stream is read until then, so a token within it is a delivery; past it, nothing is
+    (``result.read_on`` moves that bound later, never earlier).
+    ``cut``: a future the caller may resolve with a reason while no token has come: the probe
+    then fails ``no_first_token`` at once, as at its deadline (its stream read on the same way).
     """
     loop = asyncio.get_running_loop()
     run = _Run(url, loop, first_token_timeout=first_token_timeout, timeout=timeout, linger=linger,
                max_body=body_limit(max_tokens), read_until=read_until)
+    run.result._read_on = run.read_on
+    if cut is not None:
+        cut.add_done_callback(lambda f: run.cut_short(f.result()) if not f.cancelled() else None)
     body = {
         "messages": [{"role": "user", "content": prompt}],
         "max_tokens": max_tokens,
@@ -289,14 +303,28 @@ class _Run:
             self.result.gaps.append(round(t - self.last_delivery, 4))
         self.last_delivery = t
 
-    def _deadline_passed(self) -> None:
+    def cut_short(self, reason: str) -> None:
+        """The caller's evidence says no token is coming (nothing flows anywhere): fail now as
+        at the first-token deadline. Too late once a token came or the verdict is in."""
+        if self.judged or self.result.ttft is not None:
+            return
+        self.disarm()
+        self._deadline_passed(reason)
+
+    def read_on(self, until: float) -> None:
+        """Read the lingering stream at least until loop time ``until``."""
+        if self.lingering and self.cutoff_at is not None and until > self.cutoff_at:
+            self.cut_off(after=until - self.loop.time())
+
+    def _deadline_passed(self, early: str | None = None) -> None:
         """The timer: a deadline passed before the reader had a verdict. Give it now."""
         self.timer = None
         res = self.result
         if res.ttft is None:
             where = "no response headers" if res.status is None else "headers received"
             extra = f", {len(res.keepalives)} keepalives" if res.keepalives else ""
-            self.fail(Failure.NO_FIRST_TOKEN, f"{self.first_token_timeout:g}s passed ({where}{extra})")
+            waited = f"{self.now():.1f}s: {early}" if early else f"{self.first_token_timeout:g}s passed"
+            self.fail(Failure.NO_FIRST_TOKEN, f"{waited} ({where}{extra})")
         else:
             self.fail(Failure.STALLED, f"{res.tokens} tokens, then nothing; stream unfinished after {self.timeout:g}s")
         res.total = round(self.now(), 4)

@@ -13,7 +13,7 @@ import re
 import stat
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Collection, Iterable, Mapping
 
 from mlxwatch.storage import open_regular
 
@@ -150,6 +150,36 @@ def tail_lines(text: str, n: int) -> list[str]:
 
 
 SERVER_START = "Starting httpd at"
+# Logged as the batch loop takes each new request, before its prompt's progress lines: what tells
+# two prompts of the same size apart (a cached prompt logs "1/1" each time).
+PROMPT_CACHE = "Prompt Cache:"
+
+
+def prompt_advances(lines: Iterable[str], last_x: Mapping[int, int],
+                    probe_totals: Collection[int]) -> tuple[list[tuple[int, int]], dict[int, int]]:
+    """The progress rule, written once (the watcher's log source, and capture over its window):
+    a ``Prompt processing progress: X/Y`` line advanced when its prompt is not a probe's own
+    (``probe_totals``: the Ys their keepalives showed) and X grew past the last X logged for
+    that Y (``last_x``; a prompt's last chunk may be logged twice). A ``Prompt Cache:`` line
+    starts a new request, so the next prompt of the same size (``1/1`` again) is new work; a
+    server start line begins a new process, whose prompts start over. Returns the advances
+    (X, Y) in order and the last X per Y after ``lines``; ``last_x`` itself is left as it was."""
+    last = dict(last_x)
+    out = []
+    for line in lines:
+        if SERVER_START in line or PROMPT_CACHE in line:
+            last.clear()
+            continue
+        m = PROGRESS.search(line)
+        if not m:
+            continue
+        x, y = int(m.group(1)), int(m.group(2))
+        if y in probe_totals:
+            continue
+        if x > last.get(y, 0):
+            out.append((x, y))
+        last[y] = x
+    return out, last
 
 
 def since_last_start(text: str) -> str:

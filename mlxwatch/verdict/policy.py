@@ -11,10 +11,12 @@
                               \\--budget spent--> gave_up --cool-down or resume--> suspect
 
 Delivery is the only proof either way: a verdict needs ``failures`` failed probes in a row with
-no token delivered at all in between (a late token on a failed probe's own stream, or tokens
-to other clients counted by the launch shim). A server that delivers, but slower than the
-deadlines, is ``slow``: degraded, reported, never restarted. Only the decisions live here; the
-watcher does the I/O. ``now`` is passed in (a monotonic reading: no
+no token delivered at all in between, by any evidence source (``mlxwatch.evidence``: a late
+token on a failed probe's own stream, bytes of tokens the kernel saw sent to any client, tokens
+the launch shim or the front door counted). A server that delivers, but slower than the
+deadlines, is ``slow``: degraded, reported, never restarted. Progress without delivery (a prompt
+being read, keepalives) holds the verdict up to ``grace_ceiling``; a stall a source saw makes the
+next failure decisive. Only the decisions live here; the watcher asks the sources. ``now`` is passed in (a monotonic reading: no
 wall-clock step shortens or stretches grace; see ``mlxwatch.clock``).
 
 ``Detection`` owns every state change: the watcher asks (``failure``, ``success``,

@@ -1,0 +1,118 @@
+"""The server's log as evidence: prompt processing that advanced, followed by offset and inode
+(old lines are never read twice, however large the log grows).
+
+- ``Prompt processing progress: X/Y`` for a prompt other than a probe's own, with X higher than
+  the last X seen for that prompt (``serverlog.markers.prompt_advances``): a long prefill
+  advanced, and the probe may be queued behind it: **progress**;
+- the failed probe's own keepalives advancing: its own prompt was being processed: **progress**.
+
+What buys nothing: CPU (a livelock burns CPU and delivers nothing), and ``POST ... 200`` access
+lines, which mlx-lm writes when it *admits* a request, not when it answers. Tokens streamed to
+clients leave no line here: the kernel source sees those.
+
+The log is read only while the instance is suspect or a probe waits (a healthy probe cycle reads
+no file); each advance is dated by the read that found it, so an answer's window is as sharp as
+the reads (``POLL``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from mlxwatch.evidence import Evidence, Window
+from mlxwatch.probes import CheckReport
+from mlxwatch.serverlog.follow import LogFollower
+from mlxwatch.serverlog.markers import prompt_advances
+
+POLL = 1.0  # seconds between reads while a probe waits
+KEPT = 1000
+
+
+@dataclass
+class ProgressTracker:
+    """The log followed, and the progress rule applied to what is new."""
+
+    log: Path | None
+    writer_pid: Callable[[], int | None] | None = None  # the server's PID, if known: is it still on a rotated log?
+    follower: LogFollower | None = field(init=False, default=None)
+    last_x: dict[int, int] = field(default_factory=dict)  # prompt total Y -> highest X seen
+    probe_totals: set[int] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        self.follower = LogFollower(self.log, writer_pid=self.writer_pid) if self.log else None
+
+    def prime(self) -> str | None:
+        """Start from the log's current end (blocking I/O: call it from a thread)."""
+        self.last_x.clear()
+        return self.follower.prime() if self.follower else None
+
+    def read(self) -> tuple[list[tuple[int, int]], list[str]]:
+        """The prompt advances written since the last read, and notes (blocking I/O)."""
+        if self.follower is None:
+            return [], []
+        notes = []
+        chunk = self.follower.read_new()
+        if chunk.error:
+            notes.append(f"log not followed: {chunk.error}")
+        if chunk.event:  # lines come in order across files: what was seen per prompt still holds
+            notes.append(f"log {chunk.event}: {chunk.detail}")
+        if chunk.skipped_bytes:
+            notes.append(f"log grew by {chunk.skipped_bytes} bytes more than one read takes; read its newest part")
+        out, self.last_x = prompt_advances(chunk.lines, self.last_x, self.probe_totals)
+        if len(self.last_x) > 1000:  # bounded memory over weeks of distinct prompts
+            self.last_x = dict(list(self.last_x.items())[-100:])
+        return out, notes
+
+
+def own_prompt_progress(report: CheckReport | None) -> str | None:
+    """The failed probe's own prompt was being processed (its keepalives advanced)."""
+    if report is None:
+        return None
+    keepalives = report.generation.keepalives
+    done = [k.processed for k in keepalives]
+    if len(set(done)) > 1 and done[-1] < keepalives[-1].total:
+        return f"the probe's own prompt was being processed ({done[-1]}/{keepalives[-1].total})"
+    return None
+
+
+@dataclass
+class LogSource:
+    tracker: ProgressTracker
+    clock: Callable[[], float]
+    name: str = "log"
+    advances: deque[tuple[float, int, int]] = field(default_factory=lambda: deque(maxlen=KEPT))
+    read_at: float | None = None
+    pending_notes: list[str] = field(default_factory=list)  # from priming: said with the next answer
+
+    async def prime(self) -> None:
+        self.read_at = self.clock()
+        note = await asyncio.to_thread(self.tracker.prime)
+        self.advances.clear()
+        if note:
+            self.pending_notes.append(note)
+
+    async def look(self, window: Window) -> Evidence:
+        notes, self.pending_notes = self.pending_notes, []
+        if window.probe is not None:
+            for k in window.probe.generation.keepalives:
+                self.tracker.probe_totals.add(k.total)
+        if self.tracker.follower is not None and (window.suspect or window.probe is not None):
+            if window.probe is not None or self.read_at is None or window.end - self.read_at >= POLL:
+                advanced, read_notes = await asyncio.to_thread(self.tracker.read)
+                self.read_at = window.end
+                notes += read_notes
+                self.advances.extend((window.end, x, y) for x, y in advanced)
+        inside = [(x, y) for at, x, y in self.advances if window.start < at <= window.end]
+        progress = []
+        if inside:
+            x, y = inside[-1]
+            progress.append(f"log: prompt processing advanced ({len(inside)} step(s), now {x}/{y})")
+        own = own_prompt_progress(window.probe)
+        if own:
+            progress.append(own)
+        last = self.advances[-1][0] if self.advances else None
+        return Evidence(progress=tuple(progress), notes=tuple(notes), last_flow=last)
