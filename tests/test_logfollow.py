@@ -15,7 +15,7 @@ from pathlib import Path
 from mlxwatch.probes import CheckReport, EndpointResult, GenerationProbeResult
 from mlxwatch.serverlog.follow import LogFollower, open_by
 from mlxwatch.evidence.log import ProgressTracker
-from tests.lab.evidence import LogLooks
+from lab.evidence import LogLooks
 
 TURNED_OVER = "Jul  5 08:20:00 mac newsyslog[123]: logfile turned over\n"
 

@@ -30,7 +30,7 @@ from mlxwatch.restart.methods import (
 )
 from mlxwatch.verdict import policy
 from mlxwatch.evidence.log import ProgressTracker
-from tests.lab.evidence import LogLooks
+from lab.evidence import LogLooks
 
 
 def test_verdict_after_n_consecutive_failures():

@@ -274,8 +274,9 @@ class InstanceWatcher:
             p = self.inst.probe
             assert self.client is not None
             cut: asyncio.Future[str] = loop.create_future()
-            self.cut, self.probe_sent = False, self.shared.clock.monotonic()
-            await self._look(self.probe_sent, suspect=self.detect.state != policy.HEALTHY)  # the window opens
+            opened = self.shared.clock.monotonic()
+            await self._look(opened, end=opened)  # the window opens: what the sources find now came before it
+            self.cut, self.probe_sent = False, opened
             check = asyncio.ensure_future(run_check(
                 self.client, self.inst.url, first_token_timeout=p.first_token_timeout, timeout=p.timeout,
                 max_tokens=p.max_tokens, endpoint_timeout=p.endpoint_timeout, read_until=p.timeout, cut=cut))
@@ -300,9 +301,12 @@ class InstanceWatcher:
             self.streams.add(report)
         return report
 
-    async def _look(self, start: float, probe: CheckReport | None = None, suspect: bool = True) -> Evidence:
-        """Every source's evidence from ``start`` to now; notes said once, open streams held."""
-        now = self.shared.clock.monotonic()
+    async def _look(self, start: float, probe: CheckReport | None = None, suspect: bool = True,
+                    end: float | None = None) -> Evidence:
+        """Every source's evidence from ``start`` to ``end`` (now); notes said once, open
+        streams held. What a source reads now is dated ``end``: a window that starts there
+        next does not count it again."""
+        now = self.shared.clock.monotonic() if end is None else end
         evidence = await self.sight.look(Window(start, now, probe=probe, suspect=suspect))
         for note in evidence.notes:
             self._say(note)
@@ -391,7 +395,7 @@ class InstanceWatcher:
         # The window: since the previous failed probe's judgement (the wait between included), or
         # since this probe was sent when it is the first failure.
         start = self.judged_at if self.judged_at is not None else (self.probe_sent or now)
-        evidence = await self._look(start, probe=report)
+        evidence = await self._look(start, probe=report, end=now)
         self.judged_at = now
         self.failed_reports = [*self.failed_reports[-(KEPT_FAILED_REPORTS - 1):], report]
         for line in (*evidence.seen, *evidence.delivered):

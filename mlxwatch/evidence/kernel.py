@@ -73,7 +73,7 @@ class KernelSource:
     conns: dict[tuple, _Conn] = field(default_factory=dict)
     flows: deque[_Flow] = field(default_factory=lambda: deque(maxlen=KEPT_EVENTS))
     last_reading: Reading | None = None
-    cpu: tuple[float, float] | None = None  # (monotonic, the server's CPU seconds) at the last reading
+    cpu: tuple[float, float] | None = None  # (time.monotonic(), the server's CPU seconds) at the last reading
     cpu_busy: float | None = None  # share of a core used between the last two readings
 
     def due(self, now: float, suspect: bool) -> bool:
@@ -88,13 +88,14 @@ class KernelSource:
 
     async def look(self, window: Window) -> Evidence:
         if self.due(window.end, window.suspect or window.probe is not None):
-            await asyncio.to_thread(self.sample)
+            await asyncio.to_thread(self.sample, window.end)
         return self.answer(window)
 
     # --- reading (blocking)
 
-    def sample(self) -> Reading:
-        reading = replace(self.counters.read(self.port), at=self.clock())  # dated on the watcher's clock
+    def sample(self, at: float | None = None) -> Reading:
+        """A reading, dated ``at`` (the window's end it was taken for) on the watcher's clock."""
+        reading = replace(self.counters.read(self.port), at=self.clock() if at is None else at)
         self.take(reading)
         return reading
 
@@ -146,9 +147,10 @@ class KernelSource:
         except (psutil.Error, OSError):
             self.cpu = self.cpu_busy = None
             return
-        if self.cpu is not None and at > self.cpu[0]:
-            self.cpu_busy = max(0.0, used - self.cpu[1]) / (at - self.cpu[0])
-        self.cpu = (at, used)
+        real = time.monotonic()  # CPU seconds against real seconds, whatever clock dates the readings
+        if self.cpu is not None and real > self.cpu[0]:
+            self.cpu_busy = max(0.0, used - self.cpu[1]) / (real - self.cpu[0])
+        self.cpu = (real, used)
 
     # --- answering (no I/O)
 

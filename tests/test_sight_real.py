@@ -1,0 +1,167 @@
+"""Kernel sight on the real mlx_lm.server: the daemon pointed at a URL, no front door, no shim,
+clients in processes of their own (``lab/app.py``), as most users run it.
+
+Measured on main before kernel sight (docs/deciding.md, "Kernel sight"):
+
+- two clients streaming long prompts to a server whose every batch step takes 1 s: prompt
+  progress held the verdict while the prompts were read, then decoding began, the log went
+  quiet, and the probe's first token came just after its ``timeout``, onto a connection the
+  daemon had closed (a ``BrokenPipeError`` in the server's log): verdict, ``blocked, high
+  confidence``, restart, while both clients were receiving tokens. Both versions, every run;
+- at the default settings a hang took about 150 s to call with an app streaming requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from mlxwatch.config import CaptureConfig, Config, InstanceConfig, ProbeConfig, RestartConfig
+from mlxwatch.daemon.supervisor import Daemon
+from mlxwatch.journal.incidents import Journal
+from lab.server import LabServer, relaunch_argv
+
+APP = Path(__file__).resolve().parent / "lab" / "app.py"
+
+
+def app(url: str, *args: str) -> subprocess.Popen:
+    """The lab's app, in a process of its own: its connections are someone else's to the daemon."""
+    return subprocess.Popen([sys.executable, str(APP), url, *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True)
+
+
+def results(proc: subprocess.Popen) -> list[dict]:
+    """What the app printed: one JSON line a finished request (it has exited or been ended)."""
+    out = proc.stdout.read() if proc.stdout else ""
+    return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+
+
+def end(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+
+
+def config_for(lab: LabServer, state_dir: Path, probe: ProbeConfig, kernel: str = "auto") -> Config:
+    restart = RestartConfig("command", argv=relaunch_argv(lab.workdir), timeout=120.0, backoff=1.0)
+    inst = InstanceConfig("lab", lab.url, lab.log_path, lab.pid_file, probe, restart, kernel=kernel)
+    return Config(None, (inst,), state_dir, (), CaptureConfig(snapshots=3, spacing=0.5, ceiling=25.0))
+
+
+async def run_until(config: Config, done, timeout: float, after_healthy) -> tuple[Journal, float]:
+    """The real daemon until ``done(journal)``; ``after_healthy()`` once it saw a good probe.
+    Returns the journal and the monotonic time ``after_healthy`` ran."""
+    stop = asyncio.Event()
+    daemon = Daemon(config, config.state_dir)
+    task = asyncio.create_task(daemon.run(stop))
+    journal = Journal(config.state_dir)
+    try:
+        deadline = time.monotonic() + timeout
+        while not hasattr(daemon, "state"):
+            await asyncio.sleep(0.05)
+        while not (daemon.state.instance("lab").get("last_probe") or {}).get("ok"):
+            assert time.monotonic() < deadline, "never healthy"
+            await asyncio.sleep(0.1)
+        began = time.monotonic()
+        after_healthy()
+        while not done(journal):
+            assert not task.done(), task
+            assert time.monotonic() < deadline, f"timed out; journal: {[r['event'] for r in journal.records()]}"
+            await asyncio.sleep(0.2)
+    finally:
+        stop.set()
+        await task
+    return journal, began
+
+
+def events(journal: Journal) -> list[str]:
+    return [r["event"] for r in journal.records() if r.get("instance") == "lab"]
+
+
+@pytest.mark.timeout(600)
+async def test_slow_server_streaming_long_prompts_is_not_restarted(server_python, lab_root, tmp_path):
+    """The measured failure above, at its own settings (interval 3 s, first token 5 s, timeout
+    8 s, --prefill-step-size 64, 1 s a step): the kernel sees the clients' tokens, so the server
+    is slow, never hung, and no probe's stream is closed under the server (no broken pipe)."""
+    server = LabServer.start(server_python, lab_root / f"slowlong-{Path(server_python).parts[-3]}",
+                             extra_args=("--prefill-step-size", "64"))
+    clients: dict[str, subprocess.Popen] = {}
+    try:
+        probe = ProbeConfig(interval=3.0, first_token_timeout=5.0, timeout=8.0, suspect_interval=3.0,
+                            endpoint_timeout=2.0, startup_timeout=90.0)
+        config = config_for(server, tmp_path / "state", probe)
+
+        def start():
+            server.set_fault("slow", 1.0)
+            clients["app"] = app(server.url, "--words", "1200", "--max-tokens", "24", "--parallel", "2",
+                                 "--count", "2")
+
+        def over(journal: Journal) -> bool:
+            return "verdict" in events(journal) or ("app" in clients and clients["app"].poll() is not None)
+
+        journal, _ = await run_until(config, over, timeout=420, after_healthy=start)
+        log_at_end = server.log_path.read_text(errors="replace")
+        got = results(clients["app"])
+        assert "verdict" not in events(journal), events(journal)
+        assert [r["finish"] for r in got] == ["length", "length"] and all(r["tokens"] == 24 for r in got), got
+        assert "slow" in events(journal), "no probe failed: the test did not exercise a slow server"
+        slow = next(r for r in journal.records() if r.get("event") == "slow")
+        assert any(line.startswith("kernel: ") for line in slow["evidence"]), slow["evidence"]
+        assert "BrokenPipeError" not in log_at_end, "a probe's stream was closed while the server worked"
+    finally:
+        for proc in clients.values():
+            end(proc)
+        server.stop()
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("fault", ["spin", "block"])
+async def test_default_settings_call_a_hang_within_a_minute_with_an_app_streaming(lab, tmp_path, fault):
+    """Measured on main at the defaults: 150 s from a livelock to its verdict with an app
+    streaming a request every 2 s, 147 s for a blocked thread. With kernel sight the app's
+    streams left without a byte are a stall, and the probe that confirms it ends its wait when
+    nothing flows anywhere: the goal is 30 s (bench/RESULTS.md), the bound here is generous."""
+    config = config_for(lab, tmp_path / "state", ProbeConfig(startup_timeout=90.0))
+    clients: dict[str, subprocess.Popen] = {}
+
+    def start():
+        clients["app"] = app(lab.url, "--every", "2", "--max-tokens", "64", "--timeout", "60")
+        time.sleep(3.0)  # the app's streams flowing before the fault
+        lab.set_fault(fault)
+
+    try:
+        journal, began = await run_until(config, lambda j: "recovered" in events(j), timeout=400, after_healthy=start)
+    finally:
+        for proc in clients.values():
+            end(proc)
+    records = [r for r in journal.records() if r.get("instance") == "lab"]
+    verdict = next(r for r in records if r["event"] == "verdict")
+    assert [e for e in events(journal) if e in ("verdict", "restart", "recovered")] == ["verdict", "restart", "recovered"]
+    stalls = [r for r in records if r["event"] == "kernel_stall"]
+    assert stalls and "client stream(s) open and no byte sent" in stalls[0]["reason"]
+    # The verdict's wall time against the fault's: the fault came 3 s into `start`.
+    seconds = verdict["detected_at"] - (time.time() - (time.monotonic() - began)) - 3.0
+    assert seconds < 60.0, f"verdict {seconds:.0f}s after the fault"
+
+
+@pytest.mark.timeout(600)
+async def test_without_kernel_sight_the_probe_rules_still_find_a_livelock(lab, tmp_path):
+    """``kernel: off`` (or a host without sock_diag): the daemon judges by its probes as before
+    kernel sight, and a livelock is still found and restarted."""
+    probe = ProbeConfig(interval=1.0, first_token_timeout=2.0, timeout=4.0, grace_ceiling=60.0, endpoint_timeout=2.0,
+                        startup_timeout=90.0)
+    config = config_for(lab, tmp_path / "state", probe, kernel="off")
+    journal, _ = await run_until(config, lambda j: "recovered" in events(j), timeout=300,
+                                 after_healthy=lambda: lab.set_fault("spin"))
+    assert [e for e in events(journal) if e in ("verdict", "restart", "recovered")] == ["verdict", "restart", "recovered"]
+    assert "kernel_stall" not in events(journal)

@@ -1,0 +1,113 @@
+"""Kernel sight in the daemon, with the kernel's readings given by the test: the rules of
+docs/deciding.md ("Kernel sight") end to end through the real watcher, policy and journal."""
+
+from __future__ import annotations
+
+import time
+
+from mlxwatch.config import ProbeConfig
+from mlxwatch.daemon.supervisor import Daemon
+from mlxwatch.host.process import ServerLookup
+from mlxwatch.host.sockets import Connection, KernelCounters, Reading
+from mlxwatch.journal.incidents import Journal
+from test_delivery_units import StandIn, _capture_nothing, _config, _events, _last_probe_ok, _run_until
+
+PORT = 9  # the instance's port in _config's URL
+
+
+class Kernel:
+    """What the kernel shows on the server's port: one app's stream, its bytes growing by one
+    token event (350 bytes, one segment) at each reading while ``flowing``."""
+
+    def __init__(self, streams: int = 0) -> None:
+        self.streams, self.flowing, self.sent, self.segments = streams, False, 248, 1
+
+    def __call__(self, ports) -> Reading:
+        if self.flowing:
+            self.sent, self.segments = self.sent + 350, self.segments + 1
+        conns = tuple(Connection(PORT, ("127.0.0.1", 40000 + i), (i,), self.sent, 300, self.segments)
+                      for i in range(self.streams))
+        return Reading(time.monotonic(), conns)
+
+
+def _daemon(tmp_path, probe: ProbeConfig, server: StandIn, kernel: Kernel):
+    cfg = _config(tmp_path, probe)
+    daemon = Daemon(cfg, cfg.state_dir, shared_overrides={
+        "make_client": server.client, "capture_fn": _capture_nothing, "lookup_fn": lambda *a, **k: ServerLookup(),
+        "kernel": KernelCounters(kernel, max_age=0.0)})
+    return daemon, Journal(cfg.state_dir), cfg.state_dir / "state.json"
+
+
+async def test_nothing_flowing_anywhere_ends_a_probes_wait_after_the_quiet_window(tmp_path):
+    """A server nobody else uses hangs: without kernel sight each probe waits out its
+    first-token timeout (30 s here, 45 s at the defaults); with it, the wait ends once nothing
+    has been sent to any client for quiet_window."""
+    server, kernel = StandIn(), Kernel(streams=0)
+    probe = ProbeConfig(interval=1.0, suspect_interval=0.4, first_token_timeout=30.0, timeout=60.0,
+                        quiet_window=1.0, endpoint_timeout=0.5, startup_timeout=30.0)
+    daemon, journal, state = _daemon(tmp_path, probe, server, kernel)
+    seen: dict[str, float] = {}
+
+    def hung(j: Journal) -> bool:
+        if "from" not in seen and _last_probe_ok(state):
+            server.delay, seen["from"] = None, time.monotonic()
+        return "verdict" in _events(j)
+
+    await _run_until(daemon, journal, hung, timeout=40)
+    assert time.monotonic() - seen["from"] < 15.0
+    verdict = next(r for r in journal.records() if r["event"] == "verdict")
+    assert "nothing sent to any client" in verdict["failures"][-1]
+
+
+async def test_tokens_the_kernel_sees_sent_to_other_clients_make_it_slow_never_hung(tmp_path):
+    """Every probe fails its deadline, but another client's stream keeps receiving token events:
+    the server works (slow); when that stream stops too, the verdict comes."""
+    server, kernel = StandIn(), Kernel(streams=1)
+    probe = ProbeConfig(interval=0.5, suspect_interval=0.3, first_token_timeout=0.5, timeout=1.0, quiet_window=1.0,
+                        endpoint_timeout=0.5, startup_timeout=30.0)
+    daemon, journal, state = _daemon(tmp_path, probe, server, kernel)
+    seen: dict[str, object] = {}
+
+    def phases(j: Journal) -> bool:
+        if "slow_from" not in seen:
+            if _last_probe_ok(state):
+                kernel.flowing, server.delay, seen["slow_from"] = True, None, time.monotonic()
+            return False
+        if "stop_from" not in seen:
+            if time.monotonic() - seen["slow_from"] > 4.0:  # type: ignore[operator]
+                seen["while_slow"] = _events(j)
+                kernel.flowing, seen["stop_from"] = False, time.monotonic()
+            return False
+        return "verdict" in _events(j)
+
+    await _run_until(daemon, journal, phases, timeout=40)
+    assert "verdict" not in seen["while_slow"] and "slow" in seen["while_slow"], seen["while_slow"]
+    slow = next(r for r in journal.records() if r["event"] == "slow")
+    assert any("bytes of tokens sent to clients" in line for line in slow["evidence"])
+
+
+async def test_client_streams_left_without_a_byte_are_a_stall_and_the_next_probe_decides(tmp_path):
+    """An app's stream stops receiving bytes while the daemon's next probe is far off (interval
+    60 s): the stall is seen within the quiet window, journaled, and the probe it brings at once
+    is decisive (the stall was the first failure)."""
+    server, kernel = StandIn(), Kernel(streams=1)
+    probe = ProbeConfig(interval=60.0, suspect_interval=10.0, first_token_timeout=30.0, timeout=60.0,
+                        quiet_window=1.0, endpoint_timeout=0.5, startup_timeout=30.0)
+    daemon, journal, state = _daemon(tmp_path, probe, server, kernel)
+    seen: dict[str, float] = {}
+
+    def stalled(j: Journal) -> bool:
+        if "from" not in seen and _last_probe_ok(state):
+            kernel.flowing = True  # the app's tokens flow a while, then the server hangs
+            server.delay, seen["from"] = None, time.monotonic()
+        if "from" in seen and kernel.flowing and time.monotonic() - seen["from"] > 1.0:
+            kernel.flowing = False
+        return "verdict" in _events(j)
+
+    await _run_until(daemon, journal, stalled, timeout=40)
+    assert time.monotonic() - seen["from"] < 20.0  # not the 60 s interval, nor two 30 s waits
+    events = _events(journal)
+    assert events.index("kernel_stall") < events.index("verdict")
+    stall = next(r for r in journal.records() if r["event"] == "kernel_stall")
+    assert "1 client stream(s) open and no byte sent to any client" in stall["reason"]
+    assert next(r for r in journal.records() if r["event"] == "verdict")["failures"].__len__() == 1
