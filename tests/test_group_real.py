@@ -1,0 +1,71 @@
+"""Distributed servers: real 2-rank ``mlx.launch`` groups (ring backend, loopback), both versions.
+
+One group per mlx-lm version is shared by these tests (``lab_group``: about a core idle); a test
+whose fault ends a group starts its own. Faults are switched in rank 1 alone (the lab's injector
+reads ``fault-rank1``; SIGSTOP and SIGKILL are sent to rank 1's PID).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+
+import httpx
+
+from mlxwatch.capture import CaptureRequest, capture_bundle
+from mlxwatch.host.group import RUNNING, STOPPED, find_group
+
+CEILING = 30.0
+
+
+def capture_request(group, out, found, **kw) -> CaptureRequest:
+    return CaptureRequest(pid=found.rank(0).pid, out_dir=out, url=group.url, log=group.log_path, label="group",
+                          snapshots=3, spacing=1.0, ceiling=CEILING, probe_first_token_timeout=3.0,
+                          probe_timeout=5.0, group=found, **kw)
+
+
+def trigger(group) -> None:
+    """One request, so that every rank's batch loop takes a step (and a faulty rank its fault)."""
+    try:
+        httpx.post(f"{group.url}/v1/chat/completions", trust_env=False, timeout=2.0,
+                   json={"messages": [{"role": "user", "content": "trigger"}], "max_tokens": 2})
+    except httpx.HTTPError:
+        pass
+
+
+def test_group_found_from_rank0(lab_group):
+    """From rank 0's PID: the launcher, the ring backend, both ranks running on 127.0.0.1, and
+    the same group found twice is the same group."""
+    found = lab_group.group()
+    assert found is not None
+    assert "mlx.launch" in found.launcher.cmdline[1]
+    assert found.backend == "ring" and found.hosts == ("127.0.0.1", "127.0.0.1")
+    assert [(r.rank, r.state) for r in found.ranks] == [(0, RUNNING), (1, RUNNING)]
+    assert all(r.pid and r.start for r in found.ranks)
+    assert found.same_group(lab_group.group())
+    assert find_group(found.launcher.pid) is None  # the launcher is no rank
+
+
+def test_stopped_rank_is_a_collective_wait_naming_rank1(lab_group, tmp_path):
+    """Rank 1 SIGSTOPped: rank 0 waits in the collective for ever. Measured before: the bundle
+    held rank 0 alone and said 'livelock, high confidence'. Now: collective_wait, culprit rank 1,
+    both ranks' stacks, and the group in the manifest."""
+    found = lab_group.group()
+    rank1 = found.rank(1)
+    os.kill(rank1.pid, signal.SIGSTOP)
+    try:
+        trigger(lab_group)
+        bundle = asyncio.run(capture_bundle(capture_request(lab_group, tmp_path, found)))
+    finally:
+        os.kill(rank1.pid, signal.SIGCONT)
+    c = bundle.manifest["classification"]
+    assert c["kind"] == "collective_wait", c
+    assert c["culprit_rank"] == 1
+    ranks = {r["rank"]: r for r in bundle.manifest["group"]["ranks"]}
+    assert ranks[1]["state"] == STOPPED and ranks[0]["state"] == RUNNING
+    assert "_share_object" in ranks[0]["innermost"]
+    assert list((bundle.path / "stacks").glob("pyspy-*.json"))
+    assert list((bundle.path / "ranks" / "rank-1" / "stacks").glob("pyspy-*.json"))
+    summary = (bundle.path / "summary.md").read_text()
+    assert "rank 1" in summary.splitlines()[0] or "rank 1" in summary
