@@ -96,8 +96,9 @@ _groups: dict[str, LabGroup] = {}
 
 @pytest.fixture
 def lab_group(server_python: str, lab_root: Path):
-    """A healthy real 2-rank ``mlx.launch`` group (ring, loopback) for this mlx-lm version,
-    shared by the session; relaunched if an earlier test broke it. One group runs at a time
+    """A healthy real 2-rank ``mlx.launch`` group (ring, loopback) for this mlx-lm version under
+    a keep-alive loop (as launchd would keep it), shared by the session; relaunched if an
+    earlier test broke it and the loop did not bring it back. One group runs at a time
     (a group costs about a core idle; the machine may have two): asking for another version's
     stops the last one."""
     for python, other in list(_groups.items()):
@@ -106,7 +107,7 @@ def lab_group(server_python: str, lab_root: Path):
             del _groups[python]
     group = _groups.get(server_python)
     if group is None:
-        group = LabGroup.start(server_python, lab_root / f"group-{server_version(server_python)}")
+        group = LabGroup.start(server_python, lab_root / f"group-{server_version(server_python)}", supervised=True)
         _groups[server_python] = group
     elif not group.healthy():
         group.relaunch()

@@ -10,11 +10,15 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import sys
+import time
 
 import httpx
 
 from mlxwatch.capture import CaptureRequest, capture_bundle
+from mlxwatch.config import InstanceConfig, RestartConfig
 from mlxwatch.host.group import RUNNING, STOPPED, find_group
+from mlxwatch.restart.methods import OK, RestartContext, restart
 
 CEILING = 30.0
 
@@ -69,3 +73,49 @@ def test_stopped_rank_is_a_collective_wait_naming_rank1(lab_group, tmp_path):
     assert list((bundle.path / "ranks" / "rank-1" / "stacks").glob("pyspy-*.json"))
     summary = (bundle.path / "summary.md").read_text()
     assert "rank 1" in summary.splitlines()[0] or "rank 1" in summary
+
+
+def wait_for(condition, timeout: float, poll: float = 0.2) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(poll)
+    return condition()
+
+
+def group_instance(group, method: RestartConfig) -> InstanceConfig:
+    return InstanceConfig("group", group.url, group.log_path, restart=method)
+
+
+def test_signal_restart_ends_the_whole_group_with_rank1_stopped(lab_group):
+    """Measured before: SIGTERM to rank 0 while rank 1 is SIGSTOPped: rank 0 exits, rank 1 stays
+    stopped, mlx.launch spins for ever and the supervisor never starts the group again. Now the
+    restart continues and ends every rank, then the launcher, proves them gone, and the keep-alive
+    loop's new group answers."""
+    old = lab_group.group()
+    os.kill(old.rank(1).pid, signal.SIGSTOP)
+    inst = group_instance(lab_group, RestartConfig("signal", grace=5.0))
+    outcome = asyncio.run(restart(RestartContext(inst, old.rank(0).identity, None, group=old)))
+    assert outcome.result == OK, outcome
+    assert not old.launcher.alive()
+    assert all(not r.identity.alive() for r in old.ranks)
+    assert wait_for(lambda: (g := lab_group.group()) is not None and not g.same_group(old) and not g.missing(), 120)
+    assert wait_for(lab_group.answers, 60)
+
+
+def test_command_hook_gets_the_group(lab_group, tmp_path):
+    """A command hook gets {launcher_pid}, {pids} and {hosts} besides {pid}; the old group's ranks
+    it leaves running are ended after the grace (the hook here does nothing)."""
+    old = lab_group.group()
+    out = tmp_path / "args"
+    write = "import sys; open(sys.argv[1], 'w').write(' '.join(sys.argv[2:]))"
+    hook = RestartConfig("command", argv=(sys.executable, "-c", write,
+                                          str(out), "{pid}", "{launcher_pid}", "{pids}", "{hosts}"), grace=1.0)
+    outcome = asyncio.run(restart(RestartContext(group_instance(lab_group, hook), old.rank(0).identity, None,
+                                                 group=old)))
+    assert out.read_text().split() == [str(old.rank(0).pid), str(old.launcher.pid),
+                                       f"{old.rank(0).pid},{old.rank(1).pid}", "127.0.0.1,127.0.0.1"]
+    assert "killed ranks that outlived it" in outcome.detail
+    assert all(not r.identity.alive() for r in old.ranks)
+    assert wait_for(lambda: (g := lab_group.group()) is not None and not g.same_group(old) and not g.missing(), 120)
