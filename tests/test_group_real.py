@@ -14,11 +14,13 @@ import sys
 import time
 
 import httpx
+import pytest
 
 from mlxwatch.capture import CaptureRequest, capture_bundle
 from mlxwatch.config import InstanceConfig, RestartConfig
-from mlxwatch.host.group import RUNNING, STOPPED, find_group
+from mlxwatch.host.group import RUNNING, STOPPED, find_group, refresh
 from mlxwatch.restart.methods import OK, RestartContext, restart
+from mlxwatch.verdict.group import judge_group
 
 CEILING = 30.0
 
@@ -119,3 +121,54 @@ def test_command_hook_gets_the_group(lab_group, tmp_path):
     assert "killed ranks that outlived it" in outcome.detail
     assert all(not r.identity.alive() for r in old.ranks)
     assert wait_for(lambda: (g := lab_group.group()) is not None and not g.same_group(old) and not g.missing(), 120)
+
+
+def _switch_fault(group, found, fault: str) -> None:
+    """One fault in rank 1 alone, then a request so that every rank's loop takes a step."""
+    if fault == "stopped":
+        os.kill(found.rank(1).pid, signal.SIGSTOP)
+    elif fault == "killed":
+        os.kill(found.rank(1).pid, signal.SIGKILL)
+    else:
+        group.set_fault({"dead_thread": "die", "blocked": "block", "livelock": "spin"}[fault], rank=1)
+    trigger(group)
+
+
+@pytest.mark.parametrize("fault", ["stopped", "blocked", "livelock"])
+def test_hung_rank1_verdict_bundle_and_group_restart(lab_group, tmp_path, fault):
+    """Rank 1 stopped, its generation thread blocked, or livelocked: the group delivers nothing
+    through rank 0; the ranks' states judge a stopped rank hung on their own; the bundle names
+    rank 1 as the culprit with both ranks' stacks; the group restart ends every old process and
+    the keep-alive loop's new group answers."""
+    old = lab_group.group()
+    _switch_fault(lab_group, old, fault)
+    judged = judge_group(refresh(old).ranks)
+    assert judged.hung == (fault == "stopped") and judged.culprit_rank == (1 if fault == "stopped" else None)
+    bundle = asyncio.run(capture_bundle(capture_request(lab_group, tmp_path, old)))
+    c = bundle.manifest["classification"]
+    assert (c["kind"], c["culprit_rank"]) == ("collective_wait", 1), c
+    assert list((bundle.path / "stacks").glob("pyspy-*.json"))
+    assert list((bundle.path / "ranks" / "rank-1" / "stacks").glob("pyspy-*.json"))
+    assert "rank 1" in (bundle.path / "summary.md").read_text().splitlines()[0]
+    lab_group.set_fault("", rank=1)  # the new group starts healthy
+    inst = group_instance(lab_group, RestartConfig("signal", grace=5.0))
+    outcome = asyncio.run(restart(RestartContext(inst, old.rank(0).identity, None, group=old)))
+    assert outcome.result == OK and "all 2 ranks and the launcher gone" in outcome.detail
+    assert not old.launcher.alive() and all(not r.identity.alive() for r in old.ranks)
+    assert wait_for(lambda: (g := lab_group.group()) is not None and not g.same_group(old) and not g.missing(), 120)
+    assert wait_for(lab_group.answers, 60)
+
+
+@pytest.mark.parametrize("fault", ["killed"])
+def test_rank1_exits_group_ends_and_comes_back(lab_group, fault):
+    """Rank 1 killed: the ranks' states judge the group hung while it is gone; mlx.launch then ends the whole group itself (rank
+    0 loses its peer) and the keep-alive loop's new group answers. Nothing of the old group stays."""
+    old = lab_group.group()
+    _switch_fault(lab_group, old, fault)
+    assert wait_for(lambda: not old.rank(1).identity.alive(), 60)
+    lab_group.set_fault("", rank=1)
+    judged = judge_group(refresh(old).ranks)
+    assert judged.hung and judged.culprit_rank in (0, 1)  # rank 0 may already have gone with it
+    assert wait_for(lambda: not old.launcher.alive() and not old.rank(0).identity.alive(), 60)
+    assert wait_for(lambda: (g := lab_group.group()) is not None and not g.same_group(old) and not g.missing(), 120)
+    assert wait_for(lab_group.answers, 60)

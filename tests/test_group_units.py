@@ -93,3 +93,19 @@ def test_every_rank_in_the_collective_blames_none():
     c = classify(_evidence("running", [[WAITING]] * 3))
     assert c.kind != "collective_wait" and c.culprit_rank is None
     assert classify(Evidence(probe_ran=True, snapshots=[[WAITING]] * 3, process_cpu=60.0)).kind == "livelock"
+
+
+def test_group_judgement_from_rank_states():
+    """A stopped, gone or zombie rank, or one whose generation thread died, is a hung group
+    naming it; a rank whose host did not answer is no evidence; all running: not hung."""
+    from mlxwatch.verdict.group import judge_group
+
+    running = _group().ranks
+    assert not judge_group(running).hung
+    for state in ("stopped", "gone", "zombie"):
+        judged = judge_group([running[0], replace(running[1], state=state)])
+        assert (judged.hung, judged.culprit_rank) == (True, 1) and judged.reason.startswith("rank 1 on mac2")
+    judged = judge_group(running, dead_generation={1})
+    assert (judged.hung, judged.culprit_rank) == (True, 1) and "generation thread died" in judged.reason
+    judged = judge_group([running[0], replace(running[1], state="unknown")])
+    assert not judged.hung and judged.unknown == (1,) and "no evidence" in judged.reason

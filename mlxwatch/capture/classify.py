@@ -71,6 +71,26 @@ def in_collective(thread: ThreadStack) -> bool:
                for f in thread.frames[:3])
 
 
+MODEL_STEP_FILES = ("generate.py",)  # mlx-lm's model step; a sharded model sums across ranks inside it
+
+
+def waits_for_peers(present: list[ThreadStack]) -> bool:
+    """A rank's generation thread (every snapshot that shows it) waits for the other ranks: in a
+    collective by name, or idle inside the model step in every snapshot (measured: rank 0 of a
+    group whose rank 1 never ran the step sits in ``PromptProcessingBatch.prompt``, idle in a
+    native wait; a model step of a lone process computes, it is never idle)."""
+    last = present[-1]
+    if in_collective(last):
+        return True
+    in_step = all(any(Path(f.filename).name in MODEL_STEP_FILES and "mlx_lm" in f.filename for f in g.frames[:3])
+                  for g in present)
+    return in_step and not any(g.active for g in present)
+
+
+def _place(thread: ThreadStack) -> str:
+    return thread.frames[0].where if thread.frames else "?"
+
+
 @dataclass
 class RankEvidence:
     """One rank of a group as the capture saw it: its state and (but for the target) its stacks."""
@@ -236,7 +256,7 @@ def _collective_wait(ev: Evidence) -> Classification | None:
     stacks = {r.rank: (ev.snapshots if r.target else r.snapshots) for r in ev.ranks}
     gens = {n: [g for g in map(generation_thread, snaps) if g is not None] for n, snaps in stacks.items()}
     # A stopped rank's stack may show it inside the collective too: it waits for no one, it runs nothing.
-    waiters = [r for r in ev.ranks if r.state == "running" and gens[r.rank] and in_collective(gens[r.rank][-1])]
+    waiters = [r for r in ev.ranks if r.state == "running" and gens[r.rank] and waits_for_peers(gens[r.rank])]
     if not waiters:
         return None
     culprits: list[tuple[RankEvidence, str, str]] = []  # rank, why, confidence
@@ -252,15 +272,26 @@ def _collective_wait(ev: Evidence) -> Classification | None:
         elif not gens[r.rank]:
             culprits.append((r, f"{r.where}: no generation thread in any of {len(stacks[r.rank])} stack "
                                 "snapshot(s): it died", "high" if len(stacks[r.rank]) >= 2 else "medium"))
-        elif not in_collective(gens[r.rank][-1]):
+        elif not waits_for_peers(gens[r.rank]):
             where = gens[r.rank][-1].frames[0].where if gens[r.rank][-1].frames else "?"
             culprits.append((r, f"{r.where}: its generation thread is elsewhere, not in the collective; "
                                 f"innermost: {where}", "high" if len(gens[r.rank]) >= 2 else "medium"))
+    first = waiters[0]
+    places = {r.rank: _place(gens[r.rank][-1]) for r in waiters}
+    if not culprits and len(waiters) == len(ev.ranks) and len({p.split(" (")[0] for p in places.values()}) > 1:
+        # Every rank waits, in different collectives: neither completes. Rank 0 takes the requests
+        # and the others follow its steps: a rank elsewhere than rank 0 went astray, most likely.
+        odd = next((r for r in waiters if r is not first and places[r.rank] != places[first.rank]), None)
+        if odd is not None:
+            culprits.append((odd, f"{odd.where} waits in another collective than {first.where} "
+                                  f"({places[odd.rank]} against {places[first.rank]}): it skipped or "
+                                  "repeated a step, so neither completes", "medium"))
+            waiters = [r for r in waiters if r is not odd]
     if not culprits:
         return None
     culprit, _, confidence = culprits[0]
     waiting = ", ".join(f"rank {r.rank}" for r in waiters)
-    where = gens[waiters[0].rank][-1].frames[0].where if gens[waiters[0].rank][-1].frames else "?"
+    where = _place(gens[waiters[0].rank][-1])
     lines = [f"{waiting} wait{'s' if len(waiters) == 1 else ''} in a collective for rank {culprit.rank}; "
              f"innermost: {where}", *(why for _, why, _ in culprits)]
     if ev.probe_ran and not ev.probe_ok:
