@@ -218,8 +218,12 @@ async def capture_bundle(req: CaptureRequest, *, runner: Runner = run_command, o
         heartbeat_step = asyncio.ensure_future(steps.run(
             "heartbeat", lambda: _heartbeat(req, process, files, window_seconds, opened),
             lambda: HeartbeatResult(window=ShimWindow(start=opened[0] if opened else None))))
-        ranks_step = asyncio.ensure_future(steps.run(
-            "ranks", lambda: _ranks(req, files, runner, steps.now), GroupResult))
+        ranks_step: asyncio.Future[GroupResult]  # a single server has no such step (nor its line in the bundle)
+        if req.group is not None:
+            ranks_step = asyncio.ensure_future(steps.run("ranks", lambda: _ranks(req, files, runner, steps.now), GroupResult))
+        else:
+            ranks_step = asyncio.get_running_loop().create_future()
+            ranks_step.set_result(GroupResult(outcome="skipped"))
         window: list[asyncio.Future] = [stacks_step, cpu_step, probe_step, heartbeat_step, ranks_step]
         sample_step = asyncio.ensure_future(steps.run("sample", lambda: _sample(req, files, runner), SampleResult))
         spindump_step = asyncio.ensure_future(steps.run("spindump", lambda: _spindump(req, files, runner), StepResult))
