@@ -666,7 +666,8 @@ def _list(value: Any) -> list:
 
 
 # What a restart command's arguments may name, filled in when it runs (restart/methods.py).
-HOOK_FIELDS = ("name", "pid", "url", "bundle")
+# {launcher_pid}, {pids} (comma-separated, by rank) and {hosts} (likewise): an mlx.launch group's, else empty.
+HOOK_FIELDS = ("name", "pid", "url", "bundle", "launcher_pid", "pids", "hosts")
 HOOK_FIELD = re.compile(r"\{(" + "|".join(HOOK_FIELDS) + r")\}")
 _BRACED_WORD = re.compile(r"(?<!\$)\{([A-Za-z0-9_]+)\}")  # not ${VAR}: the shell's
 
@@ -681,7 +682,7 @@ def _hook_argv(value: Any) -> tuple[str, ...]:
             word = m.group(1)
             if word not in HOOK_FIELDS and word.lower() in HOOK_FIELDS:
                 raise ValueError(f"argument {i} has {{{word}}}, which mlxwatch does not fill; its fields are "
-                                 "{name}, {pid}, {url} and {bundle}, in lower case")
+                                 "{name}, {pid}, {url}, {bundle}, {launcher_pid}, {pids} and {hosts}, in lower case")
     return argv
 
 

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from lab.group import LabGroup
 from lab.ports import free_port  # a loopback port free a moment ago
 from lab.server import LabServer, server_version
 from lab.standin import STANDIN  # the token-streaming stand-in's script
@@ -59,7 +60,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     server (``server_python``/``lab``) is ``real_server``. The fast tier is ``-m "not real_server"``."""
     for item in items:
         names = getattr(item, "fixturenames", ())
-        if "server_python" in names or "lab" in names or item.get_closest_marker("real_server"):
+        if "server_python" in names or "lab" in names or "lab_group" in names \
+                or item.get_closest_marker("real_server"):
             item.add_marker(pytest.mark.real_server)
 
 
@@ -87,6 +89,29 @@ def lab(server_python: str, lab_root: Path):
     elif server.fault_file.read_text().strip() or not server.owned_process_alive():
         server.relaunch()
     yield server
+
+
+_groups: dict[str, LabGroup] = {}
+
+
+@pytest.fixture
+def lab_group(server_python: str, lab_root: Path):
+    """A healthy real 2-rank ``mlx.launch`` group (ring, loopback) for this mlx-lm version under
+    a keep-alive loop (as launchd would keep it), shared by the session; relaunched if an
+    earlier test broke it and the loop did not bring it back. One group runs at a time
+    (a group costs about a core idle; the machine may have two): asking for another version's
+    stops the last one."""
+    for python, other in list(_groups.items()):
+        if python != server_python:
+            other.stop()
+            del _groups[python]
+    group = _groups.get(server_python)
+    if group is None:
+        group = LabGroup.start(server_python, lab_root / f"group-{server_version(server_python)}", supervised=True)
+        _groups[server_python] = group
+    elif not group.healthy():
+        group.relaunch()
+    yield group
 
 
 # Fixtures more than one test module uses live here, never imported from one test file into another.
@@ -225,6 +250,8 @@ def pytest_testnodedown(node, error) -> None:
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     for server in _servers.values():
         server.stop()
+    for group in _groups.values():
+        group.stop()
     shutil.rmtree(RUN_RUNTIME_DIR, ignore_errors=True)
     before = session.config.stash.get(_SHARED_BEFORE, None)
     basetemp = session.config.stash.get(_BASETEMP, None)

@@ -111,10 +111,11 @@ BAD = [
     # a field in the wrong case: refused at load, not passed to the hook as written at restart time
     ("instances: [{name: a, url: 'http://127.0.0.1:1', restart: {command: [kill, '{PID}']}}]",
      "instances[0].restart.command: argument 1 has {PID}, which mlxwatch does not fill; its fields are "
-     "{name}, {pid}, {url} and {bundle}, in lower case (got ['kill', '{PID}'])"),
+     "{name}, {pid}, {url}, {bundle}, {launcher_pid}, {pids} and {hosts}, in lower case (got ['kill', '{PID}'])"),
     ("instances: [{name: a, url: 'http://127.0.0.1:1', restart: {command: [restart, '--server={Name}']}}]",
      "instances[0].restart.command: argument 1 has {Name}, which mlxwatch does not fill; its fields are "
-     "{name}, {pid}, {url} and {bundle}, in lower case (got ['restart', '--server={Name}'])"),
+     "{name}, {pid}, {url}, {bundle}, {launcher_pid}, {pids} and {hosts}, in lower case "
+     "(got ['restart', '--server={Name}'])"),
     # the config's own directory: a log the daemon could never follow
     ("instances: [{name: a, url: 'http://127.0.0.1:1', log: .}]",
      "instances[0].log: is a directory; give the file the server writes its log to (got '.')"),

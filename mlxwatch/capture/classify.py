@@ -11,6 +11,11 @@ The kinds, and the evidence that leads to each (first match wins, ambiguity is r
     blocked      generation thread present and not stepping: the launch shim saw no step with
                  requests in flight, or its stack is parked in a wait (threading, queue, socket),
                  or it is stuck in one call while the process computes nothing
+    collective_wait  a rank of an mlx.launch group waits in a collective (``_share_object``'s
+                 ``all_sum``, a sharded layer) for a rank that is not in it: stopped, gone, no
+                 generation thread, or its generation thread elsewhere. ``culprit_rank`` names it.
+                 Rank 0 alone looks like a livelock (it spins in the collective): every rank's
+                 state and stacks decide, so this is checked before any single-process kind.
     livelock     generation thread present and stepping while no token was delivered: the shim
                  counted steps without tokens, or its stack moved between snapshots, or it sat in
                  one call while the process computed
@@ -50,7 +55,56 @@ IDLE_FUNCTIONS = ("_next_request", "get_next_request")  # an idle server waits h
 # socket (the lab's block fault: Condition.wait in threading.py), not on a computation.
 WAIT_FILES = ("threading.py", "queue.py", "selectors.py", "socket.py")
 
-KINDS = ("dead_thread", "blocked", "livelock", "wedged", "crashed", "busy", "healthy", "unknown")
+KINDS = ("collective_wait", "dead_thread", "blocked", "livelock", "wedged", "crashed", "busy", "healthy", "unknown")
+
+
+# Where a rank's generation thread waits for its peers: mlx-lm's per-pass exchange of the next
+# request (ResponseGenerator._share_object, mx.distributed.all_sum) or a sharded layer's sum
+# (mlx/nn/layers/distributed.py). The collective itself is native: the innermost Python frame is here.
+COLLECTIVE_FUNCTIONS = ("_share_object", "all_sum", "all_gather", "sum_gradients")
+COLLECTIVE_FILES = ("distributed.py",)
+
+
+def in_collective(thread: ThreadStack) -> bool:
+    """The thread's innermost Python frames are a collective's (the first three: a wrapper may sit on top)."""
+    return any(f.name.rsplit(".", 1)[-1] in COLLECTIVE_FUNCTIONS or Path(f.filename).name in COLLECTIVE_FILES
+               for f in thread.frames[:3])
+
+
+MODEL_STEP_FILES = ("generate.py",)  # mlx-lm's model step; a sharded model sums across ranks inside it
+
+
+def waits_for_peers(present: list[ThreadStack]) -> bool:
+    """A rank's generation thread (every snapshot that shows it) waits for the other ranks: in a
+    collective by name, or idle inside the model step in every snapshot (measured: rank 0 of a
+    group whose rank 1 never ran the step sits in ``PromptProcessingBatch.prompt``, idle in a
+    native wait; a model step of a lone process computes, it is never idle)."""
+    last = present[-1]
+    if in_collective(last):
+        return True
+    in_step = all(any(Path(f.filename).name in MODEL_STEP_FILES and "mlx_lm" in f.filename for f in g.frames[:3])
+                  for g in present)
+    return in_step and not any(g.active for g in present)
+
+
+def _place(thread: ThreadStack) -> str:
+    return thread.frames[0].where if thread.frames else "?"
+
+
+@dataclass
+class RankEvidence:
+    """One rank of a group as the capture saw it: its state and (but for the target) its stacks."""
+
+    rank: int
+    host: str
+    pid: int | None
+    state: str  # running | stopped | zombie | gone | unknown
+    snapshots: list[list[ThreadStack]] = field(default_factory=list)
+    target: bool = False  # the captured process (rank 0): its stacks are Evidence.snapshots
+
+    @property
+    def where(self) -> str:
+        return f"rank {self.rank} ({self.host}" + (f", PID {self.pid})" if self.pid else ")")
 
 
 @dataclass
@@ -78,6 +132,7 @@ class Evidence:
     log_admissions: int = 0  # other requests admitted (POST ... 200) during the window: not progress
     verdict: str | None = None  # the watchdog's reason for its verdict; None for a manual capture
     shim: ShimFindings | None = None  # the launch shim's heartbeat findings, if any
+    ranks: list[RankEvidence] = field(default_factory=list)  # an mlx.launch group's ranks; empty: one server
 
 
 @dataclass
@@ -87,6 +142,7 @@ class Classification:
     evidence: list[str]
     competing: list[str] = field(default_factory=list)
     contradicts_verdict: bool = False  # the watchdog judged the server hung; this evidence disagrees
+    culprit_rank: int | None = None  # collective_wait: the rank the others wait for
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -137,6 +193,10 @@ def _classify(ev: Evidence) -> Classification:
         lines.append(f"the generation probe got {ev.probe_tokens} token(s)")
         return Classification("healthy", "high", lines)
 
+    waiting = _collective_wait(ev)
+    if waiting is not None:
+        return waiting
+
     if "stopped" in ev.process_statuses:
         lines.append("process status is 'stopped' (SIGSTOP or a debugger): it runs nothing")
     if ev.probe_ran and not ev.endpoints_answered:
@@ -186,6 +246,59 @@ def _classify(ev: Evidence) -> Classification:
         lines += [stack.line(), cpu.line(), "the generation thread is waiting for new requests: an idle server"]
         return Classification("healthy", "low", lines, ["no generation probe confirmed delivery"])
     return _from_outside(ev, stack, cpu, lines, competing)
+
+
+def _collective_wait(ev: Evidence) -> Classification | None:
+    """A rank waits in a collective for a rank that is not in it (see the module docstring).
+    None: not a group, no rank waits in a collective, or every rank is in it (nothing to blame)."""
+    if len(ev.ranks) < 2:
+        return None
+    stacks = {r.rank: (ev.snapshots if r.target else r.snapshots) for r in ev.ranks}
+    gens = {n: [g for g in map(generation_thread, snaps) if g is not None] for n, snaps in stacks.items()}
+    # A stopped rank's stack may show it inside the collective too: it waits for no one, it runs nothing.
+    waiters = [r for r in ev.ranks if r.state == "running" and gens[r.rank] and waits_for_peers(gens[r.rank])]
+    if not waiters:
+        return None
+    culprits: list[tuple[RankEvidence, str, str]] = []  # rank, why, confidence
+    for r in ev.ranks:
+        if r in waiters:
+            continue
+        if r.state in ("stopped", "gone", "zombie"):
+            why = {"stopped": "is stopped (SIGSTOP or a debugger): it runs nothing",
+                   "gone": "is gone: its process exited", "zombie": "has exited (a zombie)"}[r.state]
+            culprits.append((r, f"{r.where} {why}", "high"))
+        elif not stacks[r.rank]:
+            continue  # no stacks of it: nothing shows where it is
+        elif not gens[r.rank]:
+            culprits.append((r, f"{r.where}: no generation thread in any of {len(stacks[r.rank])} stack "
+                                "snapshot(s): it died", "high" if len(stacks[r.rank]) >= 2 else "medium"))
+        elif not waits_for_peers(gens[r.rank]):
+            where = gens[r.rank][-1].frames[0].where if gens[r.rank][-1].frames else "?"
+            culprits.append((r, f"{r.where}: its generation thread is elsewhere, not in the collective; "
+                                f"innermost: {where}", "high" if len(gens[r.rank]) >= 2 else "medium"))
+    first = waiters[0]
+    places = {r.rank: _place(gens[r.rank][-1]) for r in waiters}
+    if not culprits and len(waiters) == len(ev.ranks) and len({p.split(" (")[0] for p in places.values()}) > 1:
+        # Every rank waits, in different collectives: neither completes. Rank 0 takes the requests
+        # and the others follow its steps: a rank elsewhere than rank 0 went astray, most likely.
+        odd = next((r for r in waiters if r is not first and places[r.rank] != places[first.rank]), None)
+        if odd is not None:
+            culprits.append((odd, f"{odd.where} waits in another collective than {first.where} "
+                                  f"({places[odd.rank]} against {places[first.rank]}): it skipped or "
+                                  "repeated a step, so neither completes", "medium"))
+            waiters = [r for r in waiters if r is not odd]
+    if not culprits:
+        return None
+    culprit, _, confidence = culprits[0]
+    waiting = ", ".join(f"rank {r.rank}" for r in waiters)
+    where = _place(gens[waiters[0].rank][-1])
+    lines = [f"{waiting} wait{'s' if len(waiters) == 1 else ''} in a collective for rank {culprit.rank}; "
+             f"innermost: {where}", *(why for _, why, _ in culprits)]
+    if ev.probe_ran and not ev.probe_ok:
+        lines.append("the probe got no token: the group delivers nothing while a rank is missing")
+    competing = [f"{len(culprits)} ranks are not in the collective: rank {culprit.rank} is named first"] \
+        if len(culprits) > 1 else []
+    return Classification("collective_wait", confidence, lines, competing, culprit_rank=culprit.rank)
 
 
 @dataclass(frozen=True)

@@ -37,6 +37,7 @@ import asyncio
 import json
 import os
 import platform
+import shlex
 import socket
 import sys
 import time
@@ -51,7 +52,7 @@ import httpx
 from mlxwatch import __version__, probes, stacks
 from mlxwatch.capture import macos, pyspy
 from mlxwatch.capture.bundle import BundleWriter, adopt_partials, prune
-from mlxwatch.capture.classify import Classification, Evidence, classify
+from mlxwatch.capture.classify import Classification, Evidence, RankEvidence, classify
 from mlxwatch.capture.procstats import describe_process, sample_process
 from mlxwatch.capture.redact import (
     NONE,
@@ -63,6 +64,8 @@ from mlxwatch.capture.redact import (
 from mlxwatch.capture.results import (
     CaptureResults,
     CpuResult,
+    GroupResult,
+    RankFinding,
     HeartbeatResult,
     LogResult,
     ProbeResult,
@@ -78,6 +81,7 @@ from mlxwatch.capture.versions import server_versions
 from mlxwatch.config import CaptureConfig, ProbeConfig
 from mlxwatch.errors import ProcessGoneError
 from mlxwatch.host.commands import CommandResult, Runner, run_command
+from mlxwatch.host.group import SSH_OPTIONS, Group, Rank, refresh
 from mlxwatch.host.process import ProcessIdentity
 from mlxwatch.probes import CheckReport
 from mlxwatch.serverlog.follow import LogFollower
@@ -138,6 +142,7 @@ class CaptureRequest:
     # Python stacks from: auto (the launch shim if present, else py-spy) | pyspy | shim | sample
     stacks: str = CaptureConfig.stacks
     redact: bool = CaptureConfig.redact  # the raw bundle's redaction (redact.PRIVATE); False: complete (NONE)
+    group: Group | None = None  # the mlx.launch group whose rank 0 ``pid`` is: every rank is captured
 
 
 class ProbeTimeouts(TypedDict):
@@ -213,7 +218,13 @@ async def capture_bundle(req: CaptureRequest, *, runner: Runner = run_command, o
         heartbeat_step = asyncio.ensure_future(steps.run(
             "heartbeat", lambda: _heartbeat(req, process, files, window_seconds, opened),
             lambda: HeartbeatResult(window=ShimWindow(start=opened[0] if opened else None))))
-        window: list[asyncio.Future] = [stacks_step, cpu_step, probe_step, heartbeat_step]
+        ranks_step: asyncio.Future[GroupResult]  # a single server has no such step (nor its line in the bundle)
+        if req.group is not None:
+            ranks_step = asyncio.ensure_future(steps.run("ranks", lambda: _ranks(req, files, runner, steps.now), GroupResult))
+        else:
+            ranks_step = asyncio.get_running_loop().create_future()
+            ranks_step.set_result(GroupResult(outcome="skipped"))
+        window: list[asyncio.Future] = [stacks_step, cpu_step, probe_step, heartbeat_step, ranks_step]
         sample_step = asyncio.ensure_future(steps.run("sample", lambda: _sample(req, files, runner), SampleResult))
         spindump_step = asyncio.ensure_future(steps.run("spindump", lambda: _spindump(req, files, runner), StepResult))
         crash_step = asyncio.ensure_future(steps.run(
@@ -224,7 +235,8 @@ async def capture_bundle(req: CaptureRequest, *, runner: Runner = run_command, o
         await asyncio.gather(*window, sample_step, spindump_step, crash_step, versions_step, log_step)
         results = CaptureResults(process=process, stacks=stacks_step.result(), cpu=cpu_step.result(),
                                  probe=probe_step.result(), heartbeat=heartbeat_step.result(),
-                                 sample=sample_step.result(), versions=versions_step.result(), log=log_step.result())
+                                 sample=sample_step.result(), versions=versions_step.result(), log=log_step.result(),
+                                 ranks=ranks_step.result())
         bundle = await asyncio.to_thread(_finish, req, steps, files, results, probe_first_token)
     except BaseException:
         if probe_step is not None and probe_step.done() and not probe_step.cancelled() \
@@ -281,18 +293,31 @@ async def _stacks(req: CaptureRequest, process: ProcessResult, files: _Files, ru
     if pyspy.needs_root() and not req.sudo:
         return StacksResult(outcome="skipped",
                             error="py-spy needs root on macOS: run as root or set capture.sudo (see README)")
-    native = pyspy.native_supported()
-    errors = []
+    errors = await _pyspy_series(req, req.pid, exe, files, runner, now, taken, "stacks")
+    if errors:
+        return StacksResult(snapshots=tuple(taken), outcome="ok" if taken else "failed", error="; ".join(errors))
+    return StacksResult(snapshots=tuple(taken), error=shim_error)
+
+
+async def _pyspy_series(req: CaptureRequest, pid: int, exe: str, files: _Files, runner: Runner,
+                        now: Callable[[], float], taken: list[Snapshot], directory: str,
+                        wrap: Callable[[list[str]], list[str]] | None = None) -> list[str]:
+    """py-spy dumps of ``pid`` on the snapshot schedule, into ``directory``/pyspy-N.json and .txt;
+    each appended to ``taken`` as it comes. ``wrap`` turns a py-spy argv into the one to run (a
+    remote rank's: over ssh). The errors, one per failed snapshot."""
+    native = pyspy.native_supported() and wrap is None  # --native: local only (it needs the binary's symbols here)
+    wrap = wrap or (lambda argv: argv)
+    errors: list[str] = []
     async for i in _snapshot_schedule(req.snapshots, req.spacing):
         at = now()
-        result = await runner(pyspy.dump_command(exe, req.pid, as_json=True, native=False, sudo=req.sudo), DUMP_TIMEOUT)
+        result = await runner(wrap(pyspy.dump_command(exe, pid, as_json=True, native=False, sudo=req.sudo)), DUMP_TIMEOUT)
         nonblocking = False
         if not result.ok and not _missing_or_denied(result.error):
             # A SIGSTOPped target cannot be suspended again ("Failed to suspend process" or
             # "Failed to get stack traces"); --nonblocking reads it anyway.
             nonblocking = True
-            result = await runner(pyspy.dump_command(exe, req.pid, as_json=True, native=False, nonblocking=True, sudo=req.sudo),
-                                  DUMP_TIMEOUT)
+            result = await runner(wrap(pyspy.dump_command(exe, pid, as_json=True, native=False, nonblocking=True,
+                                                          sudo=req.sudo)), DUMP_TIMEOUT)
         if not result.ok:
             output = result.stderr.decode("utf-8", "replace")
             meaning = pyspy.explain(output)
@@ -306,16 +331,56 @@ async def _stacks(req: CaptureRequest, process: ProcessResult, files: _Files, ru
             errors.append(f"snapshot {i}: unreadable py-spy JSON: {exc}")
             continue
         taken.append((at, threads))
-        await files.write(f"stacks/pyspy-{i}.json", result.stdout)
-        text = await runner(pyspy.dump_command(exe, req.pid, as_json=False, native=native and not nonblocking,
-                                               nonblocking=nonblocking, sudo=req.sudo), DUMP_TIMEOUT)
+        await files.write(f"{directory}/pyspy-{i}.json", result.stdout)
+        text = await runner(wrap(pyspy.dump_command(exe, pid, as_json=False, native=native and not nonblocking,
+                                                    nonblocking=nonblocking, sudo=req.sudo)), DUMP_TIMEOUT)
         header = f"# py-spy dump {i} at +{at:.2f}s ({datetime.now(timezone.utc).isoformat()})" \
                  f"{' --native' if native and not nonblocking else ''}{' --nonblocking' if nonblocking else ''}\n"
         body = text.stdout.decode("utf-8", "replace") if text.ok else f"# failed: {text.error}\n"
-        await files.write(f"stacks/pyspy-{i}.txt", header + body)
-    if errors:
-        return StacksResult(snapshots=tuple(taken), outcome="ok" if taken else "failed", error="; ".join(errors))
-    return StacksResult(snapshots=tuple(taken), error=shim_error)
+        await files.write(f"{directory}/pyspy-{i}.txt", header + body)
+    return errors
+
+
+def _over_ssh(host: str, exe: str) -> Callable[[list[str]], list[str]]:
+    """A py-spy argv run on ``host`` the way mlx.launch reaches it (``ssh HOST``): py-spy from
+    that host's PATH, else from where it is here (mlx.launch assumes the same paths everywhere)."""
+    here = os.path.dirname(exe)
+
+    def wrap(argv: list[str]) -> list[str]:
+        script = f'PATH="$PATH:{here}" exec "$@"'
+        return ["ssh", *SSH_OPTIONS, host, shlex.join(["sh", "-c", script, "sh", "py-spy", *argv[1:]])]
+    return wrap
+
+
+async def _ranks(req: CaptureRequest, files: _Files, runner: Runner, now: Callable[[], float]) -> GroupResult:
+    """Every rank of the group but the target (rank 0, whose stacks the stacks step takes): its
+    state now, its process (local ranks: ``ranks/rank-N/process.json``) and spaced py-spy stacks
+    (``ranks/rank-N/stacks/``), all ranks side by side on the same schedule."""
+    if req.group is None:
+        return GroupResult(outcome="skipped", error="not a distributed group")
+    group = await asyncio.to_thread(refresh, req.group)
+    exe = await asyncio.to_thread(pyspy.find_py_spy)
+
+    async def one(rank: Rank) -> RankFinding:
+        if rank.pid == req.pid and rank.local:
+            return RankFinding(rank=rank)
+        if rank.pid is None or rank.state not in ("running", "stopped"):
+            return RankFinding(rank=rank, error=f"rank {rank.rank}: {rank.state}, nothing to inspect")
+        directory = f"ranks/rank-{rank.rank}"
+        if rank.local:
+            info = await asyncio.to_thread(describe_process, rank.pid)
+            await files.write_json(f"{directory}/process.json", info)
+        if exe is None:
+            return RankFinding(rank=rank, error="py-spy not found on PATH (pip install py-spy)")
+        taken: list[Snapshot] = []
+        errors = await _pyspy_series(req, rank.pid, exe, files, runner, now, taken, f"{directory}/stacks",
+                                     None if rank.local else _over_ssh(rank.host, exe))
+        return RankFinding(rank=rank, snapshots=tuple(taken),
+                           error="; ".join(f"rank {rank.rank} {e}" for e in errors) or None)
+
+    found = await asyncio.gather(*(one(r) for r in group.ranks))
+    errors = [f.error for f in found if f.error] + list(group.errors)
+    return GroupResult(group=group, ranks=tuple(found), error="; ".join(errors) or None)
 
 
 async def _shim_stacks(req: CaptureRequest, pid: int, process: ProcessResult, files: _Files, now: Callable[[], float],
@@ -633,6 +698,9 @@ def _evidence(req: CaptureRequest, found: CaptureResults) -> tuple[Evidence, Log
         ev.models_status = report.models.status
         ev.endpoints_answered = report.health.answered or report.models.answered
     ev.log = markers
+    ev.ranks = [RankEvidence(f.rank.rank, f.rank.host, f.rank.pid, f.rank.state,
+                             [threads for _, threads in f.snapshots], target=f.rank.pid == req.pid and f.rank.local)
+                for f in found.ranks.ranks]
     if found.heartbeat.window is not None:
         ev.shim = found.heartbeat.window.findings(report.generation.tokens if report is not None else 0)
     window = None
@@ -670,6 +738,7 @@ def _finish(req: CaptureRequest, steps: StepRunner, files: _Files, found: Captur
         "shim": found.heartbeat.window.to_dict() if found.heartbeat.window is not None else None,
         "versions": found.versions.versions,
         "classification": classification.to_dict(),
+        "group": _group_entry(req, found),
     }
     manifest = redact_json(manifest, files.redaction)  # the command line, the verdict, step errors
     markers = found.log.markers
@@ -681,6 +750,28 @@ def _finish(req: CaptureRequest, steps: StepRunner, files: _Files, found: Captur
     adopt_partials(req.out_dir)
     prune(req.out_dir, req.keep, req.max_bytes, protect=path, keep_days=req.keep_days)
     return Bundle(path, classification, files.writer.manifest)
+
+
+def _group_entry(req: CaptureRequest, found: CaptureResults) -> dict[str, Any] | None:
+    """The manifest's ``group``: launcher, backend, and each rank with its state and innermost
+    frame (its generation thread's in the last snapshot); None for a single server."""
+    group = found.ranks.group or req.group
+    if group is None:
+        return None
+    by_rank = {f.rank.rank: f for f in found.ranks.ranks}
+    ranks = []
+    for rank in group.ranks:
+        finding = by_rank.get(rank.rank)
+        rank = finding.rank if finding is not None else rank
+        snaps = list(found.stacks.snapshots) if rank.pid == req.pid and rank.local else \
+            list(finding.snapshots) if finding is not None else []
+        gen = next((g for g in (stacks.generation_thread(t) for _, t in reversed(snaps)) if g is not None), None)
+        innermost = (gen.frames[0].where if gen.frames else "?") if gen is not None else \
+            ("no generation thread" if snaps else None)
+        ranks.append({**rank.to_dict(), "innermost": innermost, "snapshots": len(snaps),
+                      "stacks": "stacks/" if rank.pid == req.pid and rank.local else f"ranks/rank-{rank.rank}/stacks/"})
+    return {"launcher": {"pid": group.launcher.pid, "cmdline": list(group.launcher.cmdline)},
+            "backend": group.backend, "hosts": list(group.hosts), "hostfile": group.hostfile, "ranks": ranks}
 
 
 async def _snapshot_schedule(snapshots: int, spacing: float) -> AsyncIterator[int]:

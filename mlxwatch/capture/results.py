@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from mlxwatch.capture.procstats import ProcessWindow
 from mlxwatch.capture.runner import StepResult
+from mlxwatch.host.group import Group, Rank
 from mlxwatch.probes import CheckReport
 from mlxwatch.serverlog.markers import LogMarkers
 from mlxwatch.shim.stacks import ShimWindow
@@ -91,6 +92,25 @@ class LogResult(StepResult):
     before: dict[int, int] = field(default_factory=dict)
 
 
+@dataclass(frozen=True, kw_only=True)
+class RankFinding:
+    """One rank of a group: its state when captured and its stacks (none for rank 0 here: the
+    stacks step takes the target's)."""
+
+    rank: Rank
+    snapshots: tuple[Snapshot, ...] = ()
+    error: str | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class GroupResult(StepResult):
+    """Every rank of an ``mlx.launch`` group (``group`` refreshed at the capture); none for a
+    single server, or when the step was cut off."""
+
+    group: Group | None = None
+    ranks: tuple[RankFinding, ...] = ()
+
+
 @dataclass(frozen=True)
 class CaptureResults:
     """Every step's result: what the evidence and the manifest are assembled from."""
@@ -103,3 +123,4 @@ class CaptureResults:
     sample: SampleResult
     versions: VersionsResult
     log: LogResult
+    ranks: GroupResult = GroupResult(outcome="skipped")

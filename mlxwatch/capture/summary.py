@@ -19,7 +19,9 @@ NO_COMPLETION = ("none known (mlx-lm logs no line when it finishes a request, ex
 
 def render_summary(manifest: dict[str, Any], snapshots: list[tuple[float, list[ThreadStack]]], markers: dict | None) -> str:
     c = manifest["classification"]
-    out = [f"# mlxwatch bundle: {c['kind']} ({c['confidence']} confidence)", ""]
+    culprit = c.get("culprit_rank")
+    blame = f": rank {culprit} is not in the collective the others wait in" if culprit is not None else ""
+    out = [f"# mlxwatch bundle: {c['kind']} ({c['confidence']} confidence){blame}", ""]
     verdict = manifest.get("verdict")
     if verdict and c.get("contradicts_verdict"):
         seen = (c.get("evidence") or ["?"])[0]
@@ -38,6 +40,12 @@ def render_summary(manifest: dict[str, Any], snapshots: list[tuple[float, list[T
     if pkgs:
         out.append("- server: " + ", ".join(f"{k} {v}" for k, v in sorted(pkgs.items()) if k.startswith("mlx"))
                    + f", Python {versions.get('python') or '?'}")
+    group = manifest.get("group")
+    if group:
+        out.append(f"- group: mlx.launch ({group['backend']}) PID {group['launcher']['pid']}, "
+                   f"{len(group['ranks'])} ranks")
+        out += [f"  - rank {r['rank']} on {r['host']}: PID {r['pid'] or '-'}, {r['state']}, innermost: "
+                f"{r.get('innermost') or 'no stacks'}" for r in group["ranks"]]
     out += ["", "## Why", ""] + [f"- {line}" for line in c["evidence"]]
     if c.get("competing"):
         out += ["", "Competing evidence:", ""] + [f"- {line}" for line in c["competing"]]

@@ -8,6 +8,18 @@ never a dead process's PID. ``signal`` re-checks the process identity before eve
 sends, and continues a stopped process first (SIGTERM stays pending on a SIGSTOPped one). A
 restart that found no process to restart says so: it is recorded as ``nothing_to_restart``,
 not ``ok``.
+
+A distributed server (an ``mlx.launch`` group, ``RestartContext.group``) is restarted whole,
+never one rank: ``signal`` continues every stopped rank, sends the signal to every rank, kills
+those still running after the grace, then ends the launcher (it exits by itself once a rank
+has exited non-zero; else it is signalled too), and proves every rank and the launcher gone
+before it returns: the supervisor (launchd, systemd, a keep-alive loop) starts the launcher again
+only once nothing of the old group holds its ports. Ranks go first because SIGTERM ends
+``mlx.launch`` without it ending its ranks (measured: they are left running, orphaned), and
+SIGTERM to rank 0 while rank 1 is stopped leaves ``mlx.launch`` spinning for ever. The other
+methods are followed by the same sweep of the old group's ranks that outlive them. Every
+signal to a rank is preceded by proof that it is the very process found (PID and start; for a
+remote rank, checked on its host in the same ssh run).
 """
 
 from __future__ import annotations
@@ -15,11 +27,14 @@ from __future__ import annotations
 import asyncio
 import os
 import signal as signals
+import time
 from dataclasses import dataclass, replace
+from typing import Callable
 
 from mlxwatch.config import HOOK_FIELD, InstanceConfig, RestartConfig
 from mlxwatch.errors import RestartError
 from mlxwatch.host import launchctl
+from mlxwatch.host import group as groups
 from mlxwatch.host.commands import Runner, run_command
 from mlxwatch.host.process import ProcessIdentity
 
@@ -39,6 +54,7 @@ class RestartContext:
     instance: InstanceConfig
     identity: ProcessIdentity | None  # proven to be the server (see mlxwatch.host.process), or None
     bundle: str | None
+    group: groups.Group | None = None  # the mlx.launch group whose rank 0 ``identity`` is: restarted whole
 
 
 def launchd_command(cfg: RestartConfig, uid: int | None = None, server_pid: int | None = None) -> list[str]:
@@ -61,6 +77,9 @@ def custom_command(cfg: RestartConfig, ctx: RestartContext) -> list[str]:
         "pid": str(ctx.identity.pid) if ctx.identity else "",
         "url": ctx.instance.url,
         "bundle": ctx.bundle or "",
+        "launcher_pid": str(ctx.group.launcher.pid) if ctx.group else "",
+        "pids": ",".join(str(r.pid or "") for r in ctx.group.ranks) if ctx.group else "",
+        "hosts": ",".join(r.host for r in ctx.group.ranks) if ctx.group else "",
     }
     return [HOOK_FIELD.sub(lambda m: values[m.group(1)], arg) for arg in cfg.argv]  # one pass: no value is read again
 
@@ -81,6 +100,8 @@ async def restart(ctx: RestartContext, runner: Runner = run_command) -> RestartO
     if cfg.method == "none":
         return RestartOutcome(NOTHING_TO_RESTART, "no restart configured (capture and notify only)")
     if cfg.method == "signal":
+        if ctx.group is not None:
+            return await asyncio.to_thread(_signal_group, ctx.group, cfg)
         return await _signal(ctx, cfg)
     if ctx.identity is not None and not await asyncio.to_thread(ctx.identity.alive):
         ctx = replace(ctx, identity=None)  # gone since it was proven: its PID may be anyone's soon
@@ -90,7 +111,73 @@ async def restart(ctx: RestartContext, runner: Runner = run_command) -> RestartO
     result = await runner(argv, cfg.timeout)
     if not result.ok:
         raise RestartError(f"{argv[0]}: {result.error}")
-    return RestartOutcome(OK, f"ran {' '.join(argv)}")
+    detail = f"ran {' '.join(argv)}"
+    if ctx.group is not None:
+        detail += await asyncio.to_thread(_sweep, ctx.group, cfg.grace)
+    return RestartOutcome(OK, detail)
+
+
+def _ranks_text(ranks: list[groups.Rank]) -> str:
+    return ", ".join(r.where for r in ranks)
+
+
+def _sweep(group: groups.Group, grace: float) -> str:
+    """After a restart method: the old group's ranks still running after ``grace`` are
+    continued and killed (proven first). What it did, for the outcome's detail."""
+    left = groups.wait_ranks_gone(group, grace)
+    if not left:
+        return "; every rank of the old group is gone"
+    groups.signal_ranks(group, left, "SIGCONT")
+    killed = groups.signal_ranks(group, left, "SIGKILL")
+    still = groups.wait_ranks_gone(group, 10.0)
+    if still:
+        raise RestartError(f"ranks of the old group outlived the restart and SIGKILL: {_ranks_text(still)}")
+    return f"; killed ranks that outlived it by {grace:g}s: {_ranks_text(killed)}"
+
+
+def _signal_group(group: groups.Group, cfg: RestartConfig) -> RestartOutcome:
+    """The whole group (see the module docstring); blocking: run in a worker thread."""
+    now = groups.refresh(group)
+    running = [r for r in now.ranks if r.state in (groups.RUNNING, groups.STOPPED, "unknown") and r.pid]
+    launcher_alive = group.launcher.alive()
+    if not running and not launcher_alive:
+        return RestartOutcome(NOTHING_TO_RESTART, "every rank and the launcher already gone; nothing to signal")
+    steps = []
+    stopped = [r for r in running if r.state == groups.STOPPED]
+    if stopped:  # SIGTERM stays pending on a stopped process
+        groups.signal_ranks(now, stopped, "SIGCONT")
+        steps.append(f"continued stopped {_ranks_text(stopped)}")
+    sent = groups.signal_ranks(now, running, cfg.signal_name)
+    steps.append(f"sent {cfg.signal_name} to {len(sent)} rank(s)")
+    left = groups.wait_ranks_gone(now, cfg.grace)
+    if left:
+        groups.signal_ranks(now, left, "SIGCONT")
+        killed = groups.signal_ranks(now, left, "SIGKILL")
+        steps.append(f"SIGKILL to {_ranks_text(killed)} after {cfg.grace:g}s")
+        left = groups.wait_ranks_gone(now, 10.0)
+    launcher = group.launcher
+    if launcher.alive() and not _wait(launcher.alive, 5.0):  # it exits once a rank exited non-zero
+        os.kill(launcher.pid, signals.SIGCONT)
+        os.kill(launcher.pid, getattr(signals, cfg.signal_name))
+        steps.append(f"sent {cfg.signal_name} to the launcher {launcher.pid}")
+        if not _wait(launcher.alive, cfg.grace) and launcher.alive():
+            os.kill(launcher.pid, signals.SIGKILL)
+            steps.append("SIGKILL to the launcher")
+            _wait(launcher.alive, 10.0)
+    if left or launcher.alive():
+        what = _ranks_text(left) + (f"; launcher {launcher.pid}" if launcher.alive() else "")
+        raise RestartError(f"group not ended: still running: {what.strip('; ')}")
+    return RestartOutcome(OK, "; ".join(steps) + f"; all {len(group.ranks)} ranks and the launcher gone")
+
+
+def _wait(alive: Callable[[], bool], timeout: float) -> bool:
+    """Until ``alive()`` is false (True), or ``timeout`` passed (False)."""
+    deadline = time.monotonic() + timeout
+    while alive():
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.1)
+    return True
 
 
 async def _signal(ctx: RestartContext, cfg: RestartConfig) -> RestartOutcome:

@@ -1,0 +1,174 @@
+"""Distributed servers: real 2-rank ``mlx.launch`` groups (ring backend, loopback), both versions.
+
+One group per mlx-lm version is shared by these tests (``lab_group``: about a core idle); a test
+whose fault ends a group starts its own. Faults are switched in rank 1 alone (the lab's injector
+reads ``fault-rank1``; SIGSTOP and SIGKILL are sent to rank 1's PID).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+import time
+
+import httpx
+import pytest
+
+from mlxwatch.capture import CaptureRequest, capture_bundle
+from mlxwatch.config import InstanceConfig, RestartConfig
+from mlxwatch.host.group import RUNNING, STOPPED, find_group, refresh
+from mlxwatch.restart.methods import OK, RestartContext, restart
+from mlxwatch.verdict.group import judge_group
+
+CEILING = 30.0
+
+
+def capture_request(group, out, found, **kw) -> CaptureRequest:
+    return CaptureRequest(pid=found.rank(0).pid, out_dir=out, url=group.url, log=group.log_path, label="group",
+                          snapshots=3, spacing=1.0, ceiling=CEILING, probe_first_token_timeout=3.0,
+                          probe_timeout=5.0, group=found, **kw)
+
+
+def trigger(group) -> None:
+    """One request, so that every rank's batch loop takes a step (and a faulty rank its fault)."""
+    try:
+        httpx.post(f"{group.url}/v1/chat/completions", trust_env=False, timeout=2.0,
+                   json={"messages": [{"role": "user", "content": "trigger"}], "max_tokens": 2})
+    except httpx.HTTPError:
+        pass
+
+
+def test_group_found_from_rank0(lab_group):
+    """From rank 0's PID: the launcher, the ring backend, both ranks running on 127.0.0.1, and
+    the same group found twice is the same group."""
+    found = lab_group.group()
+    assert found is not None
+    assert "mlx.launch" in found.launcher.cmdline[1]
+    assert found.backend == "ring" and found.hosts == ("127.0.0.1", "127.0.0.1")
+    assert [(r.rank, r.state) for r in found.ranks] == [(0, RUNNING), (1, RUNNING)]
+    assert all(r.pid and r.start for r in found.ranks)
+    assert found.same_group(lab_group.group())
+    assert find_group(found.launcher.pid) is None  # the launcher is no rank
+
+
+def test_stopped_rank_is_a_collective_wait_naming_rank1(lab_group, tmp_path):
+    """Rank 1 SIGSTOPped: rank 0 waits in the collective for ever. Measured before: the bundle
+    held rank 0 alone and said 'livelock, high confidence'. Now: collective_wait, culprit rank 1,
+    both ranks' stacks, and the group in the manifest."""
+    found = lab_group.group()
+    rank1 = found.rank(1)
+    os.kill(rank1.pid, signal.SIGSTOP)
+    try:
+        trigger(lab_group)
+        bundle = asyncio.run(capture_bundle(capture_request(lab_group, tmp_path, found)))
+    finally:
+        os.kill(rank1.pid, signal.SIGCONT)
+    c = bundle.manifest["classification"]
+    assert c["kind"] == "collective_wait", c
+    assert c["culprit_rank"] == 1
+    ranks = {r["rank"]: r for r in bundle.manifest["group"]["ranks"]}
+    assert ranks[1]["state"] == STOPPED and ranks[0]["state"] == RUNNING
+    assert "_share_object" in ranks[0]["innermost"]
+    assert list((bundle.path / "stacks").glob("pyspy-*.json"))
+    assert list((bundle.path / "ranks" / "rank-1" / "stacks").glob("pyspy-*.json"))
+    summary = (bundle.path / "summary.md").read_text()
+    assert "rank 1" in summary.splitlines()[0] or "rank 1" in summary
+
+
+def wait_for(condition, timeout: float, poll: float = 0.2) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(poll)
+    return condition()
+
+
+def group_instance(group, method: RestartConfig) -> InstanceConfig:
+    return InstanceConfig("group", group.url, group.log_path, restart=method)
+
+
+def test_signal_restart_ends_the_whole_group_with_rank1_stopped(lab_group):
+    """Measured before: SIGTERM to rank 0 while rank 1 is SIGSTOPped: rank 0 exits, rank 1 stays
+    stopped, mlx.launch spins for ever and the supervisor never starts the group again. Now the
+    restart continues and ends every rank, then the launcher, proves them gone, and the keep-alive
+    loop's new group answers."""
+    old = lab_group.group()
+    os.kill(old.rank(1).pid, signal.SIGSTOP)
+    inst = group_instance(lab_group, RestartConfig("signal", grace=5.0))
+    outcome = asyncio.run(restart(RestartContext(inst, old.rank(0).identity, None, group=old)))
+    assert outcome.result == OK, outcome
+    assert not old.launcher.alive()
+    assert all(not r.identity.alive() for r in old.ranks)
+    assert wait_for(lambda: (g := lab_group.group()) is not None and not g.same_group(old) and not g.missing(), 120)
+    assert wait_for(lab_group.answers, 60)
+
+
+def test_command_hook_gets_the_group(lab_group, tmp_path):
+    """A command hook gets {launcher_pid}, {pids} and {hosts} besides {pid}; the old group's ranks
+    it leaves running are ended after the grace (the hook here does nothing)."""
+    old = lab_group.group()
+    out = tmp_path / "args"
+    write = "import sys; open(sys.argv[1], 'w').write(' '.join(sys.argv[2:]))"
+    hook = RestartConfig("command", argv=(sys.executable, "-c", write,
+                                          str(out), "{pid}", "{launcher_pid}", "{pids}", "{hosts}"), grace=1.0)
+    outcome = asyncio.run(restart(RestartContext(group_instance(lab_group, hook), old.rank(0).identity, None,
+                                                 group=old)))
+    assert out.read_text().split() == [str(old.rank(0).pid), str(old.launcher.pid),
+                                       f"{old.rank(0).pid},{old.rank(1).pid}", "127.0.0.1,127.0.0.1"]
+    assert "killed ranks that outlived it" in outcome.detail
+    assert all(not r.identity.alive() for r in old.ranks)
+    assert wait_for(lambda: (g := lab_group.group()) is not None and not g.same_group(old) and not g.missing(), 120)
+
+
+def _switch_fault(group, found, fault: str) -> None:
+    """One fault in rank 1 alone, then a request so that every rank's loop takes a step."""
+    if fault == "stopped":
+        os.kill(found.rank(1).pid, signal.SIGSTOP)
+    elif fault == "killed":
+        os.kill(found.rank(1).pid, signal.SIGKILL)
+    else:
+        group.set_fault({"dead_thread": "die", "blocked": "block", "livelock": "spin"}[fault], rank=1)
+    trigger(group)
+
+
+@pytest.mark.parametrize("fault", ["stopped", "blocked", "livelock"])
+def test_hung_rank1_verdict_bundle_and_group_restart(lab_group, tmp_path, fault):
+    """Rank 1 stopped, its generation thread blocked, or livelocked: the group delivers nothing
+    through rank 0; the ranks' states judge a stopped rank hung on their own; the bundle names
+    rank 1 as the culprit with both ranks' stacks; the group restart ends every old process and
+    the keep-alive loop's new group answers."""
+    old = lab_group.group()
+    _switch_fault(lab_group, old, fault)
+    judged = judge_group(refresh(old).ranks)
+    assert judged.hung == (fault == "stopped") and judged.culprit_rank == (1 if fault == "stopped" else None)
+    bundle = asyncio.run(capture_bundle(capture_request(lab_group, tmp_path, old)))
+    c = bundle.manifest["classification"]
+    assert (c["kind"], c["culprit_rank"]) == ("collective_wait", 1), c
+    assert list((bundle.path / "stacks").glob("pyspy-*.json"))
+    assert list((bundle.path / "ranks" / "rank-1" / "stacks").glob("pyspy-*.json"))
+    assert "rank 1" in (bundle.path / "summary.md").read_text().splitlines()[0]
+    lab_group.set_fault("", rank=1)  # the new group starts healthy
+    inst = group_instance(lab_group, RestartConfig("signal", grace=5.0))
+    outcome = asyncio.run(restart(RestartContext(inst, old.rank(0).identity, None, group=old)))
+    assert outcome.result == OK and "all 2 ranks and the launcher gone" in outcome.detail
+    assert not old.launcher.alive() and all(not r.identity.alive() for r in old.ranks)
+    assert wait_for(lambda: (g := lab_group.group()) is not None and not g.same_group(old) and not g.missing(), 120)
+    assert wait_for(lab_group.answers, 60)
+
+
+@pytest.mark.parametrize("fault", ["killed"])
+def test_rank1_exits_group_ends_and_comes_back(lab_group, fault):
+    """Rank 1 killed: the ranks' states judge the group hung while it is gone; mlx.launch then ends the whole group itself (rank
+    0 loses its peer) and the keep-alive loop's new group answers. Nothing of the old group stays."""
+    old = lab_group.group()
+    _switch_fault(lab_group, old, fault)
+    assert wait_for(lambda: not old.rank(1).identity.alive(), 60)
+    lab_group.set_fault("", rank=1)
+    judged = judge_group(refresh(old).ranks)
+    assert judged.hung and judged.culprit_rank in (0, 1)  # rank 0 may already have gone with it
+    assert wait_for(lambda: not old.launcher.alive() and not old.rank(0).identity.alive(), 60)
+    assert wait_for(lambda: (g := lab_group.group()) is not None and not g.same_group(old) and not g.missing(), 120)
+    assert wait_for(lab_group.answers, 60)

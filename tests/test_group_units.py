@@ -1,0 +1,111 @@
+"""Groups without a real group: the launcher's command line, a group's identity, the
+collective_wait classification and the restart hook's group fields, from hand-made values."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+from mlxwatch.capture.classify import Evidence, RankEvidence, classify
+from mlxwatch.config import InstanceConfig, RestartConfig
+from mlxwatch.host.group import Group, Rank, is_launcher, parse_launcher
+from mlxwatch.host.process import ProcessIdentity
+from mlxwatch.restart.methods import RestartContext, custom_command
+from mlxwatch.stacks import Frame, ThreadStack
+
+
+def test_launcher_command_lines():
+    """-n repeats the hosts; --hosts lists them; a hostfile (relative to the launcher's directory)
+    names them and may set the backend; the server command follows `--`."""
+    assert is_launcher(["/v/bin/python3", "/v/bin/mlx.launch", "-n", "2"])
+    assert is_launcher(["python", "-m", "mlx._distributed_utils.launch"])
+    assert not is_launcher(["/v/bin/python3", "/v/bin/mlx_lm.server"])
+    args = parse_launcher(["py", "/v/bin/mlx.launch", "-n", "2", "--backend", "ring", "--starting-port", "9",
+                           "--env=A=1", "--", "/v/bin/mlx_lm.server", "--host", "127.0.0.1"])
+    assert args.hosts == ["127.0.0.1", "127.0.0.1"] and args.backend == "ring"
+    assert args.command == ["/v/bin/mlx_lm.server", "--host", "127.0.0.1"]
+    args = parse_launcher(["py", "/v/bin/mlx.launch", "--hosts", "127.0.0.1,mac2", "--verbose", "/v/bin/mlx_lm.server"])
+    assert args.hosts == ["127.0.0.1", "mac2"] and args.command == ["/v/bin/mlx_lm.server"]
+
+
+def test_hostfile_hosts_and_backend(tmp_path):
+    (tmp_path / "hosts.json").write_text(json.dumps({"backend": "jaccl", "hosts": [
+        {"ssh": "mac1", "ips": ["10.0.0.1"]}, {"ssh": "mac2", "ips": ["10.0.0.2"]}]}))
+    args = parse_launcher(["py", "/v/bin/mlx.launch", "--hostfile", "hosts.json", "/v/bin/mlx_lm.server"],
+                          cwd=str(tmp_path))
+    assert args.hosts == ["mac1", "mac2"] and args.backend == "jaccl"
+    assert args.hostfile == str(tmp_path / "hosts.json")
+
+
+def _group(start1: str = "10.00") -> Group:
+    launcher = ProcessIdentity(100, 1.0, ("py", "mlx.launch"), started=5.0, boot="b")
+    return Group(launcher, "ring", ("127.0.0.1", "mac2"), None, "hostfile:x",
+                 (Rank(0, "127.0.0.1", 101, "9.00", "running"), Rank(1, "mac2", 7, start1, "running")))
+
+
+def test_a_rank_replaced_is_not_the_same_group():
+    """Same launcher, same ranks: the same group; a rank with another start (a PID reused, or a
+    rank restarted behind our back) is not."""
+    assert _group().same_group(_group())
+    assert not _group().same_group(_group(start1="11.00"))
+    assert not _group().same_group(None)
+
+
+def test_restart_hook_gets_the_group():
+    cfg = RestartConfig("command", argv=("/bin/restart", "{pid}", "{launcher_pid}", "{pids}", "{hosts}"))
+    ctx = RestartContext(InstanceConfig("g", "http://127.0.0.1:8080", restart=cfg),
+                         ProcessIdentity(101, 1.0, ()), None, group=_group())
+    assert custom_command(cfg, ctx) == ["/bin/restart", "101", "100", "101,7", "127.0.0.1,mac2"]
+    single = replace(ctx, group=None)
+    assert custom_command(cfg, single) == ["/bin/restart", "101", "", "", ""]
+
+
+def _thread(*frames: tuple[str, str]) -> ThreadStack:
+    return ThreadStack("Thread-1 (_generate)", 1, True, False,
+                       [Frame(name, file, 1) for name, file in frames])
+
+
+WAITING = _thread(("ResponseGenerator._share_object", "mlx_lm/server.py"), ("ResponseGenerator._generate", "mlx_lm/server.py"))
+BLOCKED = _thread(("Condition.wait", "threading.py"), ("FaultyBatchGenerator.next", "fault_server.py"),
+                  ("ResponseGenerator._generate", "mlx_lm/server.py"))
+
+
+def _evidence(rank1_state: str, rank1_stacks: list) -> Evidence:
+    return Evidence(probe_ran=True, snapshots=[[WAITING]] * 3, process_cpu=60.0,
+                    ranks=[RankEvidence(0, "127.0.0.1", 101, "running", target=True),
+                           RankEvidence(1, "127.0.0.1", 102, rank1_state, rank1_stacks)])
+
+
+def test_collective_wait_names_the_rank_that_is_not_in_it():
+    """Rank 0 in the collective; rank 1 stopped (even with a stack inside the collective), gone,
+    without a generation thread, or blocked elsewhere: collective_wait, culprit rank 1."""
+    for state, stacks, says in [("stopped", [[WAITING]] * 3, "is stopped"), ("gone", [], "is gone"),
+                                ("running", [[]] * 3, "no generation thread"),
+                                ("running", [[BLOCKED]] * 3, "elsewhere")]:
+        c = classify(_evidence(state, stacks))
+        assert (c.kind, c.culprit_rank, c.confidence) == ("collective_wait", 1, "high"), (state, c)
+        assert any(says in line for line in c.evidence)
+
+
+def test_every_rank_in_the_collective_blames_none():
+    """Both ranks waiting in the collective and running: nothing to blame; rank 0 alone decides
+    (here a livelock, as before groups)."""
+    c = classify(_evidence("running", [[WAITING]] * 3))
+    assert c.kind != "collective_wait" and c.culprit_rank is None
+    assert classify(Evidence(probe_ran=True, snapshots=[[WAITING]] * 3, process_cpu=60.0)).kind == "livelock"
+
+
+def test_group_judgement_from_rank_states():
+    """A stopped, gone or zombie rank, or one whose generation thread died, is a hung group
+    naming it; a rank whose host did not answer is no evidence; all running: not hung."""
+    from mlxwatch.verdict.group import judge_group
+
+    running = _group().ranks
+    assert not judge_group(running).hung
+    for state in ("stopped", "gone", "zombie"):
+        judged = judge_group([running[0], replace(running[1], state=state)])
+        assert (judged.hung, judged.culprit_rank) == (True, 1) and judged.reason.startswith("rank 1 on mac2")
+    judged = judge_group(running, dead_generation={1})
+    assert (judged.hung, judged.culprit_rank) == (True, 1) and "generation thread died" in judged.reason
+    judged = judge_group([running[0], replace(running[1], state="unknown")])
+    assert not judged.hung and judged.unknown == (1,) and "no evidence" in judged.reason
