@@ -39,6 +39,7 @@ from mlxwatch.errors import StateError
 from mlxwatch.host import launchctl
 from mlxwatch.host.commands import CommandResult, Runner, run_command
 from mlxwatch.host.process import ProcessIdentity, ServerLookup, lookup_instance
+from mlxwatch.host.sockets import KernelCounters, Reading
 from mlxwatch.serverlog.markers import open_log
 from mlxwatch.storage import private_dir_problem
 
@@ -84,6 +85,7 @@ class Env:
     open_files: Callable[[int], dict[tuple[int, int], str] | None] = field(default_factory=lambda: files_written_by)
     ptrace_scope: Callable[[], int | None] = field(default_factory=lambda: read_ptrace_scope)
     alive: Callable[[ProcessIdentity], bool] = ProcessIdentity.alive  # blocking
+    kernel: Callable[[int], Reading] = field(default_factory=lambda: KernelCounters(max_age=0.0).read)  # blocking
 
     @property
     def macos(self) -> bool:
@@ -246,9 +248,23 @@ async def check_instance(inst: InstanceConfig, config: Config, exe: str | None, 
     else:
         out.append(await probe_finding(inst, env))
     out.append(await py_spy_reads(inst, config, exe, server, env))
+    out.append(await kernel_finding(inst, env))
     out.append(log_finding(inst, server, found.log, env))
     out.append(await restart_finding(inst, server, env))
     return out
+
+
+async def kernel_finding(inst: InstanceConfig, env: Env) -> Finding:
+    """Can the daemon read what the server sends each client (docs/deciding.md, kernel sight)?"""
+    if inst.kernel == "off":
+        return Finding("kernel sight", SKIP, "off (instances[].kernel): judged by the probe alone", instance=inst.name)
+    reading = await asyncio.to_thread(env.kernel, inst.port)
+    if reading.error:
+        return Finding("kernel sight", WARN, f"unavailable: {reading.error}",
+                       "without it a hang is called by the probe's deadlines alone (minutes at the defaults); "
+                       "see docs/deciding.md#kernel-sight", inst.name)
+    return Finding("kernel sight", OK, f"reads the bytes sent on port {inst.port}'s "
+                   f"{len(reading.connections)} client connection(s) now", instance=inst.name)
 
 
 async def probe_finding(inst: InstanceConfig, env: Env) -> Finding:

@@ -970,3 +970,15 @@ def test_stderr_and_stdout_of_a_launchd_like_process_rotate_together(tmp_path):
     text = log.read_text()
     assert "event 19" in text and "stdout after" in text
     assert (tmp_path / "daemon.log.1").exists() and "event 00" not in text
+
+
+def test_status_says_when_kernel_sight_is_unavailable():
+    """An instance whose server's per-client byte counts cannot be read (no sock_diag, no nettop)
+    is judged by its probe alone: status says so on one line; with kernel sight, nothing more."""
+    from mlxwatch.output.status import status_lines
+
+    blind = {**_instance("blind"), "kernel_sight": "sock_diag unavailable: PermissionError: refused"}
+    seeing = {**_instance("seeing"), "kernel_sight": "ok"}
+    lines = [t.plain for t in status_lines(_status(instances=[blind, seeing]), 80)]
+    said = [line for line in lines if "kernel sight" in line]
+    assert len(said) == 1 and said[0].startswith("  no kernel sight (sock_diag unavailable: PermissionError: refused)")

@@ -243,3 +243,24 @@ async def test_a_state_dir_the_daemon_would_refuse_fails_here_too(tmp_path, mode
     os.chmod(state, 0o700)
     found, code = await run(config(tmp_path), env(), tmp_path)
     assert found[(None, "state dir")].status == OK
+
+
+async def test_doctor_says_in_one_line_whether_kernel_sight_works():
+    """Where the kernel's counters cannot be read (no sock_diag in a container, no nettop), the
+    daemon falls back to the probe's rules: doctor says so, with what it costs; where they can,
+    it says what it sees; `kernel: off` is a skip."""
+    import time as _time
+    from dataclasses import replace as _replace
+
+    from mlxwatch.config import InstanceConfig
+    from mlxwatch.doctor import SKIP, WARN, Env, kernel_finding
+    from mlxwatch.host.sockets import Reading
+
+    inst = InstanceConfig("lab", "http://127.0.0.1:8080")
+    refused = Env(kernel=lambda port: Reading(_time.monotonic(), error="sock_diag unavailable: PermissionError"))
+    f = await kernel_finding(inst, refused)
+    assert (f.status, f.message) == (WARN, "unavailable: sock_diag unavailable: PermissionError")
+    assert "probe's deadlines alone" in f.fix
+    seen = Env(kernel=lambda port: Reading(_time.monotonic(), ()))
+    assert (await kernel_finding(inst, seen)).message == "reads the bytes sent on port 8080's 0 client connection(s) now"
+    assert (await kernel_finding(_replace(inst, kernel="off"), seen)).status == SKIP

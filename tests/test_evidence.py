@@ -106,7 +106,25 @@ def test_streams_left_without_a_byte_for_the_quiet_window_are_a_stall():
     assert looks(src, 1.0, 2.0, 9.0).stall is None  # the last byte went at 2.0
     got = looks(src, 10.5)
     assert got.stall is not None and got.stall.event == "kernel_stall" and got.stall.since == 2.0
-    assert "2 client stream(s) open and no byte sent to any client for 8s" in got.stall.reason
+    assert "2 client stream(s) open, and no byte sent to any client for 8s" in got.stall.reason
+
+
+def test_requests_waiting_on_an_idle_server_are_a_stall():
+    """A blocked generation thread admits nothing new: the app's requests wait for their head
+    while the server sits at 0 % CPU. That is owed, not hidden work."""
+    idle = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        src = source([conn(5000, 0, 0)], quiet=1.0, pid=idle.pid)
+        src.sample(0.0)
+        time.sleep(0.3)
+        src.sample(0.5)
+        time.sleep(0.3)
+        got = looks(src, 1.5)
+        assert got.stall is not None and "1 request(s) waiting for an answer while the server idles" in got.stall.reason
+        assert got.stall.journal["waiting"] == 1
+    finally:
+        idle.kill()
+        idle.wait()
 
 
 def test_no_stream_open_is_no_stall():

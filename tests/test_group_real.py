@@ -8,10 +8,12 @@ reads ``fault-rank1``; SIGSTOP and SIGKILL are sent to rank 1's PID).
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import sys
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -20,7 +22,7 @@ from mlxwatch.capture import CaptureRequest, capture_bundle
 from mlxwatch.config import InstanceConfig, RestartConfig
 from mlxwatch.host.group import RUNNING, STOPPED, find_group, refresh
 from mlxwatch.restart.methods import OK, RestartContext, restart
-from mlxwatch.verdict.group import judge_group
+from mlxwatch.evidence.group import judge_group
 
 CEILING = 30.0
 
@@ -172,3 +174,59 @@ def test_rank1_exits_group_ends_and_comes_back(lab_group, fault):
     assert wait_for(lambda: not old.launcher.alive() and not old.rank(0).identity.alive(), 60)
     assert wait_for(lambda: (g := lab_group.group()) is not None and not g.same_group(old) and not g.missing(), 120)
     assert wait_for(lab_group.answers, 60)
+
+
+@pytest.mark.timeout(600)
+def test_the_daemon_finds_a_stopped_rank_captures_every_rank_and_restarts_the_group(lab_group, tmp_path):
+    """The daemon pointed at rank 0's URL only (no group config): rank 1 stopped is a stall from
+    the ranks' own states (journaled `group_stall`), the verdict's bundle says
+    `collective_wait` naming rank 1 with both ranks' stacks, the `signal` restart ends the whole
+    old group, and recovery is proven through rank 0 on the new group. Measured before: a bundle
+    of rank 0 alone saying `livelock`, rank 0 signalled alone, rank 1 left stopped and
+    mlx.launch spinning for ever."""
+    from mlxwatch.config import CaptureConfig, Config, ProbeConfig
+    from mlxwatch.daemon.supervisor import Daemon
+    from mlxwatch.journal.incidents import Journal
+
+    old = lab_group.group()
+    probe = ProbeConfig(interval=2.0, suspect_interval=1.0, first_token_timeout=4.0, timeout=8.0,
+                        endpoint_timeout=2.0, startup_timeout=120.0)
+    inst = InstanceConfig("group", lab_group.url, lab_group.log_path, probe=probe,
+                          restart=RestartConfig("signal", grace=5.0, backoff=1.0))
+    config = Config(None, (inst,), tmp_path / "state", (), CaptureConfig(snapshots=2, spacing=0.5, ceiling=40.0))
+
+    async def run() -> Journal:
+        stop = asyncio.Event()
+        daemon = Daemon(config, config.state_dir)
+        task = asyncio.create_task(daemon.run(stop))
+        journal = Journal(config.state_dir)
+        try:
+            deadline = time.monotonic() + 420
+            while not hasattr(daemon, "state") or not (daemon.state.instance("group").get("last_probe") or {}).get("ok"):
+                assert time.monotonic() < deadline and not task.done(), "never healthy"
+                await asyncio.sleep(0.1)
+            while not (daemon.state.instance("group").get("group") or {}).get("ranks"):
+                assert time.monotonic() < deadline, "the group was never found"
+                await asyncio.sleep(0.2)
+            os.kill(old.rank(1).pid, signal.SIGSTOP)
+            while "recovered" not in [r["event"] for r in journal.records()]:
+                assert time.monotonic() < deadline and not task.done(), [r["event"] for r in journal.records()]
+                await asyncio.sleep(0.2)
+        finally:
+            stop.set()
+            await task
+        return journal
+
+    journal = asyncio.run(run())
+    records = journal.records()
+    events = [r["event"] for r in records]
+    assert events.index("group_stall") < events.index("verdict") < events.index("restart") < events.index("recovered")
+    stall = next(r for r in records if r["event"] == "group_stall")
+    assert stall["culprit_rank"] == 1 and "is stopped" in stall["reason"]
+    captured = next(r for r in records if r["event"] == "captured")
+    assert (captured["kind"], captured["confidence"]) != ("livelock", "high")
+    manifest = json.loads((Path(captured["bundle"]) / "manifest.json").read_text())
+    assert (manifest["classification"]["kind"], manifest["classification"]["culprit_rank"]) == ("collective_wait", 1)
+    assert list((Path(captured["bundle"]) / "ranks" / "rank-1" / "stacks").glob("pyspy-*.json"))
+    assert not old.launcher.alive() and all(not r.identity.alive() for r in old.ranks)
+    assert wait_for(lambda: (g := lab_group.group()) is not None and not g.same_group(old) and not g.missing(), 120)

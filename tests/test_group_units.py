@@ -98,7 +98,7 @@ def test_every_rank_in_the_collective_blames_none():
 def test_group_judgement_from_rank_states():
     """A stopped, gone or zombie rank, or one whose generation thread died, is a hung group
     naming it; a rank whose host did not answer is no evidence; all running: not hung."""
-    from mlxwatch.verdict.group import judge_group
+    from mlxwatch.evidence.group import judge_group
 
     running = _group().ranks
     assert not judge_group(running).hung

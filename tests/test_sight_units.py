@@ -109,5 +109,5 @@ async def test_client_streams_left_without_a_byte_are_a_stall_and_the_next_probe
     events = _events(journal)
     assert events.index("kernel_stall") < events.index("verdict")
     stall = next(r for r in journal.records() if r["event"] == "kernel_stall")
-    assert "1 client stream(s) open and no byte sent to any client" in stall["reason"]
+    assert "1 client stream(s) open, and no byte sent to any client" in stall["reason"]
     assert next(r for r in journal.records() if r["event"] == "verdict")["failures"].__len__() == 1

@@ -80,6 +80,7 @@ def collect_status(config: Config, state_dir: Path, clock: Clock | None = None) 
                                          "kind": opened.get("kind")},
             "shim": _shim_status(s),
             "front": _front_status(s) if running else None,
+            "kernel_sight": _text(s.get("kernel_sight")),
         })
     return {"state_dir": str(state_dir), "state_problem": problem,
             "config": str(config.path) if config.path else None,

@@ -40,12 +40,14 @@ from mlxwatch.daemon.notify import Notifier
 from mlxwatch.errors import MlxwatchError
 from mlxwatch.evidence import Evidence, Window
 from mlxwatch.evidence.door import DoorSource
+from mlxwatch.evidence.group import GroupSource
 from mlxwatch.evidence.kernel import KernelSource
 from mlxwatch.evidence.log import LogSource, ProgressTracker
 from mlxwatch.evidence.probes import ProbeStreams
 from mlxwatch.evidence.shim import ShimSource
 from mlxwatch.evidence.sight import Sight
 from mlxwatch.front.door import FrontDoor, Gate
+from mlxwatch.host.group import Group, find_group, refresh
 from mlxwatch.host.sockets import KernelCounters
 from mlxwatch.host.process import ProcessIdentity, ServerLookup, lookup_instance, lookup_server
 from mlxwatch.journal.incidents import Event, Incident, Journal
@@ -102,6 +104,7 @@ class InstanceWatcher:
     guard: FlapGuard = field(init=False)
     log_source: LogSource = field(init=False)
     streams: ProbeStreams = field(init=False)  # failed probes' streams, read on
+    group_source: GroupSource = field(init=False)  # the mlx.launch group the server is rank 0 of, if any
     sight: Sight = field(init=False)  # every evidence source, asked as one
     identity: ProcessIdentity | None = None  # recorded when first seen healthy; proven before use
     incident: Incident | None = None
@@ -116,6 +119,7 @@ class InstanceWatcher:
     probe_sent: float | None = None  # monotonic: when the last probe was sent
     judged_at: float | None = None  # monotonic: the last failed probe's judgement (the next window starts there)
     cut: bool = False  # the last probe's wait was ended early by the evidence (nothing flowed)
+    kernel_sight: str | None = None  # "ok", or why the kernel's counters cannot be read (status shows it)
     slow_said: bool = False  # this slow episode was journaled and notified (once, until healthy or a verdict)
     client: httpx.AsyncClient | None = None
     said: set[str] = field(default_factory=set)  # notes already logged once
@@ -140,8 +144,9 @@ class InstanceWatcher:
                 self.identity = None
         self.log_source = LogSource(ProgressTracker(self.inst.log, writer_pid=self._server_pid), self.shared.clock.monotonic)
         self.streams = ProbeStreams()
+        self.group_source = GroupSource(identity=lambda: self.identity)
         sources: list = [
-            self.streams, self.log_source,
+            self.streams, self.log_source, self.group_source,
             ShimSource(identity=lambda: self.identity, mode=lambda: self.inst.shim,
                        stall_timeout=lambda: self.inst.probe.stall_timeout, clock=self.shared.clock.monotonic),
             DoorSource(door=lambda: self.door if self.inst.front is not None else None,
@@ -310,6 +315,12 @@ class InstanceWatcher:
         evidence = await self.sight.look(Window(start, now, probe=probe, suspect=suspect))
         for note in evidence.notes:
             self._say(note)
+        kernel = "ok" if "kernel" in evidence.detail else next(
+            (n.removeprefix("kernel sight unavailable (").split("): ")[0] for n in evidence.notes
+             if n.startswith("kernel sight unavailable")), self.kernel_sight)
+        if kernel != self.kernel_sight:
+            self.kernel_sight = kernel
+            self._save()
         self._hold_streams(evidence, now)
         return evidence
 
@@ -614,6 +625,7 @@ class InstanceWatcher:
     async def _capture(self, inc: Incident, server: ProcessIdentity | None,
                        front_requests: list[dict] | None = None) -> None:
         cap, p = self.shared.capture, self.inst.probe
+        group = await self._group_of(server)
         request = CaptureRequest(
             pid=server.pid if server else None, out_dir=self.shared.bundles_dir, label=self.name, url=self.inst.url,
             log=self.inst.log or self.log_source.tracker.log, snapshots=cap.snapshots, spacing=cap.spacing,
@@ -621,7 +633,7 @@ class InstanceWatcher:
             log_tail_lines=cap.log_tail_lines, **capture_probe_timeouts(p),
             prior_probes=[r.to_dict() for r in self.failed_reports],
             keep=cap.keep, max_bytes=cap.max_bytes, keep_days=cap.keep_days, min_free_bytes=cap.min_free_bytes,
-            verdict=_verdict_text(self.failed_reports, inc.stranger), front_requests=front_requests,
+            verdict=_verdict_text(self.failed_reports, inc.stranger), front_requests=front_requests, group=group,
         )
         try:
             bundle = await self.shared.capture_fn(request)
@@ -645,7 +657,8 @@ class InstanceWatcher:
         self._change(Event.RESTARTING, self.detect.restarting())
         # A task of its own, so the daemon's stop can wait for it before cancelling this watcher
         # (which cancels it too, as before, when the stop's wait is over).
-        self.restarting = asyncio.ensure_future(self.shared.restart_fn(RestartContext(self.inst, server, inc.bundle)))
+        group = await self._group_of(server)  # restarted whole: never half a group
+        self.restarting = asyncio.ensure_future(self.shared.restart_fn(RestartContext(self.inst, server, inc.bundle, group)))
         try:
             outcome = await self.restarting
         except (MlxwatchError, OSError) as exc:
@@ -814,6 +827,16 @@ class InstanceWatcher:
             self.said.add(note)
             log.warning("%s: %s", self.name, note)
 
+    async def _group_of(self, server: ProcessIdentity | None) -> Group | None:
+        """The ``mlx.launch`` group ``server`` is rank 0 of, its ranks' states read now (None:
+        a single server). The one the group source found, if it was found for this process."""
+        if server is None:
+            return None
+        known = self.group_source.group
+        if known is not None and self.group_source.found_for == (server.pid, server.create_time):
+            return await asyncio.to_thread(refresh, known)
+        return await asyncio.to_thread(find_group, server.pid)
+
     def _save(self, **fields: Any) -> None:
         now = self.shared.clock.monotonic()
         self.shared.state.update(
@@ -821,7 +844,9 @@ class InstanceWatcher:
             restarts_in_window=self.guard.restarts_in_window(now), **self.guard.saved(self.shared.clock),
             pid=self.identity.pid if self.identity else None,
             server=self.identity.to_dict() if self.identity else None,
-            incident=self.incident.id if self.incident else None, **fields,
+            incident=self.incident.id if self.incident else None,
+            group=self.group_source.group.to_dict() if self.group_source.group is not None else None,
+            kernel_sight=self.kernel_sight, **fields,
         )
 
 

@@ -176,13 +176,23 @@ class KernelSource:
                       f"{self.cpu_busy:.0%} of a core (a non-streaming answer is sent whole at its end)")
         stall = None
         quiet_window = self.quiet_window()
-        if streams and not hidden:
-            quiet_since = max([last_flow or 0.0, min(c.headed_at or now for c in streams)])
+        # Owed a byte: streams whose head went out, and (with the server idle, so not working on
+        # them) requests still waiting for their head: a blocked thread admits nothing new.
+        idle = self.cpu_busy is not None and self.cpu_busy < BUSY_CPU
+        owed = [c.headed_at for c in streams if c.headed_at is not None] + \
+            ([c.first_seen for c in waiting] if idle else [])
+        if owed and not hidden:
+            quiet_since = max(last_flow or 0.0, min(owed))
             if now - quiet_since >= quiet_window:
-                reason = (f"kernel: {len(streams)} client stream(s) open and no byte sent to any client for "
-                          f"{now - quiet_since:.0f}s (probe.quiet_window {quiet_window:g}s)")
+                what = f"{len(streams)} client stream(s) open" if streams else ""
+                if idle and waiting:
+                    what += (" and " if what else "") + (f"{len(waiting)} request(s) waiting for an answer while "
+                                                         f"the server idles ({self.cpu_busy:.0%} of a core)")
+                reason = (f"kernel: {what}, and no byte sent to any client for {now - quiet_since:.0f}s "
+                          f"(probe.quiet_window {quiet_window:g}s)")
                 stall = Stall(reason, key=("kernel", quiet_since), source=self.name, since=quiet_since,
-                              event="kernel_stall", journal={"reason": reason, "streams": len(streams)})
+                              event="kernel_stall", journal={"reason": reason, "streams": len(streams),
+                                                             "waiting": len(waiting) if idle else 0})
         detail = {"kernel": {"connections": len(self.conns), "streams": len(streams), "waiting": len(waiting),
                              "last_flow_ago": None if last_flow is None else round(now - last_flow, 1),
                              "cpu": None if self.cpu_busy is None else round(self.cpu_busy, 3)}}

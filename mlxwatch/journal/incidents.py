@@ -114,6 +114,7 @@ class Event(StrEnum):
     CONFIG_RELOAD = "config_reload"
     # the front door (instances[].front)
     FRONT_STALL = "front_stall"
+    GROUP_STALL = "group_stall"
     KERNEL_STALL = "kernel_stall"
     FRONT_REQUEST_STALLED = "front_request_stalled"
     FRONT_ERROR = "front_error"

@@ -110,6 +110,8 @@ def status_lines(status: dict[str, Any], width: int = 80) -> list[Text]:
         p = i["last_probe"]
         if p and not p["ok"] and p.get("reason"):
             lines.append(Text(f"  last probe: {p['reason']}"))
+        if i.get("kernel_sight") not in (None, "ok"):
+            lines.append(Text(f"  no kernel sight ({i['kernel_sight']}): the probe alone judges"))
         if i.get("shim"):
             lines.append(Text(f"  {shim_line(i['shim'])}"))
         if i.get("front"):
