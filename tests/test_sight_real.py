@@ -113,7 +113,8 @@ async def test_slow_server_streaming_long_prompts_is_not_restarted(server_python
         log_at_end = server.log_path.read_text(errors="replace")
         got = results(clients["app"])
         assert "verdict" not in events(journal), events(journal)
-        assert [r["finish"] for r in got] == ["length", "length"] and all(r["tokens"] == 24 for r in got), got
+        # every answer complete (the tiny random model's tokens may detokenize to empty text)
+        assert [r["finish"] for r in got] == ["length", "length"] and not any(r["error"] for r in got), got
         assert "slow" in events(journal), "no probe failed: the test did not exercise a slow server"
         slow = next(r for r in journal.records() if r.get("event") == "slow")
         assert any(line.startswith("kernel: ") for line in slow["evidence"]), slow["evidence"]
