@@ -17,7 +17,11 @@ from mlxwatch import cli
 from mlxwatch.config import CaptureConfig, Config, InstanceConfig
 from mlxwatch.daemon.metrics import Metrics
 from mlxwatch.daemon.status import collect_status
+from mlxwatch.host.discover import find_servers, starter_config
+from mlxwatch.host.group import Group, Rank
+from mlxwatch.host.process import ProcessIdentity
 from mlxwatch.journal.state import StateFile
+from mlxwatch.output.config import render_written
 from mlxwatch.output.status import status_lines
 
 GROUP = {"launcher": {"pid": 4100, "create_time": 1.0, "cmdline": ["/v/bin/mlx.launch", "--hosts", "x"]},
@@ -103,3 +107,38 @@ def test_rank_up_per_rank_from_the_state_files_group(tmp_path):
                                ("big", "2", "mac-3"): 0.0}
     state.update("big", group={"ranks": [{"rank": "zero"}, 7]})
     assert _rank_up(state) == {}
+
+
+
+class _Proc:
+    """What ``find_servers`` reads of a process (``process_iter``'s ``info``); no such PID runs."""
+
+    def __init__(self, pid: int, port: int) -> None:
+        self.info = {"pid": pid, "status": "sleeping", "ppid": 1,
+                     "cmdline": ["/v/bin/python", "/v/bin/mlx_lm.server", "--model", "/m/big-model", "--port",
+                                 str(port)]}
+
+
+def _local_group(rank0: int, rank1: int) -> Group:
+    launcher = ProcessIdentity(rank0 - 1, 1.0, ("/v/bin/python", "/v/bin/mlx.launch", "-n", "2"))
+    return Group(launcher, "ring", ("127.0.0.1", "127.0.0.1"), None, "hostfile:x",
+                 (Rank(0, "127.0.0.1", rank0, "1.00", "running"), Rank(1, "127.0.0.1", rank1, "1.00", "running")))
+
+
+def test_config_init_names_rank0_as_one_instance_of_a_group(tmp_path):
+    """``config init``'s discovery: rank 0 of a group is one instance that says it is a group
+    of N ranks (in the written config and on screen); another rank of it is not an instance."""
+    rank0, rank1, single = 2_000_000_001, 2_000_000_002, 2_000_000_003  # above any real PID
+    group = _local_group(rank0, rank1)
+    servers = find_servers([_Proc(rank0, 8080), _Proc(rank1, 8090), _Proc(single, 8081)], launchd_jobs=dict,
+                           groups=lambda pid: group if pid in (rank0, rank1) else None)
+    assert [(s.pid, s.url) for s in servers] == [(rank0, "http://127.0.0.1:8080"), (single, "http://127.0.0.1:8081")]
+    assert servers[0].group is group and servers[1].group is None
+    text = starter_config(servers)
+    assert "# rank 0 of an mlx.launch group of 2 ranks (ring): 127.0.0.1;" in text
+    assert text.count("mlx.launch group") == 1
+    console = Console(file=io.StringIO(), width=80)
+    render_written(tmp_path / "c.yaml", False, servers, console)
+    lines = console.file.getvalue().splitlines()
+    assert "    rank 0 of an mlx.launch group of 2 ranks (ring): 127.0.0.1" in lines
+    assert all(len(line) <= 80 for line in lines if "group" in line)
