@@ -38,6 +38,7 @@ from mlxwatch.durations import format_duration
 from mlxwatch.errors import StateError
 from mlxwatch.host import launchctl
 from mlxwatch.host.commands import CommandResult, Runner, run_command
+from mlxwatch.host.group import RUNNING, Group, find_group
 from mlxwatch.host.process import ProcessIdentity, ServerLookup, lookup_instance
 from mlxwatch.host.sockets import KernelCounters, Reading
 from mlxwatch.serverlog.markers import open_log
@@ -86,6 +87,7 @@ class Env:
     ptrace_scope: Callable[[], int | None] = field(default_factory=lambda: read_ptrace_scope)
     alive: Callable[[ProcessIdentity], bool] = ProcessIdentity.alive  # blocking
     kernel: Callable[[int], Reading] = field(default_factory=lambda: KernelCounters(max_age=0.0).read)  # blocking
+    find_group: Callable[[int], Group | None] = find_group  # blocking (psutil, ssh)
 
     @property
     def macos(self) -> bool:
@@ -243,6 +245,8 @@ async def check_instance(inst: InstanceConfig, config: Config, exe: str | None, 
     else:
         out.append(f("server", FAIL, found.detail or f"nothing listens on {inst.url}",
                      f"start the server, or fix the instance's url ({inst.url})"))
+    if server is not None:
+        out += await group_findings(inst, server, env)
     if server is None and found.stranger is None:
         out.append(f("probe", SKIP, "nothing to probe"))
     else:
@@ -265,6 +269,41 @@ async def kernel_finding(inst: InstanceConfig, env: Env) -> Finding:
                        "see docs/deciding.md#kernel-sight", inst.name)
     return Finding("kernel sight", OK, f"reads the bytes sent on port {inst.port}'s "
                    f"{len(reading.connections)} client connection(s) now", instance=inst.name)
+
+
+async def group_findings(inst: InstanceConfig, server: ProcessIdentity, env: Env) -> list[Finding]:
+    """A server that is rank 0 of an ``mlx.launch`` group: the group, one finding per rank (its
+    host, PID, state) and one per remote host (reached over ssh as mlx.launch reaches it, or
+    why not). Nothing for a single server."""
+    def f(check: str, status: str, message: str, fix: str = "") -> Finding:
+        return Finding(check, status, message, fix, inst.name)
+
+    try:
+        group = await asyncio.to_thread(env.find_group, server.pid)
+    except Exception as exc:  # the group's discovery must not cost the other checks
+        return [f("group", WARN, f"could not look for an mlx.launch group: {type(exc).__name__}: {exc}")]
+    if group is None:
+        return []
+    out = [f("group", OK, f"rank 0 of an mlx.launch group of {group.size} ranks ({group.backend}), "
+                          f"launcher PID {group.launcher.pid}")]
+    for r in group.ranks:
+        where = f"on {r.host}" + (f", PID {r.pid}" if r.pid else "")
+        if r.state == RUNNING:
+            out.append(f(f"rank {r.rank}", OK, f"{where}: running"))
+        elif r.state == "unknown":
+            out.append(f(f"rank {r.rank}", WARN, f"{where}: unknown (its host could not be asked)",
+                         "see the ssh finding of that host"))
+        else:
+            out.append(f(f"rank {r.rank}", FAIL, f"{where}: {r.state}: the group serves nothing",
+                         "mlxwatch restarts the group whole when it judges it hung (docs/distributed.md)"))
+    failed = {e.split(": ", 1)[0]: e.split(": ", 1)[-1] for e in group.errors}
+    for host in group.remote_hosts:
+        if host in failed:
+            out.append(f("ssh", FAIL, f"{host}: {failed[host]}",
+                         f"key-based ssh without a prompt, as mlx.launch needs: `ssh -o BatchMode=yes {host} true`"))
+        else:
+            out.append(f("ssh", OK, f"{host}: reached (its ranks listed over ssh)"))
+    return out
 
 
 async def probe_finding(inst: InstanceConfig, env: Env) -> Finding:

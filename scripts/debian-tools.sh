@@ -1,4 +1,4 @@
-# Binaries taken from Debian packages without installing them (installing would also start
+# Binaries taken from Debian packages, most without installing them (installing would also start
 # their services): `apt-get download` + `dpkg-deb -x`, copied into $VENVS/tools/bin. Sourced by
 # scripts/test.sh and bench/run.sh, which set $VENVS first. Each function returns 0 when the
 # tools are on PATH or already in $VENVS/tools/bin, 1 when they cannot be had (no apt: macOS).
@@ -48,5 +48,25 @@ install_nginx() {
         cp "$tmp/root/usr/sbin/nginx" "$VENVS/tools/bin/nginx" || rc=1
     fi
     rm -rf "$tmp"
+    return "$rc"
+}
+
+# sshd, for the remote rank of the distributed tests (tests/lab/sshd.py): Debian's openssh-server
+# (and openssh-client), installed with apt-get since sshd runs its sessions through helpers at
+# paths compiled into it. Installing a package would start its service: a policy-rc.d that
+# refuses every start is in place for the install (Debian's own mechanism; an existing one is
+# kept), so the system's sshd never runs. The tests run their own sshd on 127.0.0.2 with keys
+# they make. Needs root (CI runs as root); 1 when it cannot be had.
+install_sshd() {
+    [ -x /usr/sbin/sshd ] && command -v ssh >/dev/null && command -v ssh-keygen >/dev/null && return 0
+    command -v apt-get >/dev/null && [ "$(id -u)" = 0 ] || return 1
+    local policy=/usr/sbin/policy-rc.d made=0 rc=0
+    if [ ! -e "$policy" ]; then
+        printf '#!/bin/sh\nexit 101\n' >"$policy" && chmod 755 "$policy" && made=1
+    fi
+    local install="timeout 300 apt-get install -y -qq --no-install-recommends openssh-server openssh-client"
+    { $install || { timeout 300 apt-get update -qq && $install; }; } </dev/null >/dev/null 2>&1 || rc=1
+    [ "$made" = 1 ] && rm -f "$policy"
+    [ -x /usr/sbin/sshd ] || rc=1
     return "$rc"
 }

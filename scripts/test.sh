@@ -14,15 +14,18 @@ OLD_MLX=0.31.2
 cpu_extra() { [ "$(uname -s)" = Linux ] && echo "mlx[cpu]==$1" || echo "mlx==$1"; }
 
 # install_prometheus_tools (promtool, amtool, node_exporter) and install_nginx (the plain reverse
-# proxy the front door's tests compare with), from Debian packages into $VENVS/tools/bin:
-# scripts/debian-tools.sh, shared with bench/run.sh. One after the other (one apt at a time);
-# the exit status says which could not be had: 1 the Prometheus tools, 2 nginx, 3 both.
+# proxy the front door's tests compare with), from Debian packages into $VENVS/tools/bin, and
+# install_sshd (openssh-server, for the remote rank of the distributed tests; its service is
+# never started): scripts/debian-tools.sh, shared with bench/run.sh. One after the other (one
+# apt at a time); the exit status's bits say which could not be had: 1 the Prometheus tools,
+# 2 nginx, 4 sshd.
 # shellcheck source=scripts/debian-tools.sh
 . scripts/debian-tools.sh
 install_debian_tools() {
     local rc=0
     install_prometheus_tools || rc=1
     install_nginx || rc=$((rc | 2))
+    install_sshd || rc=$((rc | 4))
     return "$rc"
 }
 
@@ -54,6 +57,11 @@ if [ $((tools_rc & 2)) = 0 ]; then
     export MLXWATCH_REQUIRE_NGINX=1
 else
     echo "nginx unavailable (no apt or no Debian package): the front door's nginx comparison is skipped"
+fi
+if [ $((tools_rc & 4)) = 0 ]; then
+    export MLXWATCH_REQUIRE_SSHD=1
+else
+    echo "sshd unavailable (no apt, not root, or no Debian package): the remote-rank tests are skipped"
 fi
 
 export MLXWATCH_SERVER_PYTHONS="$VENVS/mlx-lm-$OLD_MLX_LM/bin/python,$VENVS/test/bin/python"

@@ -114,6 +114,15 @@ def lab_group(server_python: str, lab_root: Path):
     yield group
 
 
+@pytest.fixture(scope="module")
+def without_lab_groups():
+    """No shared lab group runs meanwhile (a test module that starts groups of its own: one
+    group at a time on a 2-core machine); ``lab_group`` starts its group again when asked."""
+    for python in list(_groups):
+        _groups.pop(python).stop()
+    yield
+
+
 # Fixtures more than one test module uses live here, never imported from one test file into another.
 class FullDisk:
     """A disk with ``free`` bytes left under ``directory``, simulated at the OS-call boundary (a

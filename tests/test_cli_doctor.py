@@ -14,6 +14,7 @@ from mlxwatch.config import CaptureConfig, Config, InstanceConfig, RestartConfig
 from mlxwatch.doctor import FAIL, OK, SKIP, WARN, Env, diagnose, exit_code, pyspy_hint
 from mlxwatch.host import launchctl
 from mlxwatch.host.commands import CommandResult
+from mlxwatch.host.group import Group, Rank
 from mlxwatch.host.process import ProcessIdentity, ServerLookup
 
 
@@ -40,7 +41,7 @@ def env(**over) -> Env:
                   check=check, open_files=lambda pid: {}, ptrace_scope=lambda: 0,
                   job_status=lambda label, domain, uid: launchctl.JobStatus(f"gui/501/{label}", True, 4242,
                                                                             "running", None, None, "loaded"),
-                  launchctl_available=lambda: True, alive=lambda identity: True)
+                  launchctl_available=lambda: True, alive=lambda identity: True, find_group=lambda pid: None)
     values.update(over)
     return Env(**values)
 
@@ -264,3 +265,36 @@ async def test_doctor_says_in_one_line_whether_kernel_sight_works():
     seen = Env(kernel=lambda port: Reading(_time.monotonic(), ()))
     assert (await kernel_finding(inst, seen)).message == "reads the bytes sent on port 8080's 0 client connection(s) now"
     assert (await kernel_finding(_replace(inst, kernel="off"), seen)).status == SKIP
+
+
+# --- a distributed server (an mlx.launch group), given at the discovery seam
+
+
+def _group(rank1_state: str = "running", errors: tuple[str, ...] = ()):
+    launcher = ProcessIdentity(4100, 1.0, ("/v/bin/python", "/v/bin/mlx.launch", "--hosts", "127.0.0.1,mac2"))
+    return Group(launcher, "ring", ("127.0.0.1", "mac2"), None, "hostfile:x",
+                 (Rank(0, "127.0.0.1", 4242, "12.50", "running"),
+                  Rank(1, "mac2", None if rank1_state == "unknown" else 811, "3.10", rank1_state)),
+                 "/v/bin/python", errors)
+
+
+async def _doctor(tmp_path, group):
+    findings = await diagnose(config(tmp_path), tmp_path / "c.yaml", None, tmp_path / "state",
+                              env=env(find_group=lambda pid: group))
+    return [(f.check, f.status, f.message) for f in findings if f.instance == "gemma"]
+
+
+async def test_doctor_reports_each_rank_and_each_remote_hosts_ssh(tmp_path):
+    """Rank 0 of a group: the group, one finding per rank (host, PID, state), and ssh to each
+    remote host; a stopped rank fails, an unreachable host fails with the ssh check to run."""
+    found = await _doctor(tmp_path, _group())
+    assert ("rank 0", "ok", "on 127.0.0.1, PID 4242: running") in found
+    assert ("rank 1", "ok", "on mac2, PID 811: running") in found
+    assert ("ssh", "ok", "mac2: reached (its ranks listed over ssh)") in found
+    assert any(c == "group" and "group of 2 ranks (ring), launcher PID 4100" in m for c, _, m in found)
+    found = await _doctor(tmp_path, _group("stopped"))
+    assert ("rank 1", "FAIL", "on mac2, PID 811: stopped: the group serves nothing") in found
+    found = await _doctor(tmp_path, _group("unknown", ("mac2: ssh exit 255: Permission denied (publickey).",)))
+    assert ("rank 1", "warn", "on mac2: unknown (its host could not be asked)") in found
+    assert ("ssh", "FAIL", "mac2: ssh exit 255: Permission denied (publickey).") in found
+    assert not [c for c, _, _ in await _doctor(tmp_path, None) if c in ("group", "ssh") or c.startswith("rank")]

@@ -17,6 +17,8 @@ import subprocess
 import time
 from pathlib import Path
 
+from types import SimpleNamespace
+
 import httpx
 import pytest
 import yaml
@@ -31,7 +33,7 @@ ROOT = Path(__file__).parent.parent
 DOCS = ROOT / "docs"
 ALERTS = ["MlxwatchServerHung", "MlxwatchIncident", "MlxwatchGaveUp", "MlxwatchRestartBudgetLow",
           "MlxwatchFirstTokenSlow", "MlxwatchDaemonDown", "MlxwatchDaemonStalled", "MlxwatchConfigReloadFailed",
-          "MlxwatchWatcherErrors"]
+          "MlxwatchWatcherErrors", "MlxwatchGroupRankDown"]
 REQUIRED = os.environ.get("MLXWATCH_REQUIRE_PROMETHEUS_TOOLS") == "1"
 
 
@@ -57,7 +59,10 @@ def rules() -> list[dict]:
 def populated_metrics() -> Metrics:
     """A Metrics with every series present (each kind of update seen once)."""
     config = Config(None, (InstanceConfig("gemma", "http://127.0.0.1:8080"),), None, (), CaptureConfig())
-    m = Metrics(lambda: config)
+    group = {"ranks": [{"rank": 0, "host": "127.0.0.1", "pid": 10, "state": "running"},
+                       {"rank": 1, "host": "mac2.local", "pid": 20, "state": "stopped"}]}
+    state = SimpleNamespace(data={"instances": {"gemma": {"group": group}}})  # what StateFile.data holds
+    m = Metrics(lambda: config, state)  # type: ignore[arg-type]  the state file's data alone
     m.on_state("gemma", {"state": "healthy", "restarts": [time.time()],
                          "last_probe": {"at": 1.0, "ok": True, "ttft": 0.2, "total": 0.3}})
     inc = Incident("gemma", kind="livelock", seconds_to_recovery=12.0,
@@ -96,7 +101,7 @@ def test_alert_rules_structure():
 
 def test_alert_rules_pass_promtool_check():
     promtool = tool("promtool", "test_alert_rules_structure")
-    assert "SUCCESS: 9 rules found" in run([promtool, "check", "rules", str(DOCS / "alerts.yml")])
+    assert "SUCCESS: 10 rules found" in run([promtool, "check", "rules", str(DOCS / "alerts.yml")])
 
 
 def test_alert_rules_unit_tests_pass_promtool():
@@ -129,7 +134,7 @@ def test_scrape_config_in_the_fleet_page_passes_promtool(tmp_path):
     (tmp_path / "prometheus.yml").write_text(text)
     shutil.copy(DOCS / "alerts.yml", tmp_path / "alerts.yml")
     out = run([promtool, "check", "config", str(tmp_path / "prometheus.yml")])
-    assert "SUCCESS" in out and "9 rules found" in out
+    assert "SUCCESS" in out and "10 rules found" in out
 
 
 def test_metrics_config_in_the_fleet_page_is_valid(config_file):

@@ -31,6 +31,7 @@ other label comes from a fixed list, so no URL, path, prompt or message can reac
 ``mlxwatch_front_requests_in_flight{server}``               gauge      front door requests in flight
 ``mlxwatch_front_first_token_seconds{server}``              histogram  front door: request received -> its first token
 ``mlxwatch_front_tokens_per_second{server}``                histogram  front door: a request's rate, first to last token
+``mlxwatch_rank_up{server,rank,host}``                     gauge      an mlx.launch group's rank: 1 running, else 0
 ``mlxwatch_build_info{version,python}``                     gauge      1
 ``mlxwatch_config_last_reload_successful``                  gauge      0 after a refused SIGHUP reload, else 1
 ``mlxwatch_config_last_reload_success_timestamp_seconds``   gauge      the last good load (start or reload)
@@ -38,6 +39,12 @@ other label comes from a fixed list, so no URL, path, prompt or message can reac
 ``mlxwatch_daemon_heartbeat_timestamp_seconds``             gauge      the daemon's last tick (the textfile's liveness)
 ``mlxwatch_daemon_running``                                 gauge      1; 0 in the textfile a stopped daemon leaves
 ==========================================================  =========  ==============================================
+
+``mlxwatch_rank_up`` exists for instances whose server is rank 0 of an ``mlx.launch`` group
+(``instances[].group`` in the state file, as the daemon last found the group): one sample per
+rank, 0 when the rank is stopped, a zombie, gone, or on a host that could not be asked (a rank
+not proven running). ``host`` is the hostfile's name for the rank's host (the user's own, like
+``server``). Read at scrape time; a single server has no sample.
 
 The front door's series (``instances[].front``, docs/front-door.md) exist for instances that have
 one; ``outcome`` is one of ``ok``, ``cancelled`` (the client went away), ``failed_loudly`` (an
@@ -187,6 +194,7 @@ class Metrics:
         self.front_outcomes: dict[str, dict[str, int]] = {}  # the door's totals at the last reading
         r.register(_BudgetCollector(self))
         r.register(_ShimCollector(self))
+        r.register(_GroupCollector(self))
         self.reload_ok.set(1)  # the config the daemon started with loaded, or it would not be running
         self.reload_time.set(self.clock.wall())
         self.running.set(1)
@@ -390,6 +398,40 @@ class _ShimCollector:
                 since.add_metric([inst.name], float(summary["since_last_token"]))
         yield rate
         yield since
+
+
+class _GroupCollector:
+    """Each rank of an instance's ``mlx.launch`` group, as the daemon last found it (the state
+    file's ``group``, ``Group.to_dict()``): up when running. Instances without a group have no
+    sample."""
+
+    UP = "mlxwatch_rank_up", "1 if the mlx.launch group's rank runs, else 0 (stopped, gone, not reachable)"
+
+    def __init__(self, metrics: Metrics) -> None:
+        self.metrics = metrics
+
+    def describe(self) -> list[GaugeMetricFamily]:
+        return [GaugeMetricFamily(*self.UP, labels=["server", "rank", "host"])]
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        (up,) = self.describe()
+        instances = self.metrics.state.data.get("instances", {}) if self.metrics.state is not None else {}
+        for inst in self.metrics.config_fn().instances:
+            saved = instances.get(inst.name) if isinstance(instances, dict) else None
+            for rank, host, state in group_ranks(saved.get("group") if isinstance(saved, dict) else None):
+                up.add_metric([inst.name, str(rank), host], 1.0 if state == "running" else 0.0)
+        yield up
+
+
+def group_ranks(group: Any) -> list[tuple[int, str, str]]:
+    """(rank, host, state) of each rank in a saved ``Group.to_dict()``; nothing from a damaged
+    or missing entry (the state file is read as untrusted input)."""
+    ranks = group.get("ranks") if isinstance(group, dict) else None
+    found = []
+    for r in ranks if isinstance(ranks, list) else []:
+        if isinstance(r, dict) and isinstance(r.get("rank"), int) and not isinstance(r.get("rank"), bool):
+            found.append((r["rank"], str(r.get("host") or "?"), str(r.get("state") or "unknown")))
+    return found
 
 
 class _BudgetCollector:

@@ -33,6 +33,10 @@ def _dict(value: Any) -> dict:
     return value if isinstance(value, dict) else {}
 
 
+def _list(value: Any) -> list:
+    return value if isinstance(value, list) else []
+
+
 def _number(value: Any) -> float | None:
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
@@ -81,6 +85,7 @@ def collect_status(config: Config, state_dir: Path, clock: Clock | None = None) 
             "shim": _shim_status(s),
             "front": _front_status(s) if running else None,
             "kernel_sight": _text(s.get("kernel_sight")),
+            "group": group_status(s.get("group")),
         })
     return {"state_dir": str(state_dir), "state_problem": problem,
             "config": str(config.path) if config.path else None,
@@ -99,6 +104,29 @@ def _shim_status(s: dict) -> dict | None:
         return None
     hb, _ = heartbeat.find(pid, float(created) if isinstance(created, (int, float)) else None)
     return hb.summary() if hb is not None else None
+
+
+def group_status(saved: Any) -> dict | None:
+    """An ``mlx.launch`` group as the daemon last found it (the state file's ``group``, a
+    ``Group.to_dict()``): its launcher, backend and each rank's number, host, PID and state.
+    None for a single server, and for an entry too damaged to name any rank."""
+    g = _dict(saved)
+    ranks = []
+    for item in _list(g.get("ranks")):
+        r = _dict(item)
+        number = _number(r.get("rank"))
+        if number is None:
+            continue
+        pid = _number(r.get("pid"))
+        ranks.append({"rank": int(number), "host": _text(r.get("host")) or "?",
+                      "pid": int(pid) if pid is not None else None, "state": _text(r.get("state")) or "unknown"})
+    if not ranks:
+        return None
+    launcher = _number(_dict(g.get("launcher")).get("pid"))
+    hosts, errors = _list(g.get("hosts")), _list(g.get("errors"))
+    return {"launcher_pid": int(launcher) if launcher is not None else None, "backend": _text(g.get("backend")),
+            "size": max(len(hosts), len(ranks)), "ranks": sorted(ranks, key=lambda r: r["rank"]),
+            "errors": [str(e) for e in errors]}
 
 
 def _front_status(s: dict) -> dict | None:

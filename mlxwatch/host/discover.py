@@ -29,6 +29,7 @@ import yaml
 
 from mlxwatch.config import parse_config, url_port
 from mlxwatch.host import launchctl
+from mlxwatch.host.group import Group, find_group
 from mlxwatch.host.process import is_mlx_server, own_listeners, server_port
 
 
@@ -45,11 +46,23 @@ class FoundServer:
     systemd_user: bool = False
     model: str | None = None
     name: str = ""
+    group: Group | None = None  # rank 0 of an mlx.launch group: the group, watched as one instance
+
+    @property
+    def group_text(self) -> str:
+        """``rank 0 of an mlx.launch group of 2 ranks (ring): 127.0.0.1, mac2``, or empty."""
+        g = self.group
+        if g is None:
+            return ""
+        return f"rank 0 of an mlx.launch group of {g.size} ranks ({g.backend}): " + ", ".join(dict.fromkeys(g.hosts))
 
 
 def find_servers(processes: Iterable[psutil.Process] | None = None,
-                 launchd_jobs: Callable[[], dict[int, str]] | None = None) -> list[FoundServer]:
-    """Every mlx-lm server running now, one per address, ordered by port."""
+                 launchd_jobs: Callable[[], dict[int, str]] | None = None,
+                 groups: Callable[[int], Group | None] = find_group) -> list[FoundServer]:
+    """Every mlx-lm server running now, one per address, ordered by port. A distributed server
+    (an ``mlx.launch`` group) is one server: its rank 0, with ``group`` set; its other ranks
+    are not listed."""
     candidates: list[tuple[int, tuple[str, ...], int]] = []  # pid, cmdline, ppid
     for proc in processes if processes is not None else psutil.process_iter(["pid", "cmdline", "status", "ppid"]):
         try:
@@ -66,7 +79,16 @@ def find_servers(processes: Iterable[psutil.Process] | None = None,
         kept = by_address.get(server.url)
         if kept is None or (server.listening and not kept.listening):
             by_address[server.url] = server  # the listening one of a wrapper and its child
-    servers = sorted(by_address.values(), key=lambda s: (url_port(s.url), s.url))
+    servers = []
+    for server in sorted(by_address.values(), key=lambda s: (url_port(s.url), s.url)):
+        try:
+            server.group = groups(server.pid)
+        except Exception:  # discovery of one group must not cost the other servers
+            server.group = None
+        mine = next((r for r in server.group.ranks if r.pid == server.pid and r.local), None) if server.group else None
+        if mine is not None and mine.rank != 0:
+            continue  # another rank of a group: rank 0 stands for it
+        servers.append(server)
     labels = (launchd_jobs or launchd_pids)()
     for server in servers:
         _restart_hints(server, labels)
@@ -231,6 +253,9 @@ def starter_config(servers: list[FoundServer], now: datetime | None = None) -> s
         out.append(f"  - name: {s.name}")
         out.append(f"    url: {s.url}" + ("" if s.listening else "  # from its command line: not listening yet"))
         out.append(f"    # found: PID {s.pid}: {_short(s.cmdline)}")
+        if s.group is not None:
+            out.append(f"    # {s.group_text};")
+            out.append("    #   watched, captured and restarted as one (docs/distributed.md)")
         if s.log is not None:
             out.append(f"    log: {_q(str(s.log))}  # {s.log_from}")
         else:

@@ -37,4 +37,6 @@ def render_written(path: Path, created_parent: bool, servers: list[FoundServer],
         restart = (f"launchd {s.launchd_label}" if s.launchd_label else f"systemd {s.systemd_unit}"
                    if s.systemd_unit else "none (edit restart:)")
         plain(console, f"  {s.name}: {s.url} (PID {s.pid}); log {s.log or 'not found'}; restart {restart}")
+        if s.group is not None:
+            plain(console, f"    {s.group_text}")
     plain(console, f"next: `mlxwatch{config_option} doctor`, then `mlxwatch{config_option} run`")

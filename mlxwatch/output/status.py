@@ -70,6 +70,21 @@ def front_line(front: dict[str, Any]) -> str:
     return f"front door {front.get('listen') or ''}: " + ", ".join(parts)
 
 
+def group_lines(group: dict[str, Any]) -> list[Text]:
+    """An ``mlx.launch`` group (``collect_status``'s ``group``): one line for the group, one per
+    rank (number, host, PID, state), one per host that could not be asked."""
+    launcher = f", launcher PID {group['launcher_pid']}" if group.get("launcher_pid") else ""
+    backend = f" ({group['backend']})" if group.get("backend") else ""
+    lines = [Text(f"  mlx.launch group of {group['size']} ranks{backend}{launcher}")]
+    for r in group["ranks"]:
+        pid = f"PID {r['pid']}" if r.get("pid") else "no PID"
+        lines.append(Text(f"    rank {r['rank']}  {r['host']}  {pid}  {r['state']}",
+                          style="" if r["state"] == "running" else "red"))
+    for error in group.get("errors") or []:
+        lines.append(Text(f"    not asked: {error}", style="yellow"))
+    return lines
+
+
 def status_lines(status: dict[str, Any], width: int = 80) -> list[Text]:
     """The human status, one ``Text`` per line, each at most ``width`` characters."""
     lines: list[Text] = []
@@ -112,6 +127,8 @@ def status_lines(status: dict[str, Any], width: int = 80) -> list[Text]:
             lines.append(Text(f"  last probe: {p['reason']}"))
         if i.get("kernel_sight") not in (None, "ok"):
             lines.append(Text(f"  no kernel sight ({i['kernel_sight']}): the probe alone judges"))
+        if i.get("group"):
+            lines += group_lines(i["group"])
         if i.get("shim"):
             lines.append(Text(f"  {shim_line(i['shim'])}"))
         if i.get("front"):

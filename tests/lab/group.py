@@ -36,21 +36,16 @@ KEEPALIVE = 'while :; do "$@"; sleep 0.5; done'
 
 
 def _two_free_ports() -> int:
-    """P such that P and P+1 were free a moment ago (the ring listens on one port per rank)."""
+    """P such that P and P+1 were free a moment ago on 127.0.0.1 and P+1 on 127.0.0.2 (the ring
+    listens on one port per rank, counting up by rank: rank 1 on P+1 at its host's address)."""
     for _ in range(50):
         port = free_port()
-        with socket.socket() as sock:
-            try:
-                sock.bind(("127.0.0.1", port + 1))
-            except OSError:
-                continue
-            sock2 = socket.socket()
-            try:
-                sock2.bind(("127.0.0.2", port))
-                sock2.close()
-            except OSError:
-                sock2.close()
-                continue
+        try:
+            for host in ("127.0.0.1", "127.0.0.2"):
+                with socket.socket() as sock:
+                    sock.bind((host, port + 1))
+        except OSError:
+            continue
         return port
     raise RuntimeError("no two consecutive free ports")
 
