@@ -475,3 +475,28 @@ async def test_with_a_door_the_look_again_does_not_hold_clients_for_the_probe_ti
         verdict_at = loop.time()
         await asyncio.wait_for(restarted.wait(), timeout=60)
         assert loop.time() - verdict_at < 20.0, "the look-again held the restart for the probe timeout"
+
+
+async def test_the_look_again_with_a_door_ends_at_the_first_token_deadline_at_a_fast_config(tmp_path, standin):
+    """Measured (issue: a door at a fast config): with front.stall_timeout (10 s) above the
+    probe's first-token timeout, the look-again was not shortened: it waited out the full
+    `timeout` for a late token while the door, which saw no token to anyone, held every client
+    at 503. Now it ends at the first-token deadline."""
+    [url], _, _ = standin("hang")
+    probe = replace(FAST, interval=60.0, suspect_interval=60.0, first_token_timeout=2.0, timeout=14.0, failures=1)
+    cfg = cfg_with(tmp_path / "state", url, probe=probe, front=replace(FRONT, stall_timeout=10.0),
+                   restart=RestartConfig("command", argv=("true",), backoff=0.1))
+    restarted = asyncio.Event()
+
+    async def restart_fn(ctx):
+        restarted.set()
+        return RestartOutcome(OK, "restarted")
+
+    async with FrontRunning(cfg, capture_fn=fake_capture, restart_fn=restart_fn) as run:
+        await run.until(lambda: FakeDoor.made and FakeDoor.made[0].started, what="the door to start")
+        assert FakeDoor.made[0].cfg.stall_timeout > probe.first_token_timeout
+        await run.until(lambda: "captured" in run.events(), timeout=30, what="the capture")
+        loop = asyncio.get_running_loop()
+        captured_at = loop.time()
+        await asyncio.wait_for(restarted.wait(), timeout=60)
+        assert loop.time() - captured_at < probe.first_token_timeout + 4.0, "the look-again waited on past its deadline"

@@ -91,10 +91,12 @@ def events(journal: Journal) -> list[str]:
 @pytest.mark.timeout(600)
 async def test_slow_server_streaming_long_prompts_is_not_restarted(server_python, lab_root, tmp_path):
     """The measured failure above, at its own settings (interval 3 s, first token 5 s, timeout
-    8 s, --prefill-step-size 64, 1 s a step): the kernel sees the clients' tokens, so the server
-    is slow, never hung, and no probe's stream is closed under the server (no broken pipe)."""
+    8 s, --prefill-step-size 64, 1 s a step). Here the two streams hold the batch's two decode
+    slots (--decode-concurrency 2), so the probe's first token comes only after theirs end,
+    later than its `timeout`, as it came in the field. The kernel sees the clients' tokens: the
+    server is slow, never hung, and no probe's stream is closed under it (no broken pipe)."""
     server = LabServer.start(server_python, lab_root / f"slowlong-{Path(server_python).parts[-3]}",
-                             extra_args=("--prefill-step-size", "64"))
+                             extra_args=("--prefill-step-size", "64", "--decode-concurrency", "2"))
     clients: dict[str, subprocess.Popen] = {}
     try:
         probe = ProbeConfig(interval=3.0, first_token_timeout=5.0, timeout=8.0, suspect_interval=3.0,
@@ -103,7 +105,7 @@ async def test_slow_server_streaming_long_prompts_is_not_restarted(server_python
 
         def start():
             server.set_fault("slow", 1.0)
-            clients["app"] = app(server.url, "--words", "1200", "--max-tokens", "24", "--parallel", "2",
+            clients["app"] = app(server.url, "--words", "700", "--max-tokens", "24", "--parallel", "2",
                                  "--count", "2")
 
         def over(journal: Journal) -> bool:

@@ -120,6 +120,7 @@ class InstanceWatcher:
     judged_at: float | None = None  # monotonic: the last failed probe's judgement (the next window starts there)
     cut: bool = False  # the last probe's wait was ended early by the evidence (nothing flowed)
     kernel_sight: str | None = None  # "ok", or why the kernel's counters cannot be read (status shows it)
+    saved_group: dict | None = None  # the group as the state file has it
     slow_said: bool = False  # this slow episode was journaled and notified (once, until healthy or a verdict)
     client: httpx.AsyncClient | None = None
     said: set[str] = field(default_factory=set)  # notes already logged once
@@ -150,7 +151,8 @@ class InstanceWatcher:
             ShimSource(identity=lambda: self.identity, mode=lambda: self.inst.shim,
                        stall_timeout=lambda: self.inst.probe.stall_timeout, clock=self.shared.clock.monotonic),
             DoorSource(door=lambda: self.door if self.inst.front is not None else None,
-                       stall_timeout=lambda: self.inst.front.stall_timeout if self.inst.front else 0.0),
+                       stall_timeout=lambda: self.inst.front.stall_timeout if self.inst.front else 0.0,
+                       first_token_timeout=lambda: self.inst.probe.first_token_timeout),
         ]
         if self.shared.kernel is not None and self.inst.kernel != "off":
             sources.append(KernelSource(self.shared.kernel, self.inst.port, lambda: self.inst.probe.quiet_window,
@@ -318,9 +320,10 @@ class InstanceWatcher:
         kernel = "ok" if "kernel" in evidence.detail else next(
             (n.removeprefix("kernel sight unavailable (").split("): ")[0] for n in evidence.notes
              if n.startswith("kernel sight unavailable")), self.kernel_sight)
-        if kernel != self.kernel_sight:
+        group = self.group_source.group.to_dict() if self.group_source.group is not None else None
+        if kernel != self.kernel_sight or group != self.saved_group:
             self.kernel_sight = kernel
-            self._save()
+            self._save()  # status and the rank metrics read them from the state file
         self._hold_streams(evidence, now)
         return evidence
 
@@ -837,6 +840,10 @@ class InstanceWatcher:
             return await asyncio.to_thread(refresh, known)
         return await asyncio.to_thread(find_group, server.pid)
 
+    def _saved_group(self) -> dict | None:
+        self.saved_group = self.group_source.group.to_dict() if self.group_source.group is not None else None
+        return self.saved_group
+
     def _save(self, **fields: Any) -> None:
         now = self.shared.clock.monotonic()
         self.shared.state.update(
@@ -845,8 +852,7 @@ class InstanceWatcher:
             pid=self.identity.pid if self.identity else None,
             server=self.identity.to_dict() if self.identity else None,
             incident=self.incident.id if self.incident else None,
-            group=self.group_source.group.to_dict() if self.group_source.group is not None else None,
-            kernel_sight=self.kernel_sight, **fields,
+            group=self._saved_group(), kernel_sight=self.kernel_sight, **fields,
         )
 
 

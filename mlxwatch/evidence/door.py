@@ -9,7 +9,9 @@ one of its clients receives (``mlxwatch.front``); its ``DeliveryView`` is a chea
   verdict. While tokens flow, the probe gets its full deadline, so a busy server's probe is not
   called late for waiting its turn;
 - during an incident (the gate not open: the door failed every request at the verdict), the door
-  is the witness: a probe that got nothing while the door delivered nothing may end likewise.
+  is the witness: a probe that got nothing while the door delivered nothing ends at the earlier
+  of ``front.stall_timeout`` and its own first-token deadline, and is not waited on for a late
+  token (waiting would only hold every client at 503).
 
 The door sees only its own clients, so it never ends a probe's wait on quiet alone.
 """
@@ -52,6 +54,7 @@ def stall_of(view: DeliveryView, now: float, stall_timeout: float) -> Stall | No
 class DoorSource:
     door: Callable[[], FrontDoor | None]  # the instance's door, if it has one (a reload may swap it)
     stall_timeout: Callable[[], float]  # front.stall_timeout
+    first_token_timeout: Callable[[], float] = lambda: float("inf")  # probe.first_token_timeout
     name: str = "door"
     tokens_seen: int | None = None  # the view's tokens_total at the last look
     seen_door: FrontDoor | None = None
@@ -77,4 +80,4 @@ class DoorSource:
         stall = stall_of(view, now, self.stall_timeout())
         witness = door.gate != Gate.OPEN and not tokens
         return Evidence(delivered=delivered, stall=stall, last_flow=view.last_token_mono,
-                        cut_after=self.stall_timeout() if witness else None)
+                        cut_after=min(self.stall_timeout(), self.first_token_timeout()) if witness else None)
