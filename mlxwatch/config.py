@@ -721,22 +721,51 @@ def _log_file(base: Path) -> Callable[[Any], Path]:
     return check
 
 
+class ValueNotShown(ValueError):
+    """A value's refusal whose message already shows what may be shown of the value: the reader
+    adds no ``(got ...)`` (a URL's query, fragment or password is never echoed)."""
+
+
+_QUERY_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]{0,31}")
+
+
+def _masked_url(text: str) -> str:
+    """``text`` with its user and password, query values and fragment replaced by ``…``; the
+    query's keys are kept when they look like names (``?api_key=…``)."""
+    text, hash_, _ = text.partition("#")
+    text, mark, query = text.partition("?")
+    text = re.sub(r"^([A-Za-z][A-Za-z0-9+.-]*://)[^/]*@", r"\1…@", text)
+    if mark:
+        keys = [pair.partition("=")[0] for pair in query.split("&")]
+        text += "?" + "&".join(f"{k}=…" if _QUERY_KEY.fullmatch(k) else "…" for k in keys)
+    return text + ("#…" if hash_ else "")
+
+
 def parse_base_url(value: Any) -> str:
-    """A server base URL (http[s]://host:port, no path), without a trailing slash. ValueError otherwise."""
+    """A server base URL (http[s]://host:port, no path), without a trailing slash. ValueError otherwise
+    (``ValueNotShown``: the message shows the URL with any secret it may hold masked)."""
     text = _string(value)
+
+    def refuse(why: str) -> ValueNotShown:
+        return ValueNotShown(f"{why} (got {_show(_masked_url(text))})")
+
     try:
         parts = urlsplit(text)
         parts.port  # noqa: B018 - reading it raises ValueError for a port out of range
     except ValueError:
-        raise ValueError("must be a URL such as http://127.0.0.1:8080") from None
+        raise refuse("must be a URL such as http://127.0.0.1:8080") from None
     if parts.scheme not in ("http", "https") or not parts.hostname or any(c.isspace() for c in text):
-        raise ValueError("must be a URL such as http://127.0.0.1:8080")
-    if parts.path not in ("", "/") or parts.query or parts.fragment:
-        raise ValueError("must be the server's base URL, without a path")
+        raise refuse("must be a URL such as http://127.0.0.1:8080")
     if parts.username is not None or parts.password is not None:
-        raise ValueError("must not hold a user or password (mlx-lm has no authentication)")
+        raise refuse("must not hold a user or password (mlx-lm has no authentication)")
+    if parts.query:
+        raise refuse("must be the server's base URL, without a query string (mlx-lm takes no key in its URL)")
+    if parts.fragment:
+        raise refuse("must be the server's base URL, without a #fragment")
+    if parts.path not in ("", "/"):
+        raise refuse("must be the server's base URL, without a path")
     if parts.port == 0:
-        raise ValueError("must name a real port (not 0)")
+        raise refuse("must name a real port (not 0)")
     return text.rstrip("/")
 
 
@@ -765,6 +794,8 @@ class _Section:
         value = self.data.pop(key)
         try:
             return read(value)
+        except ValueNotShown as exc:
+            raise self.error(key, str(exc)) from None
         except ValueError as exc:
             raise self.error(key, f"{exc} (got {_show(value)})") from None
 
@@ -853,11 +884,14 @@ def _probe(sec: _Section) -> ProbeConfig:
 
 RESTART_METHODS = ("launchd", "systemd", "command", "signal", "none")
 _SIGNALS = ("SIGTERM", "SIGINT", "SIGKILL", "SIGHUP", "SIGQUIT")
+RESTART_FORMS = "{launchd: LABEL}, {systemd: UNIT}, {command: [PROGRAM, ARG, ...]}, {signal: SIGTERM}"
 
 
 def _restart(raw: Any, path: str, file: str) -> RestartConfig:
     if raw is None or raw == "none":
         return RestartConfig()
+    if not isinstance(raw, dict):  # `restart: reboot`: say what it can be, not only "a mapping"
+        raise ConfigError(file, path, f"must be none or one of {RESTART_FORMS} (got {_show(raw)})")
     sec = _Section(raw, path, file)
     methods = [m for m in RESTART_METHODS if m in sec.data]
     if len(methods) != 1:

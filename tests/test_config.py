@@ -94,7 +94,7 @@ BAD = [
      "instances[0].url: must be the server's base URL, without a path (got 'http://127.0.0.1:8080/v1')"),
     ("instances: [{name: a, url: 'http://u:secret@127.0.0.1:8080'}]",
      "instances[0].url: must not hold a user or password (mlx-lm has no authentication) "
-     "(got 'http://u:secret@127.0.0.1:8080')"),
+     "(got 'http://…@127.0.0.1:8080')"),
     ("instances: [{name: a, url: 'http://127.0.0.1:0'}]",
      "instances[0].url: must name a real port (not 0) (got 'http://127.0.0.1:0')"),
     ("instances: [{url: 'http://127.0.0.1:1'}]", "instances[0].name: is required"),

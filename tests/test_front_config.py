@@ -72,8 +72,9 @@ def test_validate_says_which_instances_have_a_front_door(config_file, capsys):
     path = config_file("instances:\n  - name: a\n    url: http://127.0.0.1:8080\n    front: {listen: 9081}\n"
                        "  - name: b\n    url: http://127.0.0.1:8090\n")
     assert run(["config", "validate", str(path)]) == 0
-    lines = capsys.readouterr().out.splitlines()
-    assert lines[1].endswith("; front door on 127.0.0.1:9081") and "front door" not in lines[2], lines
+    out = capsys.readouterr().out
+    a, b = out.split("\n  a: ", 1)[1].split("\n  b: ", 1)  # each instance's lines
+    assert a.endswith("\n    front door on 127.0.0.1:9081") and "front door" not in b, out
 
 
 def test_a_front_door_may_listen_beyond_loopback_when_exposed(config_file):

@@ -49,9 +49,18 @@ def _bundle_list(args: argparse.Namespace, out: Console) -> int:
     from mlxwatch.output.bundles import render_bundle_list
 
     root = Path(args.dir).expanduser() if args.dir else bundles_dir(load_optional(args))
+    if args.dir and root.exists() and not root.is_dir():
+        raise UsageError(f"bundle list: --dir {root} is a file, not a directory (give the bundles dir)")
     if args.dir and not root.is_dir():
         raise UsageError(f"bundle list: --dir {root}: no such directory")
     entries = [e for e in bundle_entries(root) if not args.instance or e["instance"] == args.instance]
+    if args.instance and not entries:
+        # A typo, not "no bundles" (exit 2, as for every command's --instance); an instance
+        # dropped from the config still lists the bundles it left.
+        names = [i.name for i in load_optional(args).instances]
+        if args.instance not in names:
+            raise UsageError(f"bundle list: --instance {args.instance!r}: no instance of that name in the config "
+                             f"(known: {', '.join(names) or 'none'}) and no bundle of it in {root}")
     if args.json:
         print(json.dumps({"dir": str(root), "bundles": entries}, indent=2, default=str))
     else:

@@ -90,10 +90,21 @@ def check_out_dir(directory: Path, command: str, given: Path) -> None:
     existing = next(p for p in (directory, *directory.parents) if p.exists() or p == p.parent)
     if not existing.is_dir():
         raise UsageError(f"{command}: --out {given}: {existing} is not a directory")
+    what = "write in" if existing == directory else "create a directory in"
     if not os.access(existing, os.W_OK | os.X_OK):
-        what = "write in" if existing == directory else "create a directory in"
         raise UsageError(f"{command}: --out {given}: cannot {what} {existing} (permission denied); "
                          "give a directory you can write")
+    # os.access says yes to root everywhere, and knows nothing of a read-only file system or of
+    # /proc: try, so that a capture is refused before it runs, not after.
+    trial = existing / f".mlxwatch-try-{os.getpid()}"
+    try:
+        os.close(os.open(trial, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW, 0o600))
+        os.unlink(trial)
+    except FileExistsError:
+        pass
+    except OSError as exc:
+        raise UsageError(f"{command}: --out {given}: cannot {what} {existing} ({exc.strerror or exc}); "
+                         "give a directory you can write") from None
 
 
 def make_out_dir(directory: Path, command: str, given: str) -> None:
@@ -117,7 +128,9 @@ def unwritable(exc: OSError, directory: Path, command: str, given: str | None) -
     full = no_space(exc)
     if where is None and full:
         where = directory
-    if where is None or not (where == directory or directory in where.parents):
+    # The directory itself, a file in it, or one of its parents being made (a state dir that
+    # cannot be created holds the default bundles dir).
+    if where is None or not (where == directory or directory in where.parents or where in directory.parents):
         return None
     why = exc.strerror or str(exc)
     if given is not None:
@@ -145,10 +158,12 @@ def writing_in(directory: Path | None, command: str, given: str | None) -> Itera
 
 
 def url_arg(command: str, text: str, field: str = "--url") -> str:
-    from mlxwatch.config import parse_base_url  # the same URL rule as the config file
+    from mlxwatch.config import ValueNotShown, parse_base_url  # the same URL rule as the config file
 
     try:
         return parse_base_url(text)
+    except ValueNotShown as exc:  # it shows the URL itself, any secret in it masked
+        raise UsageError(f"{command}: {field + ' ' if field else ''}{exc}") from None
     except ValueError as exc:
         raise UsageError(f"{command}: {field + ' ' if field else ''}{exc} (got {text!r})") from None
 

@@ -164,7 +164,11 @@ def cmd_resume(args: argparse.Namespace, out: Console) -> int:
     record = saved.get("instances", {}).get(inst.name, {})
     state = record.get("state") if isinstance(record.get("state"), str) else None
     holder = lock_holder(where)
-    request = request_resume(where, inst.name)
+    try:
+        request = request_resume(where, inst.name)
+    except OSError as exc:  # a read-only file system, another user's dir: the user's to fix, exit 2
+        raise UsageError(f"resume: cannot write the request in {where}: {exc.strerror or exc}; run it as the "
+                         "daemon's user, or give --state-dir DIR (the daemon's state dir)") from None
     if args.json:
         print(json.dumps({"instance": inst.name, "request": str(request), "state": state,
                           "daemon_running": holder is not None, "state_dir": str(where)}, indent=2))

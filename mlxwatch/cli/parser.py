@@ -110,8 +110,9 @@ def build_parser() -> argparse.ArgumentParser:
                                    "/v1/models and a generation probe")
     cap.add_argument("--log", metavar="FILE", help="the server's log file: adds the tail and markers")
     cap.add_argument("--out", metavar="DIR|FILE.tar.gz",
-                     help="an existing directory to write the bundle in, or a new FILE.tar.gz to also write it "
-                          "as an archive (default: capture.dir, else <state dir>/bundles)")
+                     help="a directory to write the bundle in (created with its parents if missing), or a new "
+                          "FILE.tar.gz to also write it as an archive (default: capture.dir, else "
+                          "<state dir>/bundles)")
     cap.add_argument("--snapshots", type=_count_arg, metavar="N",
                      help=f"py-spy dumps (default {C.snapshots}, or the config's capture.snapshots)")
     cap.add_argument("--spacing", type=_duration_arg, metavar="DURATION",
@@ -142,7 +143,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="remove secrets, message contents, environment values and home paths, for a public "
                              "issue (the default); --no-redact exports the bundle as captured (keep it private)")
     export.add_argument("--out", metavar="DIR|FILE.tar.gz",
-                        help="an existing directory, or a new FILE.tar.gz (default: beside the bundle)")
+                        help="a directory (created with its parents if missing), or a new FILE.tar.gz "
+                             "(default: beside the bundle)")
 
     run_p = _leaf(sub, "run", "run the watchdog daemon in the foreground")
     run_p.add_argument("--state-dir", metavar="DIR", help="journal and state (default: config state_dir, else the platform's)")

@@ -286,8 +286,10 @@ def _read_pid_file(pid_file: Path) -> int:
     try:
         with open(pid_file, "rb") as fh:  # a PID file is a line; never read a huge or endless one
             return int(fh.read(64).split()[0])
-    except (OSError, ValueError, IndexError) as exc:
-        raise ProcessGoneError(f"cannot read a PID from {pid_file}: {exc}") from None
+    except OSError as exc:  # strerror: the path is named once, not again in "[Errno 2] ...: 'path'"
+        raise ProcessGoneError(f"cannot read a PID from {pid_file}: {(exc.strerror or str(exc)).lower()}") from None
+    except (ValueError, IndexError):
+        raise ProcessGoneError(f"cannot read a PID from {pid_file}: it holds no PID") from None
 
 
 def lookup_server(url: str, pid_file: Path | None = None, launchd_label: str | None = None,

@@ -12,19 +12,22 @@ from rich.console import Console
 
 from mlxwatch.config import Config, listen_address
 from mlxwatch.host.discover import FoundServer
-from mlxwatch.output.text import plain
+from mlxwatch.output.text import lines_of, plain
 
 
 def render_validated(config: Config, console: Console) -> None:
-    """The file is valid, and each instance's probe, restart and front door settings on one line."""
-    plain(console, f"{config.path}: ok, {len(config.instances)} instance(s)")
+    """The file is valid, and each instance: its URL, then its probe, restart and front door
+    settings a line each, reflowed to the terminal or to 80 columns piped (it was one line of
+    233 columns)."""
+    lines_of(console, f"{config.path}: ok, {len(config.instances)} instance(s)")
     for inst in config.instances:
         p, r = inst.probe, inst.restart
-        plain(console,
-              f"  {inst.name}: {inst.url} probe every {p.interval:g}s, first token {p.first_token_timeout:g}s, "
-              f"total {p.timeout:g}s, verdict after {p.failures} failures; restart {r.method} "
-              f"{r.target or ' '.join(r.argv)}".rstrip()
-              + (f"; front door on {listen_address(inst.front.listen)}" if inst.front is not None else ""))
+        lines_of(console, f"  {inst.name}: {inst.url}")
+        lines_of(console, f"    probe every {p.interval:g}s, first token {p.first_token_timeout:g}s, "
+                          f"total {p.timeout:g}s, verdict after {p.failures} failures", "      ")
+        lines_of(console, f"    restart {r.method} {r.target or ' '.join(r.argv)}".rstrip(), "      ")
+        if inst.front is not None:
+            lines_of(console, f"    front door on {listen_address(inst.front.listen)}")
 
 
 def render_written(path: Path, created_parent: bool, servers: list[FoundServer], console: Console,

@@ -15,7 +15,7 @@ from mlxwatch.config import InstanceConfig
 from mlxwatch.daemon.watcher import FIRST_PROBE_SPREAD
 from mlxwatch.durations import format_duration, human_duration
 from mlxwatch.host.process import ServerLookup
-from mlxwatch.output.text import plain
+from mlxwatch.output.text import lines_of
 
 
 def watch_plan(found: list[tuple[InstanceConfig, ServerLookup]], now: float,
@@ -51,10 +51,11 @@ def watch_plan(found: list[tuple[InstanceConfig, ServerLookup]], now: float,
 
 def render_resume(console: Console, name: str, request: Path, state: str | None, daemon_running: bool,
                   state_dir: Path) -> None:
-    """``resume NAME``: the request is written; who applies it, and when."""
-    when = ("the daemon applies it at its next probe" if daemon_running else
-            f"no daemon runs on {state_dir} now: the next one applies it when it starts")
-    plain(console, f"resume requested for {name} ({request}); {when}")
+    """``resume NAME``: the request is written; who applies it, and when (reflowed to the
+    terminal, or to 80 columns piped: it was one line of 132 to 150)."""
+    lines_of(console, f"resume requested for {name}: {request}")
+    lines_of(console, "the daemon applies it at its next probe" if daemon_running else
+             f"no daemon runs on {state_dir} now: the next one applies it when it starts")
     if state != "gave_up":
-        plain(console, f"note: {name} is not given up (state {state or 'not recorded yet'}); resuming only clears "
-                       "its restart history")
+        lines_of(console, f"note: {name} is not given up (state {state or 'not recorded yet'}); resuming only "
+                          "clears its restart history")

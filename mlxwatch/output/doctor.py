@@ -10,21 +10,28 @@ from pathlib import Path
 from rich.console import Console
 
 from mlxwatch.doctor import FAIL, OK, SKIP, WARN, Finding
+from mlxwatch.output.text import lines_of
 
 STYLES = {OK: "green", WARN: "yellow", FAIL: "bold red", SKIP: "dim"}
 
 
+HANG = " " * 19  # under the finding's text: "  FAIL  server     "
+
+
 def render_findings(findings: list[Finding], console: Console, config_path: Path, state_dir: Path) -> None:
-    """One line per check: status, check, what was found, and the fix when there is one."""
-    console.print(f"mlxwatch doctor: config {config_path}, state {state_dir}", markup=False, highlight=False)
+    """One finding per check: status, check, what was found, and the fix when there is one on
+    a line of its own; each reflowed under the finding's text to the terminal, or to 80
+    columns when piped (a server line was 138 columns)."""
+    lines_of(console, f"mlxwatch doctor: config {config_path}, state {state_dir}")
     current: str | None = None
     for finding in findings:
         if finding.instance != current:
             current = finding.instance
-            console.print(f"instance {current}:", markup=False, highlight=False, style="bold")
-        fix = f"; fix: {finding.fix}" if finding.fix and finding.status in (WARN, FAIL) else ""
-        line = f"  {finding.status:<4}  {finding.check:<10} {finding.message}{fix}"
-        console.print(line, markup=False, highlight=False, style=STYLES.get(finding.status), soft_wrap=True)
+            lines_of(console, f"instance {current}:", style="bold")
+        style = STYLES.get(finding.status)
+        lines_of(console, f"  {finding.status:<4}  {finding.check:<10} {finding.message}", HANG, style)
+        if finding.fix and finding.status in (WARN, FAIL):
+            lines_of(console, f"{HANG}fix: {finding.fix}", HANG + "  ", style)
     failures = sum(1 for f in findings if f.status == FAIL)
     warnings = sum(1 for f in findings if f.status == WARN)
     if failures:

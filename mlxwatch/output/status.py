@@ -1,7 +1,8 @@
 """``mlxwatch status``: the collected status (``daemon.status.collect_status``) for a person.
 
-Fits 80 columns on a terminal; long texts end in an ellipsis, never cut mid-word unmarked.
-Piped output keeps whole lines::
+Fits the terminal, and 80 columns when piped: a long line is reflowed onto indented lines
+(``output.text.reflow``), never cut, so no count is lost; only a table cell (a long instance
+name) ends in an ellipsis::
 
     render_status(collect_status(config, state_dir), console)
     lines = status_lines(status, width=80)      # one Text per line, for a live display
@@ -18,7 +19,7 @@ from rich.text import Text
 
 from mlxwatch.durations import format_duration
 from mlxwatch.front.delivery import OUTCOMES
-from mlxwatch.output.text import PIPED_WIDTH, cut, fit
+from mlxwatch.output.text import NARROW, cut, fit, reflow
 
 HUNG_STATES = ("hung", "capturing", "restarting", "recovering", "gave_up")
 STATE_STYLES = {"healthy": "green", "starting": "cyan", "suspect": "yellow", "slow": "yellow", "never probed": "yellow"}
@@ -86,7 +87,8 @@ def group_lines(group: dict[str, Any]) -> list[Text]:
 
 
 def status_lines(status: dict[str, Any], width: int = 80) -> list[Text]:
-    """The human status, one ``Text`` per line, each at most ``width`` characters."""
+    """The human status, one ``Text`` per line, each at most ``width`` characters (a word
+    longer than that, such as a path, stays whole)."""
     lines: list[Text] = []
     d = status["daemon"]
     where = f"state in {status['state_dir']}"
@@ -97,11 +99,13 @@ def status_lines(status: dict[str, Any], width: int = 80) -> list[Text]:
         errors = f", {d['watcher_errors']} watcher error(s)" if d.get("watcher_errors") else ""
         lines.append(Text(f"daemon running (PID {d['pid']}{errors}), {where}"))
     elif d.get("updated_at"):
-        lines.append(Text(f"daemon not running (last update {_ago(_number(d['updated_at']))}); {where}; "
+        lines.append(Text(f"daemon not running (last update {_ago(_number(d['updated_at']))}): "
                           "start it with `mlxwatch run`", style="yellow"))
+        lines.append(Text(f"  {where}"))
     else:
-        lines.append(Text(f"daemon not running (none has left a record in {status['state_dir']}); "
-                          "start it with `mlxwatch run`", style="yellow"))
+        lines.append(Text("daemon not running (none has left a record): start it with `mlxwatch run`",
+                          style="yellow"))
+        lines.append(Text(f"  {where}"))
     instances = status["instances"]
     if not instances:
         if status.get("config"):
@@ -109,7 +113,7 @@ def status_lines(status: dict[str, Any], width: int = 80) -> list[Text]:
         else:
             lines.append(Text("no config, so nothing is watched: write one with `mlxwatch config init` "
                               "(finds running mlx-lm servers) or see `mlxwatch config example`"))
-        return [fit(line, width) for line in lines]
+        return _reflowed(lines, width)
     header = ("INSTANCE", "STATE", "LAST PROBE", "TTFT", "RESTARTS")
     rows = []
     for i in instances:
@@ -118,10 +122,11 @@ def status_lines(status: dict[str, Any], width: int = 80) -> list[Text]:
         ttft = format_duration(p["ttft"]) if p and p["ttft"] is not None else "-"
         restarts = str(i["restarts_in_window"]) + (f" of {i['budget']}" if i.get("budget") else "")
         rows.append((i["name"], state_label(i), probe, ttft, restarts))
-    widths = [min(max(len(r[c]) for r in [header, *rows]), cap) for c, cap in enumerate((20, 24, 16, 8, 8))]
-    lines.append(Text(_row(header, widths), style="bold"))
+    # caps that sum, with the gaps, to 80: a row is never reflowed (only a cell is cut)
+    widths = [min(max(len(r[c]) for r in [header, *rows]), cap) for c, cap in enumerate((20, 22, 16, 6, 8))]
+    lines.append(_Row(_row(header, widths), style="bold"))
     for i, row in zip(instances, rows, strict=True):
-        lines.append(Text(_row(row, widths), style=STATE_STYLES.get(i["state"], "red")))
+        lines.append(_Row(_row(row, widths), style=STATE_STYLES.get(i["state"], "red")))
         p = i["last_probe"]
         if p and not p["ok"] and p.get("reason"):
             lines.append(Text(f"  last probe: {p['reason']}"))
@@ -152,14 +157,30 @@ def status_lines(status: dict[str, Any], width: int = 80) -> list[Text]:
             lines.append(Text("  (in the state file, not in the config)"))
     if status.get("state_problem"):
         lines.append(Text(f"state file {status['state_problem']}; the daemon rebuilds it from the journal", style="yellow"))
-    return [fit(line, width) for line in lines]
+    return _reflowed(lines, width)
+
+
+class _Row(Text):
+    """A table row: fitted to the width as a whole (rows are 80 columns at most), never reflowed."""
+
+
+def _reflowed(lines: list[Text], width: int) -> list[Text]:
+    """Each line in lines of at most ``width``: a long one reflowed (never cut: a reason cut
+    short, or a count, is lost to its reader); a table row fitted."""
+    out: list[Text] = []
+    for line in lines:
+        if isinstance(line, _Row):
+            out.append(fit(line, width))
+        else:
+            out.extend(Text(piece, style=line.style) for piece in reflow(line.plain, width))
+    return out
 
 
 def render_status(status: dict[str, Any], console: Console, fit: bool | None = None) -> None:
-    """Print the status; on a terminal (or with ``fit``) each line fits the console's width.
-    Piped output keeps whole lines: a reason cut to 80 columns is lost to a log reader."""
+    """Print the status; on a terminal (or with ``fit``) each line fits the console's width,
+    piped each fits 80 columns: long lines are reflowed, never cut."""
     fit = console.is_terminal if fit is None else fit
-    for line in status_lines(status, console.width if fit else PIPED_WIDTH):
+    for line in status_lines(status, console.width if fit else NARROW):
         console.print(line, soft_wrap=True)
 
 

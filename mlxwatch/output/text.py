@@ -9,6 +9,9 @@ never cut, only folded); piped (``| grep``, a log file) every line stays whole::
 
 from __future__ import annotations
 
+import re
+import textwrap
+
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
@@ -16,6 +19,7 @@ from rich.text import Text
 from mlxwatch.durations import format_duration
 
 PIPED_WIDTH = 10**6  # no line is cut or wrapped when the reader is not a terminal
+NARROW = 80  # what `reflow` keeps piped lines to: a log, a mail, an issue are read at 80 columns
 
 Row = tuple[str, "str | Text"]
 
@@ -72,3 +76,53 @@ def fit(line: Text, width: int) -> Text:
     out = line[: max(0, width - 1)]
     out.append("…")
     return out
+
+
+_CLAUSE = re.compile(r".+?(?:[,;:] |$)")  # each clause keeps its separator
+
+
+def reflow(text: str, width: int, hang: str | None = None) -> list[str]:
+    """One logical line as lines of at most ``width`` characters, broken after a ``,``, ``;``
+    or ``:`` where it can (a count stays beside what it counts; a line not yet 60% full goes
+    on word by word rather than end short), else between words; every line
+    after the first starts with ``hang`` (default: the first line's indent and two spaces). A
+    word longer than a line (a path, a URL) is never broken or cut: it overflows whole."""
+    if len(text) <= width:
+        return [text]
+    indent = text[: len(text) - len(text.lstrip(" "))]
+    hang = indent + "  " if hang is None else hang
+    out: list[str] = []
+    current = indent
+
+    def fits(line: str) -> bool:
+        return len(line.rstrip()) <= width
+
+    for clause in _CLAUSE.findall(text[len(indent):]):
+        if fits(current + clause):
+            current += clause
+            continue
+        full = len(current.rstrip()) > 0.6 * width  # a short line goes on to its words instead
+        if current.strip() and ((full and fits(hang + clause)) or not fits(current + clause.split(" ", 1)[0])):
+            out.append(current.rstrip())  # the clause starts a line of its own
+            current = hang
+            if fits(current + clause):
+                current += clause
+                continue
+        # longer than a line: broken between its words, going on from where the line is
+        pieces = textwrap.wrap(clause, width, initial_indent=current, subsequent_indent=hang,
+                               break_long_words=False, break_on_hyphens=False) or [current]
+        out.extend(pieces[:-1])
+        current = pieces[-1] + (" " if clause.endswith(" ") else "")
+    out.append(current.rstrip())
+    return out
+
+
+def reflow_width(console: Console) -> int:
+    """The width ``reflow`` keeps to: the terminal's, or 80 columns when piped."""
+    return console.width if console.is_terminal else NARROW
+
+
+def lines_of(console: Console, text: str, hang: str | None = None, style: str | None = None) -> None:
+    """One logical line printed reflowed (``reflow``) to the terminal, or to 80 columns piped."""
+    for line in reflow(text, reflow_width(console), hang):
+        console.print(line, markup=False, highlight=False, style=style, soft_wrap=True)

@@ -116,9 +116,12 @@ def plan(command: list[str], *, name: str | None = None, exit_on_thread_death: b
         executable = first if os.access(first, os.X_OK) and os.path.isfile(first) else None
     else:
         executable = shutil.which(first, path=env.get("PATH", os.defpath))
-    if executable is None:
-        raise UsageError(f"launch: {first}: command not found (PATH={env.get('PATH', os.defpath)}); "
-                         "give its full path, e.g. ~/.local/bin/mlx_lm.server")
+    if executable is None:  # the PATH itself is not printed: it can be hundreds of characters
+        if os.sep not in first:
+            raise UsageError(f"launch: {first}: command not found on PATH; give its full path, "
+                             "e.g. ~/.local/bin/mlx_lm.server")
+        why = "no such file" if not os.path.lexists(first) else "not an executable file"
+        raise UsageError(f"launch: {first}: {why}; check the path (`command -v mlx_lm.server` prints it)")
     blocked = check_python_flags(executable, command)
     if blocked:
         raise UsageError(f"launch: the shim cannot load in {first}: its Python runs with {', '.join(blocked)}; "
