@@ -199,6 +199,8 @@ class Upstream:
                     await writer.drain()
                 return
         await send(b"data: [DONE]\n\n")
+        if mode == "end-held":  # [DONE] sent; the end of the answer (the close) waits for the test
+            await self.release.get()
         if chunked:
             writer.write(b"0\r\n\r\n")
             await writer.drain()
@@ -635,17 +637,108 @@ async def test_chunks_reach_the_client_before_the_server_sends_the_next():
 
 
 async def test_a_client_that_goes_away_closes_the_request_to_the_server():
-    """The client disconnects mid-stream: the door closes its request to the server at once."""
+    """The client disconnects mid-stream: the door closes its request to the server when its
+    next write to that client fails (a shut sending side alone is not a client gone: it may be
+    a half-close, which still gets its answer)."""
     async with Upstream() as up, _door(up) as door:
         client = _client(door)
         stream = await client.chat.completions.create(model="m", messages=MESSAGES, stream=True,
-                                                      extra_headers={"X-Mode": "stall"})
+                                                      extra_headers={"X-Mode": "trickle"})
         async for _ in stream:
             break
         await stream.close()
         await asyncio.wait_for(up.closed.wait(), BOUND)
         await _until(lambda: door.view().outcomes["cancelled"] == 1, "counted as cancelled")
         await client.close()
+
+
+def _saw_the_clients_end(door: FrontDoor) -> bool:
+    """The door has read the end of a client's sending side (before issue 29 it ended the
+    request there and then, counting it cancelled)."""
+    return door.view().outcomes["cancelled"] > 0 or any(getattr(c, "eof", False) for c in door._conns)
+
+
+async def test_a_complete_sdk_stream_is_ok_though_the_sdk_closes_right_after_done():
+    """Measured (issue 29): the openai SDK stops reading at `data: [DONE]` and closes the
+    response 0.1 s later, often before the door has relayed the end of the answer (mlx-lm
+    closes its connection a moment after [DONE]): 10 of 100 complete SDK streams were counted
+    `cancelled`. Here the server holds the end of its answer until the SDK has closed."""
+    async with Upstream() as up, _door(up) as door:
+        client = _client(door)
+        stream = await client.chat.completions.create(model="m", messages=MESSAGES, stream=True,
+                                                      extra_headers={"X-Mode": "end-held"})
+        text = "".join([c.choices[0].delta.content or "" async for c in stream])
+        await _until(lambda: _saw_the_clients_end(door), "the door saw the SDK close")
+        up.release.put_nowait(1)  # now the server ends its answer
+        await _until(lambda: door.view().in_flight == (), "the request ended")
+        await client.close()
+        outcomes = door.view().outcomes
+    assert text == "".join(TOKENS)
+    assert outcomes["ok"] == 1 and outcomes["cancelled"] == 0
+
+
+@pytest.mark.parametrize("close_after", [b"data: [DONE]\n\n", b"stop"], ids=["[DONE]", "finish_reason"])
+async def test_a_stream_whose_final_event_was_relayed_before_the_client_closed_is_ok(close_after):
+    """The exact timing: a raw reader closes its socket the moment it has read the final event
+    ([DONE], or the chunk with a finish_reason), before the server ends its answer."""
+    body = json.dumps({"messages": MESSAGES, "stream": True}).encode()
+    async with Upstream() as up, _door(up) as door:
+        reader, writer = await asyncio.open_connection(*door.address)
+        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: h\r\nX-Mode: end-held\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        await asyncio.wait_for(reader.readuntil(close_after), BOUND)
+        writer.close()
+        await _until(lambda: _saw_the_clients_end(door), "the door saw the client close")
+        up.release.put_nowait(1)
+        await _until(lambda: door.view().in_flight == (), "the request ended")
+        outcomes = door.view().outcomes
+    assert outcomes["ok"] == 1 and outcomes["cancelled"] == 0
+
+
+async def test_a_stream_the_client_left_before_its_final_event_is_cancelled():
+    """The other side of the line: a client that closes before the final event reached it
+    went away, whatever the server sends after."""
+    body = json.dumps({"messages": MESSAGES, "stream": True}).encode()
+    async with Upstream() as up, _door(up) as door:
+        reader, writer = await asyncio.open_connection(*door.address)
+        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: h\r\nX-Mode: step\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        up.release.put_nowait(1)
+        await asyncio.wait_for(reader.readuntil(b"\n\n"), BOUND)
+        writer.close()
+        await _until(lambda: _saw_the_clients_end(door), "the door saw the client close")
+        for _ in TOKENS[1:]:
+            up.release.put_nowait(1)
+        await _until(lambda: door.view().in_flight == (), "the request ended")
+        outcomes = door.view().outcomes
+    assert outcomes["cancelled"] == 1 and outcomes["ok"] == 0
+
+
+@pytest.mark.parametrize("version", [b"1.0", b"1.1"])
+async def test_a_client_that_half_closes_after_its_request_still_gets_its_answer(version):
+    """Measured (issue 29): a client that shuts its sending side after its request (`nc -N`,
+    some HTTP/1.0 tools) got 0 bytes and a close while the server ran the request; straight to
+    the server it gets its answer, and docs/front-door.md says it does through the door."""
+    body = json.dumps({"messages": MESSAGES, "stream": True}).encode()
+    async with Upstream() as up, _door(up) as door:
+        reader, writer = await asyncio.open_connection(*door.address)
+        writer.write(b"POST /v1/chat/completions HTTP/%s\r\nHost: h\r\nX-Mode: step\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (version, len(body), body))
+        writer.write_eof()
+        await asyncio.wait_for(up.arrived.wait(), BOUND)
+        await _until(lambda: _saw_the_clients_end(door), "the door saw the half-close")
+        for _ in TOKENS:
+            up.release.put_nowait(1)
+        answer = await asyncio.wait_for(reader.read(), BOUND)  # to the door's close
+        writer.close()
+        outcomes = door.view().outcomes
+    status, headers, payload = _split(answer)
+    assert status.split(" ")[1] == "200"
+    if version == b"1.1":
+        assert ("Connection", "close") in headers
+        payload = _dechunk(payload)
+    assert payload.endswith(b"data: [DONE]\n\n") and payload.count(b"data: {") == len(TOKENS)
+    assert outcomes["ok"] == 1 and outcomes["cancelled"] == 0
 
 
 async def test_openai_sdk_streaming_and_not_through_the_door():
@@ -1239,9 +1332,10 @@ async def test_a_body_too_deeply_nested_to_read_is_forwarded_without_a_traceback
 async def test_a_client_that_leaves_while_its_next_request_waits_is_noticed():
     """Measured: with requests pipelined behind a stalled one, the door had stopped
     reading, so a client that left was never noticed: the request stayed in flight and the
-    server kept generating for nobody."""
+    server kept generating for nobody. (A client's end is seen as it comes; whether it is a
+    half-close or a client gone, the door's next write to it tells: here the next token.)"""
     body = json.dumps({"messages": MESSAGES, "stream": True}).encode()
-    request = b"POST /v1/chat/completions HTTP/1.1\r\nHost: h\r\nX-Mode: stall\r\nContent-Length: %d\r\n\r\n%s" % (
+    request = b"POST /v1/chat/completions HTTP/1.1\r\nHost: h\r\nX-Mode: trickle\r\nContent-Length: %d\r\n\r\n%s" % (
         len(body), body)
     async with Upstream() as up, _door(up) as door:
         host, port = door.address

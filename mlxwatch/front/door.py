@@ -79,6 +79,7 @@ class _Live:
     sse: StreamReader | None = None
     failure: tuple[str, str] | None = None  # (message, code) once the door decided to fail it
     replayed: bool = False
+    final_at: int | None = None  # the client's byte offset where the answer was whole (final SSE event, or body)
     tracking: bool = True  # False after a bug in counting: bytes keep flowing, tokens stop counting
 
 
@@ -355,7 +356,11 @@ class FrontDoor:
                 outcome = await self._exchange(conn, request, parsed, live)
             except asyncio.CancelledError:
                 if live.failure is None or conn.gone:
-                    self._ledger.close(live.fid, CANCELLED)  # the client went away (or the daemon stops)
+                    # The client went away (or the daemon stops). One that closed once its answer
+                    # was whole had it: the openai SDK closes right after `data: [DONE]`, often
+                    # before the server's end of the answer reached the door (issue 29).
+                    whole = live.final_at is not None and conn.took(live.final_at)
+                    self._ledger.close(live.fid, OK if whole else CANCELLED)
                     raise
                 assert live.task is not None
                 live.task.uncancel()  # the door's own cancel: the exchange is over, the client is told below
@@ -433,6 +438,9 @@ class FrontDoor:
         if relay.collected is not None:
             self._delivered(live, self._guarded(live, body_tokens, bytes(relay.collected)) or 0, 0)
         conn.end()
+        if conn.eof and not (live.final_at is not None and conn.took(live.final_at)) and conn.reset:
+            conn.abort()  # it shut its side before the answer was whole, and it is gone: it never read it
+            return CANCELLED
         return OK
 
     def _count(self, live: _Live, chunk: bytes) -> int:
@@ -527,6 +535,8 @@ class _Relay:
     def _account(self, chunk: bytes) -> None:
         live = self.live
         tokens = self.door._count(live, chunk)
+        if live.final_at is None and live.sse is not None and live.sse.ended:
+            live.final_at = self.conn.written  # the final event ([DONE] or a finish_reason) has been written
         if self.collected is not None and len(self.collected) <= MAX_BODY_READ:
             self.collected += chunk
         self.door._delivered(live, tokens, len(chunk))
@@ -534,6 +544,8 @@ class _Relay:
     def on_end(self, error: str | None) -> None:
         if self._held is not None and error is None:
             self._release()  # an empty body (a shorter one ends with an error)
+        if error is None and self.live.final_at is None and (self.live.sse is None or self.live.sse.ended):
+            self.live.final_at = self.conn.written  # the whole answer has been written
         if not self.done.done():
             self.done.set_result(error)
 

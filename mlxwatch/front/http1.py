@@ -24,6 +24,7 @@ import asyncio
 import collections
 import logging
 import select
+import socket
 import ssl
 from dataclasses import dataclass
 from typing import Callable, Coroutine, Protocol, cast
@@ -128,6 +129,9 @@ class ClientConnection(asyncio.Protocol):
         self._drained: asyncio.Future[None] | None = None
         self._closing = False
         self._done_reading = False
+        self._eof = False  # the client shut its sending side (a half-close, or the start of a close)
+        self._taken_at_end: int | None = None  # bytes the kernel had taken when the client's end came
+        self._lost = False  # the transport is gone
         # the request being parsed
         self._in_head = False
         self._head_bytes = 0
@@ -223,6 +227,9 @@ class ClientConnection(asyncio.Protocol):
                      "an upgrade")
 
     def connection_lost(self, exc: BaseException | None) -> None:
+        if self._taken_at_end is None:
+            self._taken_at_end = self._bytes_taken()
+        self._lost = True
         self._closing = True
         self._cancel_timers()
         for timer in (self._close_timer, self._send_timer):
@@ -235,11 +242,53 @@ class ClientConnection(asyncio.Protocol):
         self.door.closed(self)
 
     def eof_received(self) -> bool | None:
-        """The client shut its side: ours is closed after what is written, and cut if the client
-        does not take it within SEND_TIMEOUT (left to the transport, a client that half-closes
-        and never reads held the connection for ever; found in review)."""
+        """The client shut its sending side. That is a half-close (``nc -N``, some HTTP/1.0
+        tools: it still reads) or the first half of a close, and TCP tells them apart only when
+        the door next writes: so a request being served, or complete and waiting, still gets
+        its answer (a client that closed whole is noticed when a write to it fails, and its
+        request to the server closed then), after which the connection is closed. With nothing
+        to answer, ours is closed now. Either way what is written is cut if the client does not
+        take it, as SEND_TIMEOUT says (a client that half-closes and never reads held the
+        connection for ever; found in review)."""
+        if self._eof:
+            return True
+        self._eof = True
+        self._taken_at_end = self._bytes_taken()
+        if (self._task is not None or self._queue) and not self._closing:
+            if not self._queue and not self._stash:
+                self._close_after = True  # nothing more can come: the answer ends the connection
+            return True  # keep our side open to write the answer
         self.close()
         return None
+
+    @property
+    def eof(self) -> bool:
+        """The client shut its sending side."""
+        return self._eof
+
+    @property
+    def written(self) -> int:
+        """Bytes of this connection's answers handed to the transport so far."""
+        return self._written
+
+    @property
+    def reset(self) -> bool:
+        """The client is gone: the connection is lost, a write to it failed, or its socket holds
+        an error (a client that closed whole answers the door's next bytes with a reset, which
+        the kernel has by the time a write on loopback returns)."""
+        if self.transport is None or self._lost or (self.transport.is_closing() and not self._closing):
+            return True
+        sock = self.transport.get_extra_info("socket")
+        try:
+            return sock is not None and sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR) != 0
+        except OSError:
+            return True
+
+    def took(self, offset: int) -> bool:
+        """Whether the kernel had taken the answer's bytes up to ``offset`` from the door when
+        the client's end came (or by now, if it has not come)."""
+        taken = self._taken_at_end if self._taken_at_end is not None else self._bytes_taken()
+        return taken >= offset
 
     def pause_writing(self) -> None:
         self._paused = True
@@ -359,7 +408,7 @@ class ClientConnection(asyncio.Protocol):
             self._head_request = item.method == "HEAD"
             options = {t.strip() for t in (item.header("connection") or "").lower().split(",")}
             self._close_after = (item.version != "1.1" or "close" in options
-                                 or (self._done_reading and not self._queue))
+                                 or ((self._done_reading or self._eof) and not self._queue and not self._stash))
             self.started = False
             self._chunked = self._open_ended = False
             try:
@@ -395,6 +444,8 @@ class ClientConnection(asyncio.Protocol):
             stash, self._stash = bytes(self._stash), bytearray()
             self.transport.resume_reading()
             self._feed(stash)
+        if self._eof and self._task is None and not self._queue:
+            self.close()  # the client sends no more: a partial request never completes
 
     # -- writing the answer (for the door) ------------------------------------------------------
 
