@@ -971,7 +971,7 @@ async def test_replay_resends_only_a_request_that_had_received_no_byte():
         await anext(events)
         await _until(lambda: len(up.seen) == 2, "both requests at the server")
         door.set_gate(Gate.RESTARTING)
-        assert door.fail_in_flight("restarting the server") == 2
+        assert door.fail_in_flight("restarting the server") == 1  # the stream; the other waits for its replay
         with pytest.raises(openai.APIError):
             await anext(events)
         up.mode_override = "stream"  # the recovered server answers
@@ -983,6 +983,38 @@ async def test_replay_resends_only_a_request_that_had_received_no_byte():
     assert [s.body for s in up.seen].count(up.seen[0].body) == 2 or len(up.seen) == 3
     assert len(up.seen) == 3  # the unanswered one twice, the stream once
     assert outcomes["replayed"] == 1 and outcomes["ok"] == 1 and outcomes["failed_loudly"] == 1
+
+
+async def test_requests_held_for_a_replay_are_not_counted_or_logged_as_failed(caplog):
+    """Measured (issue 29): with replay on, the verdict's log said `19 request(s) in flight
+    failed loudly` while the door's counts were failed_loudly 1, replayed 18 (and the client
+    had every answer). fail_in_flight counts the requests it fails loudly; those held for a
+    replay are said apart, and the counts match the door's outcomes."""
+    caplog.set_level(logging.INFO, logger="mlxwatch.front.door")
+    async with Upstream() as up, _door(up, replay=True, hold=BOUND) as door:
+        client = _client(door, max_retries=0)
+        unanswered = [asyncio.create_task(client.chat.completions.create(
+            model="m", messages=MESSAGES, extra_headers={"X-Mode": "hang"})) for _ in range(3)]
+        stream = await client.chat.completions.create(model="m", messages=MESSAGES, stream=True,
+                                                      extra_headers={"X-Mode": "stall"})
+        events = aiter(stream)
+        await anext(events)
+        await _until(lambda: len(up.seen) == 4, "every request at the server")
+        door.set_gate(Gate.RESTARTING)
+        failed = door.fail_in_flight("the server is hung")
+        assert door.replaying == 3
+        with pytest.raises(openai.APIError):
+            await anext(events)
+        up.mode_override = "stream"
+        door.set_gate(Gate.OPEN)
+        answers = await asyncio.wait_for(asyncio.gather(*unanswered), BOUND)
+        await client.close()
+        outcomes = door.view().outcomes
+    assert failed == 1 == outcomes["failed_loudly"]
+    assert outcomes["replayed"] == 3 and outcomes["ok"] == 3 and door.replaying == 0
+    assert all(a.choices[0].message.content == "".join(TOKENS) for a in answers)
+    said = [r.getMessage() for r in caplog.records]
+    assert any("3 request(s) in flight held to be sent again" in m for m in said), said
 
 
 async def test_without_replay_an_unanswered_request_is_not_sent_again():

@@ -75,10 +75,12 @@ class _Live:
     """One request the door is serving: the task talking to the server, and why it was failed."""
 
     fid: str
+    conn: http1.ClientConnection | None = None  # the client's connection
     task: asyncio.Task | None = None  # the task serving it: cancelled to end its exchange with the server
     sse: StreamReader | None = None
     failure: tuple[str, str] | None = None  # (message, code) once the door decided to fail it
     replayed: bool = False
+    replay_due: bool = False  # failed by the verdict with nothing sent to its client: held to be sent again
     final_at: int | None = None  # the client's byte offset where the answer was whole (final SSE event, or body)
     tracking: bool = True  # False after a bug in counting: bytes keep flowing, tokens stop counting
 
@@ -204,8 +206,24 @@ class FrontDoor:
         return self._gate
 
     def fail_in_flight(self, reason: str) -> int:
-        """End every request in flight now with an explicit error naming ``reason``; how many."""
-        return self._fail_all(reason, wire.HUNG)
+        """End every request in flight now with an explicit error naming ``reason``; how many
+        were failed loudly. With ``replay``, a request that has had no byte of its answer is
+        not: it is held to be sent again once the gate reopens (``replaying``; failed loudly
+        then only if the gate stays closed past ``hold``), and the door says how many."""
+        failed = replaying = 0
+        for live in list(self._live.values()):
+            if self._fail(live, reason, wire.HUNG):
+                replaying += live.replay_due
+                failed += not live.replay_due
+        if replaying:
+            log.warning("front door %s: %d request(s) in flight held to be sent again once the server is back "
+                        "(front.replay)", self.name, replaying)
+        return failed
+
+    @property
+    def replaying(self) -> int:
+        """Requests failed by the verdict that wait to be sent again (front.replay)."""
+        return sum(1 for live in self._live.values() if live.replay_due)
 
     def take_stalled_requests(self) -> list[RequestView]:
         """Requests the door failed alone since the last call (no token for
@@ -221,7 +239,9 @@ class FrontDoor:
     def _fail(self, live: _Live, message: str, code: str) -> bool:
         if live.failure is not None or live.task is None or live.task.done():
             return False
-        live.failure = (message, code)
+        live.failure = (message, code)  # from now on nothing more of the server's answer reaches the client
+        live.replay_due = (self._cfg.replay and not live.replayed and code == wire.HUNG and live.conn is not None
+                           and not live.conn.started)
         live.task.cancel()
         return True
 
@@ -310,7 +330,7 @@ class FrontDoor:
         parsed = _parse(request.method, path, request.body)
         fid = self._ledger.open(request.method, path, stream=parsed.stream, max_tokens=parsed.max_tokens,
                                 prompt_bytes=len(request.body), generation=parsed.generation, body=request.body)
-        live = _Live(fid)
+        live = _Live(fid, conn)
         self._live[fid] = live
         self._idle.clear()
         try:
@@ -369,12 +389,16 @@ class FrontDoor:
                 return
             message, code = live.failure
             if not conn.started:
-                if self._cfg.replay and not live.replayed and code == wire.HUNG:
+                if live.replay_due:
                     live.replayed = True
-                    if await self._wait_gate(self._cfg.hold, after_opening=opening):
+                    back = await self._wait_gate(self._cfg.hold, after_opening=opening)
+                    live.replay_due = False
+                    if back:
                         live.failure = None
                         self._ledger.restart(live.fid)
                         continue
+                    log.warning("front door %s: request %s not sent again: the server was not back within "
+                                "front.hold (%gs); failed loudly", self.name, live.fid, self._cfg.hold)
                 self._ledger.close(live.fid, FAILED_LOUDLY)
                 conn.answer(http1.error_answer(503, message, code, retry_after=RETRY_AFTER))
                 return
@@ -497,6 +521,8 @@ class _Relay:
             self._account(chunk)
 
     def on_head(self, status: int, reason: str, headers: list[tuple[str, str]], length: int | None) -> None:
+        if self.live.failure is not None:
+            return  # the door has failed this request: what the server sends now goes nowhere
         self.status = status
         ctype = next((v for k, v in headers if k.lower() == "content-type"), "")
         # an answer to HEAD has no body: no stream to judge, whatever its type says
@@ -521,6 +547,8 @@ class _Relay:
             self.on_body(body)
 
     def on_body(self, chunk: bytes) -> None:
+        if self.live.failure is not None:
+            return
         if self._held is not None:
             self._held_body += chunk
             if len(self._held_body) >= self._held[3]:
