@@ -1381,6 +1381,18 @@ async def test_a_client_that_leaves_while_its_next_request_waits_is_noticed():
         await _until(lambda: door.view().in_flight == (), "no request left in flight")
 
 
+async def test_connection_close_in_a_second_connection_field_ends_the_connection():
+    """Measured (issue 29): `Connection: close` in a second `Connection` field was ignored (the
+    answer kept the connection open). Fields sent twice are one list (RFC 9110, 5.3)."""
+    async with Upstream() as up, _door(up) as door:
+        reader, writer = await asyncio.open_connection(*door.address)
+        writer.write(b"GET /plain HTTP/1.1\r\nHost: h\r\nConnection: X-Trace\r\nConnection: close\r\n\r\n")
+        answer = await asyncio.wait_for(reader.read(), BOUND)  # to the door's close
+        writer.close()
+    status, headers, _ = _split(answer)
+    assert status.startswith("HTTP/1.1 201") and ("Connection", "close") in headers
+
+
 async def test_the_doors_own_answer_to_a_head_request_has_no_body():
     """Measured: a HEAD refused while restarting got the JSON body, so the client read it as
     the start of the next answer on the connection."""

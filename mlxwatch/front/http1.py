@@ -62,6 +62,11 @@ class Request:
         name = name.lower()
         return next((v for k, v in self.headers if k.lower() == name), None)
 
+    def header_list(self, name: str) -> str:
+        """Every field of ``name`` joined as one list (RFC 9110, 5.3); empty if none."""
+        name = name.lower()
+        return ", ".join(v for k, v in self.headers if k.lower() == name)
+
 
 @dataclass(frozen=True)
 class Answer:
@@ -406,7 +411,7 @@ class ClientConnection(asyncio.Protocol):
                 return
             self._version = item.version
             self._head_request = item.method == "HEAD"
-            options = {t.strip() for t in (item.header("connection") or "").lower().split(",")}
+            options = {t.strip() for t in item.header_list("connection").lower().split(",")}
             self._close_after = (item.version != "1.1" or "close" in options
                                  or ((self._done_reading or self._eof) and not self._queue and not self._stash))
             self.started = False
