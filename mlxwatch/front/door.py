@@ -39,7 +39,7 @@ from mlxwatch.config import FrontConfig
 from mlxwatch.errors import FrontError
 from mlxwatch.front import http1, wire
 from mlxwatch.front.delivery import (
-    CANCELLED, FAILED_LOUDLY, OK, REFUSED_RESTARTING, REJECTED, DeliveryView, Ledger, Observations,
+    CANCELLED, FAILED_LOUDLY, OK, REFUSED_RESTARTING, REJECTED, TIMEOUT, DeliveryView, Ledger, Observations,
     RequestView,
 )
 from mlxwatch.front.tokens import MAX_BODY_READ, StreamReader, body_tokens
@@ -315,8 +315,9 @@ class FrontDoor:
         self._conns.discard(conn)
 
     def refused(self, answer: http1.Answer, why: str) -> http1.Answer:
-        """A request refused before it was read whole (too large, too slow, malformed)."""
-        self._ledger.count(REJECTED)
+        """A request refused before it was read whole: too large or malformed (rejected), or
+        too slow (timeout: a 408)."""
+        self._ledger.count(TIMEOUT if answer.status == 408 else REJECTED)
         return answer
 
     async def serve(self, conn: http1.ClientConnection, request: http1.Request) -> None:
@@ -350,9 +351,10 @@ class FrontDoor:
                 self._idle.set()
 
     def cut_off(self, why: str, after: float | None) -> None:
-        """A connection closed by the door before any request went through: counted as rejected,
+        """A connection closed by the door before any request went through: counted as timeout
+        when it took longer than ``after`` s to send its request, else rejected (over a cap);
         said at most once a minute (a flood must not flood the log)."""
-        self._ledger.count(REJECTED)
+        self._ledger.count(TIMEOUT if after is not None else REJECTED)
         now = self._clock.monotonic()
         if now - self._cut_off_said >= 60.0:
             self._cut_off_said = now
