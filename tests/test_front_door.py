@@ -1133,23 +1133,93 @@ async def test_a_client_that_never_completes_its_request_is_cut_off(monkeypatch)
     assert up.seen == []
 
 
+async def _connect_from(source: str, door: FrontDoor) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A connection to the door from the loopback address ``source`` (Linux routes all of 127/8 to lo)."""
+    sock = socket.socket()
+    sock.bind((source, 0))
+    sock.connect(door.address)
+    sock.setblocking(False)
+    return await asyncio.open_connection(sock=sock)
+
+
 async def test_connections_over_the_cap_are_closed_at_once_and_the_rest_are_served(monkeypatch):
     """The door keeps at most connection_cap() client connections (from the open-files limit):
     one more is closed at once, and the ones it keeps are served as before."""
-    monkeypatch.setattr(door_module, "connection_cap", lambda: 2)
+    monkeypatch.setattr(door_module, "connection_cap", lambda: 4)
     async with Upstream() as up, _door(up) as door:
-        host, port = door.address
-        kept = [await asyncio.open_connection(host, port) for _ in range(2)]
-        r3, w3 = await asyncio.open_connection(host, port)
-        assert await _closed_by_the_door(r3) == b""
+        kept = [await _connect_from("127.0.0.1", door) for _ in range(3)] + [await _connect_from("127.0.0.2", door)]
+        r5, w5 = await _connect_from("127.0.0.3", door)
+        assert await _closed_by_the_door(r5) == b""
         assert door.view().outcomes["rejected"] == 1 and door.view().outcomes["timeout"] == 0
         reader, writer = kept[0]
         writer.write(b"GET /plain HTTP/1.1\r\nHost: h\r\n\r\n")
         answer = await asyncio.wait_for(_read_response(reader), BOUND)
         for _, w in kept:
             w.close()
-        w3.close()
+        w5.close()
     assert answer.startswith(b"HTTP/1.1 201 ")
+
+
+async def test_a_request_sent_a_byte_at_a_time_is_cut_off_at_a_deadline_for_the_whole_head_and_body(monkeypatch):
+    """Measured (issue 29): a request body sent one byte every 5 s was never cut (the 60 s timer
+    started again at every byte): 300 such connections stayed open past 90 s, and 4,200 filled
+    the connection cap. The head and the body each have a deadline for the whole of them."""
+    monkeypatch.setattr(door_module, "HEAD_TIMEOUT", 1.0)
+    monkeypatch.setattr(door_module, "BODY_TIMEOUT", 1.0)
+    async with Upstream() as up, _door(up) as door:
+        heads = b"POST /v1/chat/completions HTTP/1.1\r\nHost: h\r\nContent-Length: 1000\r\n\r\n"
+        r1, w1 = await asyncio.open_connection(*door.address)  # the head, a byte at a time
+        r2, w2 = await asyncio.open_connection(*door.address)  # the head whole, the body a byte at a time
+        w2.write(heads)
+
+        async def dribble(writer: asyncio.StreamWriter, data: bytes) -> None:
+            for byte in data:  # one byte each 0.05 s: well inside any timer that restarts at each byte
+                writer.write(bytes([byte]))
+                await asyncio.sleep(0.05)
+
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        senders = [asyncio.create_task(dribble(w1, heads)), asyncio.create_task(dribble(w2, b"x" * 1000))]
+        half_head = await _closed_by_the_door(r1)
+        short_body = await _closed_by_the_door(r2)
+        for sender in senders:
+            sender.cancel()
+        await asyncio.gather(*senders, return_exceptions=True)
+        took = loop.time() - started
+        w1.close()
+        w2.close()
+        outcomes = door.view().outcomes
+    assert half_head == b"" and took < BOUND
+    line, _, body = _split(short_body)
+    assert line.split(" ")[1] == "408" and json.loads(body)["error"]["code"] == "mlxwatch_request_timeout"
+    assert outcomes["timeout"] == 2 and up.seen == []
+
+
+async def test_one_client_address_cannot_take_every_connection(monkeypatch):
+    """Measured (issue 29): 4,200 connections from one address took all 4,096 slots, and every
+    other client got a reset for as long as they were held. One address may hold at most
+    ADDRESS_SHARE of the cap; a client from another address is still served."""
+    monkeypatch.setattr(door_module, "connection_cap", lambda: 4)
+    async with Upstream() as up, _door(up) as door:
+        host, port = door.address
+        kept = [await asyncio.open_connection(host, port) for _ in range(3)]
+        r4, w4 = await asyncio.open_connection(host, port)
+        refused = await _closed_by_the_door(r4)
+        reader, writer = await _connect_from("127.0.0.2", door)
+        writer.write(b"GET /plain HTTP/1.1\r\nHost: h\r\n\r\n")
+        answer = await asyncio.wait_for(_read_response(reader), BOUND)
+        rejected = door.view().outcomes["rejected"]
+        for _, w in [*kept, (r4, w4), (reader, writer)]:
+            w.close()
+        await _until(lambda: not door._conns, "every connection closed")
+        again = [await asyncio.open_connection(host, port) for _ in range(3)]  # the address's slots given back
+        reader, writer = again[0]
+        writer.write(b"GET /plain HTTP/1.1\r\nHost: h\r\n\r\n")
+        answer_again = await asyncio.wait_for(_read_response(reader), BOUND)
+        for _, w in again:
+            w.close()
+    assert refused == b"" and rejected == 1
+    assert answer.startswith(b"HTTP/1.1 201 ") and answer_again.startswith(b"HTTP/1.1 201 ")
 
 
 def test_the_connection_cap_follows_the_open_files_limit(monkeypatch):

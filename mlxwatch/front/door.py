@@ -53,11 +53,12 @@ MAX_HEADER_COUNT = 100  # header fields per request (their total size is cfg.max
 # client_body_timeout, keepalive_timeout: 60, 60 and 75 s): a connection that never completes its
 # request must not hold a file descriptor and buffers for ever (the daemon shares its descriptors
 # with the door, and a few hundred such connections would starve its probes).
-HEAD_TIMEOUT = 60.0  # from the connection to a complete request head
-BODY_TIMEOUT = 60.0  # between two reads of a request body
+HEAD_TIMEOUT = 60.0  # from the connection to a complete request head: the whole head
+BODY_TIMEOUT = 60.0  # from the start of a request body to its end: the whole body (not per read)
 KEEPALIVE_TIMEOUT = 75.0  # an idle keep-alive connection (also a partial next request)
 MIN_CONNECTIONS, MAX_CONNECTIONS = 32, 4096  # the cap on open client connections: bounds of
 FDS_PER_CONNECTION, FDS_KEPT = 2, 128  # ... (open-files limit - kept for the daemon) / fds per connection
+ADDRESS_SHARE = 0.75  # of the cap, the most one client address may hold: the rest stays for others
 # Request headers the door does not pass on: the client's own Host and length belong to its hop;
 # the door has read the body whole (and answered Expect: 100-continue itself).
 _NOT_FORWARDED = frozenset({"host", "content-length", "expect"})
@@ -112,6 +113,7 @@ class FrontDoor:
         self._server: asyncio.Server | None = None
         self._pool: http1.UpstreamPool | None = None
         self._conns: set[http1.ClientConnection] = set()
+        self._per_address: dict[str, int] = {}  # admitted connections by client address
         self._cap = MAX_CONNECTIONS
         self._monitor: asyncio.Task | None = None
         self._cut_off_said = -math.inf
@@ -311,8 +313,27 @@ class FrontDoor:
         self._conns.add(conn)
         return conn
 
+    def admit(self, conn: http1.ClientConnection) -> bool:
+        """Whether a new connection's address may hold one more: at most ADDRESS_SHARE of the
+        cap (4,200 connections from one address took every slot: issue 29)."""
+        held = self._per_address.get(conn.address, 0)
+        if held >= max(1, int(self._cap * ADDRESS_SHARE)):
+            self._conns.discard(conn)
+            self.cut_off(f"{held} connections open from {conn.address}, its share of the cap", None)
+            return False
+        self._per_address[conn.address] = held + 1
+        conn.admitted = True
+        return True
+
     def closed(self, conn: http1.ClientConnection) -> None:
         self._conns.discard(conn)
+        if conn.admitted:
+            conn.admitted = False
+            left = self._per_address.get(conn.address, 0) - 1
+            if left > 0:
+                self._per_address[conn.address] = left
+            else:
+                self._per_address.pop(conn.address, None)
 
     def refused(self, answer: http1.Answer, why: str) -> http1.Answer:
         """A request refused before it was read whole: too large or malformed (rejected), or

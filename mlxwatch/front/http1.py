@@ -84,7 +84,7 @@ class Limits:
     max_header_count: int
     max_body: int
     head_timeout: float  # from the connection (or the last answer) to a complete request head
-    body_timeout: float  # between two reads of a request body
+    body_timeout: float  # from the start of reading a request body to its end (the whole body)
     keepalive_timeout: float  # an idle connection between requests
 
 
@@ -94,6 +94,7 @@ class Door(Protocol):
     def serve(self, conn: ClientConnection, request: Request) -> Coroutine[None, None, None]: ...
     def refused(self, answer: Answer, why: str) -> Answer: ...
     def cut_off(self, why: str, after: float | None) -> None: ...
+    def admit(self, conn: ClientConnection) -> bool: ...
     def closed(self, conn: ClientConnection) -> None: ...
 
 
@@ -126,6 +127,8 @@ class ClientConnection(asyncio.Protocol):
         self.limits = limits
         self.transport: asyncio.Transport | None = None
         self.upstream: UpstreamConnection | None = None  # paused and resumed with this client's reading
+        self.address = ""  # the client's IP address
+        self.admitted = False  # counted against its address's share (the door's to set and clear)
         self._parser = httptools.HttpRequestParser(self)
         self._queue: collections.deque[Request | Answer] = collections.deque()
         self._task: asyncio.Task | None = None
@@ -169,6 +172,12 @@ class ClientConnection(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # a TCP transport (uvloop's is no subclass)
+        peer = transport.get_extra_info("peername")
+        self.address = str(peer[0]) if isinstance(peer, tuple) and peer else ""
+        if not self.door.admit(self):
+            self._closing = True
+            self.transport.abort()  # over its address's share of the connections: closed at once
+            return
         self._wait_for_request(self.limits.head_timeout, first=True)
 
     def data_received(self, data: bytes) -> None:
@@ -212,8 +221,8 @@ class ClientConnection(asyncio.Protocol):
                     self._refuse(self._too_large_head(), "chunk framing or trailers too large")
         self._next()
         if self._in_body and not self._done_reading and self._task is None:
-            self._arm_body_timer()  # a body to come: its next read is due within body_timeout (its bytes
-            # are not read while a request before it is served: its timer starts when they are)
+            self._arm_body_timer()  # a body to come: all of it is due within body_timeout of now (its
+            # bytes are not read while a request before it is served: its deadline starts when they are)
 
     def _upgraded(self) -> None:
         """llhttp stops at an upgrade request's head (and takes its body as the new protocol's):
@@ -639,15 +648,17 @@ class ClientConnection(asyncio.Protocol):
         self.abort()
 
     def _arm_body_timer(self) -> None:
-        if self._body_timer is not None:
-            self._body_timer.cancel()
-        self._body_timer = asyncio.get_running_loop().call_later(self.limits.body_timeout, self._body_too_slow)
+        """The body's deadline, set once per body: a timer that started again at each read let a
+        client holding a byte every few seconds keep its connection for ever (issue 29)."""
+        if self._body_timer is None:
+            self._body_timer = asyncio.get_running_loop().call_later(self.limits.body_timeout,
+                                                                     self._body_too_slow)
 
     def _body_too_slow(self) -> None:
         self._body_timer = None
         timeout = self.limits.body_timeout
-        self._refuse(error_answer(408, f"no byte of the request body for {timeout:g}s", wire.TIMEOUT, close=True),
-                     "body too slow")
+        self._refuse(error_answer(408, f"the request body was not complete within {timeout:g}s",
+                                  wire.TIMEOUT, close=True), "body too slow")
 
     def _clear_timer(self) -> None:
         if self._timer is not None:
