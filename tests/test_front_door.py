@@ -1554,6 +1554,40 @@ async def test_a_closed_connection_whose_client_does_not_read_is_cut_after_the_s
         sock.close()
 
 
+async def test_a_client_that_keeps_reading_slowly_is_not_cut_off(monkeypatch):
+    """Measured (issue 29): a client that reads, however slowly, was cut once the kernel's
+    buffers were full: the door counted only bytes leaving its own buffer, which drains when
+    the kernel's send buffer has room for a third of it again (megabytes on loopback), so a
+    client reading 64 KiB/s showed no progress for 3 s and more. Progress is now what the
+    client's kernel acknowledged: reading 64 KiB every 0.1 s, it is never cut."""
+    monkeypatch.setattr(http1, "SEND_TIMEOUT", 1.0)
+    async with Upstream() as up, _door(up) as door:
+        sock = socket.socket()
+        sock.connect(door.address)
+        sock.setblocking(False)
+        conn = await _counted(door)
+        sock.send(b"GET /big/100000000 HTTP/1.1\r\nHost: h\r\n\r\n")
+        await _until(lambda: conn._paused, "the door's writing paused: every buffer full")
+        loop = asyncio.get_running_loop()
+        received, until = 0, loop.time() + 5 * http1.SEND_TIMEOUT
+        try:
+            while loop.time() < until:
+                try:
+                    data = sock.recv(65536)
+                except BlockingIOError:
+                    data = None
+                except ConnectionError:
+                    break
+                if data == b"":
+                    break
+                received += len(data or b"")
+                await asyncio.sleep(0.1)
+            alive = conn in door._conns and not conn._closing
+        finally:
+            sock.close()
+    assert alive, f"cut off after reading {received} bytes"
+
+
 @pytest.mark.parametrize("chunked", [False, True], ids=["with a length", "chunked"])
 async def test_a_client_that_sends_an_over_limit_body_whole_before_reading_gets_the_413(chunked):
     """Measured: http.client (as requests does) sending 40 MB against the 16 MiB limit got
