@@ -50,8 +50,9 @@ class FakeDoor:
     flowing_at_start = False
     at_start = None  # called with the new door, to set its view before any probe can run
 
-    def __init__(self, name: str, upstream: str, cfg: FrontConfig, *, clock) -> None:
+    def __init__(self, name: str, upstream: str, cfg: FrontConfig, *, clock, startup_timeout=None) -> None:
         self.name, self.upstream, self.cfg, self.clock = name, upstream, cfg, clock
+        self.startup_timeout = startup_timeout
         self.started = self.stopped = False
         self.gates: list[Gate] = []
         self.gate = Gate.OPEN
@@ -77,6 +78,9 @@ class FakeDoor:
     def reconfigure(self, cfg: FrontConfig) -> None:
         assert cfg.listen == self.cfg.listen
         self.cfg = cfg
+
+    def set_startup_timeout(self, seconds: float | None) -> None:
+        self.startup_timeout = seconds
 
     def view(self) -> DeliveryView:
         if self.flowing:
@@ -206,6 +210,8 @@ async def test_tokens_through_the_door_hold_every_verdict(tmp_path):
         assert "verdict" not in run.events()
         assert run.daemon.instance_state("gone")["state"] == "slow"
     assert FakeDoor.made[0].stopped and FakeDoor.made[0].failed == []
+    # the door's first Retry-After guess is bounded by the instance's startup_timeout (issue 29)
+    assert FakeDoor.made[0].startup_timeout == cfg.instances[0].probe.startup_timeout
 
 
 async def test_verdict_fails_requests_loudly_gates_the_restart_and_keeps_the_evidence(tmp_path, caplog):

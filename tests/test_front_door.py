@@ -18,10 +18,12 @@ import os
 import socket
 import subprocess
 import shutil
+import time
 
 import openai
 import pytest
 
+from mlxwatch.clock import Clock
 from mlxwatch.config import FrontConfig
 from mlxwatch.errors import FrontError
 from mlxwatch.front import FrontDoor, Gate
@@ -918,8 +920,72 @@ async def test_while_restarting_new_requests_get_503_with_retry_after():
         status, headers, body = _split(await _raw(_url(door), b"GET /v1/models HTTP/1.1\r\nHost: h\r\n\r\n"))
         assert up.seen == []
         assert door.view().outcomes["refused_restarting"] == 1
-    assert status.startswith("HTTP/1.1 503") and dict(headers)["Retry-After"] == "5"
+    assert status.startswith("HTTP/1.1 503") and 1 <= int(dict(headers)["Retry-After"]) <= door_module.RETRY_AFTER_MAX
     assert json.loads(body)["error"]["code"] == "mlxwatch_restarting"
+
+
+def test_retry_after_is_what_the_restart_is_expected_to_take_still():
+    """Retry-After: until the gate is expected to open, and a second; past that, a quarter of
+    the expected time (at least RETRY_AFTER); never above what clients honour."""
+    ra = door_module.retry_after
+    assert ra(expected=12.0, closed_for=0.0) == 13
+    assert ra(expected=12.0, closed_for=9.5) == 4
+    assert ra(expected=12.0, closed_for=30.0) == door_module.RETRY_AFTER  # overdue
+    assert ra(expected=40.0, closed_for=45.0) == 10
+    assert ra(expected=600.0, closed_for=0.0) == door_module.RETRY_AFTER_MAX
+
+
+async def test_the_expected_restart_is_measured_else_a_guess_within_startup_timeout():
+    clock = _ShiftedClock()
+    door = FrontDoor("t", "http://127.0.0.1:9", _cfg(), clock=clock, startup_timeout=20.0)
+    assert door.expected_restart() == 20.0  # nothing measured: the first guess, within startup_timeout
+    assert FrontDoor("t", "http://127.0.0.1:9", _cfg()).expected_restart() == door_module.FIRST_RESTART_GUESS
+    for took in (8.0, 11.0, 9.0):
+        door.set_gate(Gate.RESTARTING)
+        clock.shift += took
+        door.set_gate(Gate.OPEN)
+    assert door.expected_restart() == pytest.approx(11.0, abs=0.5)  # the longest of the restarts measured lately
+
+
+class _ShiftedClock(Clock):
+    """The real clock, moved on by ``shift`` seconds (a restart that took that long, at once)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shift = 0.0
+        self.monotonic = lambda: time.monotonic() + self.shift  # type: ignore[method-assign]
+
+
+TYPICAL_RESTART = 11.0  # the gate closed this long: more than the SDK's 2 retries x the old fixed 5 s
+
+
+async def test_an_sdk_with_default_retries_bridges_a_typical_restart():
+    """Measured (issue 29): Retry-After was a fixed 5 s, so the openai SDK's two default retries
+    covered about 10 s while the gate stayed closed 17-22 s: a retrying client lost a call per
+    incident. Now Retry-After is what this door's restarts have taken (less the time already
+    closed): with one restart of TYPICAL_RESTART measured, a request sent as the next one
+    begins is carried through it by the SDK's own retries, and answered soon after it."""
+    clock = _ShiftedClock()
+    async with Upstream() as up:
+        door = FrontDoor("t", up.url, _cfg(), clock=clock, startup_timeout=600.0)
+        await door.start()
+        try:
+            door.set_gate(Gate.RESTARTING)  # an earlier restart, measured
+            clock.shift += TYPICAL_RESTART
+            door.set_gate(Gate.OPEN)
+            client = _client(door)  # the SDK's defaults: max_retries=2
+            door.set_gate(Gate.RESTARTING)
+            loop = asyncio.get_running_loop()
+            closed = loop.time()
+            loop.call_later(TYPICAL_RESTART, door.set_gate, Gate.OPEN)
+            answer = await asyncio.wait_for(client.chat.completions.create(model="m", messages=MESSAGES),
+                                            TYPICAL_RESTART + BOUND)
+            took = loop.time() - closed
+            await client.close()
+        finally:
+            await door.stop(drain=0.5)
+    assert answer.choices[0].message.content == "".join(TOKENS)
+    assert took < TYPICAL_RESTART + 4.0, f"answered {took - TYPICAL_RESTART:.1f}s after the gate opened"
 
 
 async def test_with_hold_a_request_waits_for_the_gate_and_goes_through():

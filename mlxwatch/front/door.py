@@ -25,6 +25,7 @@ there is logged and never stops bytes from flowing.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import enum
 import json
@@ -47,7 +48,13 @@ from mlxwatch.host.memory import give_back
 
 log = logging.getLogger(__name__)
 
-RETRY_AFTER = 5  # seconds a refused client is told to wait while the server restarts
+RETRY_AFTER = 5  # seconds a refused client is told to wait when no restart is under way (and the least once overdue)
+# While the server restarts, Retry-After is what the restart is still expected to take
+# (``retry_after``): the openai SDK retries a 503 twice by default, each after Retry-After, so a
+# fixed 5 s carried a client through 10 s of a gate closed 17-22 s (issue 29).
+RETRY_AFTER_MAX = 60  # the openai SDK honours up to 60 s (1.x; 120 s in 3.x, and refuses to retry beyond)
+FIRST_RESTART_GUESS = 30.0  # a restart's length before this door measured one (at most startup_timeout)
+RESTARTS_KEPT = 5  # the restarts measured lately: the longest of them is the one expected
 ERROR_WRITE_TIMEOUT = 5.0  # writing the final error to a client that does not read: then cut
 MAX_HEADER_COUNT = 100  # header fields per request (their total size is cfg.max_header; clients send ~10)
 # Clients that take their time sending a request are cut off, as nginx does (client_header_timeout,
@@ -99,7 +106,8 @@ class _Parsed:
 class FrontDoor:
     """A pass-through for one instance; see the module docstring."""
 
-    def __init__(self, name: str, upstream: str, cfg: FrontConfig, *, clock: Clock | None = None) -> None:
+    def __init__(self, name: str, upstream: str, cfg: FrontConfig, *, clock: Clock | None = None,
+                 startup_timeout: float | None = None) -> None:
         self.name = name
         self._upstream = upstream.rstrip("/")
         self._cfg = cfg
@@ -108,6 +116,9 @@ class FrontDoor:
         self._gate = Gate.OPEN
         self._gate_changed = asyncio.Event()  # set (and replaced) at every gate change and at stop
         self._opened = 0  # how many times the gate has opened: a replay waits for the next opening
+        self._closed_at: float | None = None  # when the gate closed (monotonic), while it is closed
+        self._restarts: collections.deque[float] = collections.deque(maxlen=RESTARTS_KEPT)  # gate closures, s
+        self._startup_timeout = startup_timeout  # the instance's probe.startup_timeout
         self._live: dict[str, _Live] = {}
         self._idle = asyncio.Event()
         self._idle.set()
@@ -208,9 +219,36 @@ class FrontDoor:
         if gate is self._gate:
             return
         self._gate = gate
+        now = self._clock.monotonic()
         if gate is Gate.OPEN:
             self._opened += 1
+            if self._closed_at is not None:
+                self._restarts.append(max(0.0, now - self._closed_at))  # a restart, measured
+            self._closed_at = None
+        else:
+            self._closed_at = now
         self._wake_gate_waiters()
+
+    def set_startup_timeout(self, seconds: float | None) -> None:
+        """The instance's probe.startup_timeout: bounds the guess of a restart's length before
+        one is measured (a reload may change it)."""
+        self._startup_timeout = seconds
+
+    def expected_restart(self) -> float:
+        """How long a restart (the gate closed) is expected to take: the longest of the last
+        RESTARTS_KEPT measured, else FIRST_RESTART_GUESS, at most the instance's startup_timeout."""
+        if self._restarts:
+            return max(self._restarts)
+        if self._startup_timeout is not None:
+            return min(FIRST_RESTART_GUESS, self._startup_timeout)
+        return FIRST_RESTART_GUESS
+
+    def _retry_after(self) -> int:
+        """Retry-After for a 503 now: while restarting, what the restart is still expected to
+        take; else RETRY_AFTER."""
+        if self._gate is not Gate.RESTARTING or self._closed_at is None or self._stopping:
+            return RETRY_AFTER
+        return retry_after(self.expected_restart(), self._clock.monotonic() - self._closed_at)
 
     @property
     def gate(self) -> Gate:
@@ -424,9 +462,8 @@ class FrontDoor:
         if self._stopping:
             return http1.error_answer(503, "the mlxwatch front door is stopping", wire.STOPPING,
                                       retry_after=RETRY_AFTER)
-        wait = max(RETRY_AFTER, math.ceil(self._cfg.hold))
         return http1.error_answer(503, "the server is being restarted by mlxwatch; try again shortly",
-                                  wire.RESTARTING, retry_after=wait)
+                                  wire.RESTARTING, retry_after=self._retry_after())
 
     async def _serve(self, conn: http1.ClientConnection, request: http1.Request, parsed: _Parsed,
                      live: _Live) -> None:
@@ -461,7 +498,7 @@ class FrontDoor:
                     log.warning("front door %s: request %s not sent again: the server was not back within "
                                 "front.hold (%gs); failed loudly", self.name, live.fid, self._cfg.hold)
                 self._ledger.close(live.fid, FAILED_LOUDLY)
-                conn.answer(http1.error_answer(503, message, code, retry_after=RETRY_AFTER))
+                conn.answer(http1.error_answer(503, message, code, retry_after=self._retry_after()))
                 return
             self._ledger.close(live.fid, FAILED_LOUDLY)
             await self._end_loudly(conn, live, message, code)
@@ -494,7 +531,7 @@ class FrontDoor:
         except OSError as exc:
             conn.answer(http1.error_answer(503, f"the server at {self._upstream} did not answer "
                                                 f"({exc.strerror or exc.__class__.__name__})", wire.UNREACHABLE,
-                                           retry_after=RETRY_AFTER))
+                                           retry_after=self._retry_after()))
             return FAILED_LOUDLY
         relay = _Relay(self, conn, live, parsed, head_only=request.method == "HEAD")
         conn.attach(upstream)
@@ -510,7 +547,7 @@ class FrontDoor:
                                                wire.TRUNCATED))
             else:
                 conn.answer(http1.error_answer(503, f"the server at {self._upstream} did not answer ({error})",
-                                               wire.UNREACHABLE, retry_after=RETRY_AFTER))
+                                               wire.UNREACHABLE, retry_after=self._retry_after()))
             return FAILED_LOUDLY
         if error is not None:
             live.failure = (f"the server ended the response early ({error})", wire.TRUNCATED)
@@ -637,6 +674,15 @@ class _Relay:
             self.live.final_at = self.conn.written  # the whole answer has been written
         if not self.done.done():
             self.done.set_result(error)
+
+
+def retry_after(expected: float, closed_for: float) -> int:
+    """Seconds a client refused during a restart should wait: until the restart is expected to
+    be over, and a second (the SDK's retry then lands on the recovered server); once overdue, a
+    quarter of the expected length, at least RETRY_AFTER; never above RETRY_AFTER_MAX."""
+    left = expected - closed_for
+    wait = left + 1.0 if left > 0 else max(float(RETRY_AFTER), expected / 4)
+    return max(1, min(RETRY_AFTER_MAX, math.ceil(wait)))
 
 
 def _parse(method: str, path: str, body: bytes) -> _Parsed:
