@@ -668,10 +668,11 @@ class _Relay:
         self.door._delivered(live, tokens, len(chunk))
 
     def on_end(self, error: str | None) -> None:
-        if self._held is not None and error is None:
-            self._release()  # an empty body (a shorter one ends with an error)
-        if error is None and self.live.final_at is None and (self.live.sse is None or self.live.sse.ended):
-            self.live.final_at = self.conn.written  # the whole answer has been written
+        if self.live.failure is None:  # (a request the door failed gets nothing more of the server's)
+            if self._held is not None and error is None:
+                self._release()  # an empty body (a shorter one ends with an error)
+            if error is None and self.live.final_at is None and (self.live.sse is None or self.live.sse.ended):
+                self.live.final_at = self.conn.written  # the whole answer has been written
         if not self.done.done():
             self.done.set_result(error)
 

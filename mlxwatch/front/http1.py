@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import logging
 import fcntl
+import logging
 import select
 import socket
 import ssl
