@@ -417,9 +417,12 @@ def test_front_metrics_count_outcomes_in_flight_and_observations(tmp_path):
     none = Observations((), ())
     metrics.on_front("gone", DeliveryView((request(1.0),), None, 0, {"ok": 3, "failed_loudly": 1}), Observations((0.5,), (20.0,)))
     metrics.on_front("gone", DeliveryView((), None, 0, {"ok": 5, "failed_loudly": 1}), none)
-    metrics.on_front("gone", DeliveryView((), None, 0, {"ok": 1}), none)  # a new door: its totals start over
+    metrics.on_front("gone", DeliveryView((), None, 0, {"ok": 1, "timeout": 2}), none)  # a new door: its totals start over
     text = metrics.exposition().decode()
     assert 'mlxwatch_front_requests_total{outcome="ok",server="gone"} 6.0' in text
+    # requests not sent in time apart from those over a limit (issue 29: both were `rejected`)
+    assert 'mlxwatch_front_requests_total{outcome="timeout",server="gone"} 2.0' in text
+    assert 'mlxwatch_front_requests_total{outcome="rejected",server="gone"} 0.0' in text
     assert 'mlxwatch_front_requests_total{outcome="failed_loudly",server="gone"} 1.0' in text
     assert 'mlxwatch_front_requests_total{outcome="refused_restarting",server="gone"} 0.0' in text
     assert 'mlxwatch_front_requests_in_flight{server="gone"} 0.0' in text
