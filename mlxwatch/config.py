@@ -99,6 +99,7 @@ class FrontConfig:
     max_body: int = 16 * 1024**2  # request body limit (413)
     max_header: int = 64 * 1024  # request header limit (431)
     connect_ahead: bool = True  # keep a connection made ahead to a server that closes each one (mlx_lm.server)
+    max_buffered: int = 128 * 1024**2  # request bodies held, all connections together (503 beyond)
 
 
 @dataclass(frozen=True)
@@ -990,6 +991,7 @@ def _front(sec: _Section) -> FrontConfig:
         "connect_ahead": _bool,
         "max_body": _size,
         "max_header": _size,
+        "max_buffered": _size,
     }))
     sec.done()
     if front.replay and front.hold <= 0:

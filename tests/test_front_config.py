@@ -31,8 +31,9 @@ def test_front_defaults_come_from_the_dataclass(config_file):
 
 def test_front_settings_are_read(config_file):
     inst = _one("    front: {listen: 9081, stall_timeout: 5s, request_stall_timeout: 2m, hold: 30s, replay: true,"
-                " max_body: 1MiB, max_header: 8KiB, connect_ahead: false}\n", config_file)
-    assert inst.front == FrontConfig(("127.0.0.1", 9081), False, 5.0, 120.0, 30.0, True, 1024**2, 8 * 1024, False)
+                " max_body: 1MiB, max_header: 8KiB, connect_ahead: false, max_buffered: 64MiB}\n", config_file)
+    assert inst.front == FrontConfig(("127.0.0.1", 9081), False, 5.0, 120.0, 30.0, True, 1024**2, 8 * 1024, False,
+                                     64 * 1024**2)
 
 
 @pytest.mark.parametrize("front, key, message", [

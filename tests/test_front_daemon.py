@@ -50,8 +50,9 @@ class FakeDoor:
     flowing_at_start = False
     at_start = None  # called with the new door, to set its view before any probe can run
 
-    def __init__(self, name: str, upstream: str, cfg: FrontConfig, *, clock) -> None:
+    def __init__(self, name: str, upstream: str, cfg: FrontConfig, *, clock, startup_timeout=None) -> None:
         self.name, self.upstream, self.cfg, self.clock = name, upstream, cfg, clock
+        self.startup_timeout = startup_timeout
         self.started = self.stopped = False
         self.gates: list[Gate] = []
         self.gate = Gate.OPEN
@@ -77,6 +78,9 @@ class FakeDoor:
     def reconfigure(self, cfg: FrontConfig) -> None:
         assert cfg.listen == self.cfg.listen
         self.cfg = cfg
+
+    def set_startup_timeout(self, seconds: float | None) -> None:
+        self.startup_timeout = seconds
 
     def view(self) -> DeliveryView:
         if self.flowing:
@@ -206,6 +210,8 @@ async def test_tokens_through_the_door_hold_every_verdict(tmp_path):
         assert "verdict" not in run.events()
         assert run.daemon.instance_state("gone")["state"] == "slow"
     assert FakeDoor.made[0].stopped and FakeDoor.made[0].failed == []
+    # the door's first Retry-After guess is bounded by the instance's startup_timeout (issue 29)
+    assert FakeDoor.made[0].startup_timeout == cfg.instances[0].probe.startup_timeout
 
 
 async def test_verdict_fails_requests_loudly_gates_the_restart_and_keeps_the_evidence(tmp_path, caplog):
@@ -411,9 +417,12 @@ def test_front_metrics_count_outcomes_in_flight_and_observations(tmp_path):
     none = Observations((), ())
     metrics.on_front("gone", DeliveryView((request(1.0),), None, 0, {"ok": 3, "failed_loudly": 1}), Observations((0.5,), (20.0,)))
     metrics.on_front("gone", DeliveryView((), None, 0, {"ok": 5, "failed_loudly": 1}), none)
-    metrics.on_front("gone", DeliveryView((), None, 0, {"ok": 1}), none)  # a new door: its totals start over
+    metrics.on_front("gone", DeliveryView((), None, 0, {"ok": 1, "timeout": 2}), none)  # a new door: its totals start over
     text = metrics.exposition().decode()
     assert 'mlxwatch_front_requests_total{outcome="ok",server="gone"} 6.0' in text
+    # requests not sent in time apart from those over a limit (issue 29: both were `rejected`)
+    assert 'mlxwatch_front_requests_total{outcome="timeout",server="gone"} 2.0' in text
+    assert 'mlxwatch_front_requests_total{outcome="rejected",server="gone"} 0.0' in text
     assert 'mlxwatch_front_requests_total{outcome="failed_loudly",server="gone"} 1.0' in text
     assert 'mlxwatch_front_requests_total{outcome="refused_restarting",server="gone"} 0.0' in text
     assert 'mlxwatch_front_requests_in_flight{server="gone"} 0.0' in text

@@ -367,3 +367,74 @@ async def test_a_healthy_server_under_load_through_the_door_gets_no_verdict(lab,
     assert [o for o in outcomes if o.kind != "ok" or o.text != expected] == []
     assert "verdict" not in [r["event"] for r in events(Journal(config.state_dir))]
     assert state["state"] in ("healthy", "starting")
+
+
+SDK_CLIENTS, SDK_STREAMS = 2, 10  # clients at once, streams each
+LATE_CLOSE = 0.3  # seconds the server's close comes after its last bytes (the SDK closes 0.1 s after [DONE])
+
+
+class LateClose:
+    """A TCP relay in front of the server that passes every byte as it comes and the server's
+    close LATE_CLOSE s late, as a busy mlx_lm.server's close came (issue 29: its handler ends
+    the connection after [DONE] and its bookkeeping)."""
+
+    def __init__(self, url: str) -> None:
+        self.host, port = url.removeprefix("http://").rsplit(":", 1)
+        self.port = int(port)
+        self.server: asyncio.Server | None = None
+
+    async def __aenter__(self) -> str:
+        self.server = await asyncio.start_server(self._relay, "127.0.0.1", 0)
+        return f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
+
+    async def __aexit__(self, *exc) -> None:
+        assert self.server is not None
+        self.server.close()
+
+    async def _relay(self, door_r: asyncio.StreamReader, door_w: asyncio.StreamWriter) -> None:
+        server_r, server_w = await asyncio.open_connection(self.host, self.port)
+
+        async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter, late: float) -> None:
+            try:
+                while data := await src.read(65536):
+                    dst.write(data)
+                    await dst.drain()
+                await asyncio.sleep(late)
+            except ConnectionError:
+                pass
+            finally:
+                dst.close()
+
+        await asyncio.gather(pipe(door_r, server_w, 0.0), pipe(server_r, door_w, LATE_CLOSE))
+
+
+async def test_every_complete_sdk_stream_through_the_door_is_counted_ok(lab):
+    """Measured (issue 29): the openai SDK stops reading at `data: [DONE]` and closes the
+    response 0.1 s later, often before mlx_lm.server's end of the answer has crossed the door:
+    of 100 SDK streams, every one with a finish_reason, 91 were counted `ok` and 10
+    `cancelled` (status and `mlxwatch_front_requests_total` inflated alike). Here the
+    server's close comes LATE_CLOSE s after its last bytes (before the fix: every stream
+    counted cancelled). Every complete stream is `ok`."""
+    from mlxwatch.front import FrontDoor  # the door alone in front of the real server: no daemon
+
+    async with LateClose(lab.url) as upstream:
+        door = FrontDoor("lab", upstream, FrontConfig(listen=("127.0.0.1", 0), connect_ahead=False))
+        await door.start()
+        base = f"http://127.0.0.1:{door.address[1]}"
+
+        async def one_client() -> list[Outcome]:
+            client = sdk_client(base)
+            try:
+                return [await ask(client, stream=True) for _ in range(SDK_STREAMS)]
+            finally:
+                await client.close()
+
+        try:
+            results = [o for batch in await asyncio.gather(*(one_client() for _ in range(SDK_CLIENTS)))
+                       for o in batch]
+            await until(lambda: door.view().in_flight == (), 30, "every request ended at the door")
+            outcomes = dict(door.view().outcomes)
+        finally:
+            await door.stop(drain=1.0)
+    assert [o for o in results if o.kind != "ok"] == []
+    assert outcomes["cancelled"] == 0 and outcomes["ok"] == SDK_CLIENTS * SDK_STREAMS, outcomes

@@ -163,6 +163,9 @@ class _Transport(asyncio.Transport):
 
 
 class _Door:
+    def admit(self, conn) -> bool:
+        return True
+
     def closed(self, conn) -> None:
         pass
 

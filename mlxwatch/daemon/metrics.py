@@ -49,8 +49,9 @@ not proven running). ``host`` is the hostfile's name for the rank's host (the us
 The front door's series (``instances[].front``, docs/front-door.md) exist for instances that have
 one; ``outcome`` is one of ``ok``, ``cancelled`` (the client went away), ``failed_loudly`` (an
 explicit error: the verdict, or the request stalled alone), ``refused_restarting`` (503 while the
-server restarts), ``replayed`` (sent again to the recovered server) and ``rejected`` (over a size
-limit). They are read from the door every few seconds by the daemon (``Metrics.on_front``).
+server restarts), ``replayed`` (sent again to the recovered server), ``rejected`` (refused before
+forwarding: over a size or connection limit, or malformed) and ``timeout`` (the client did not
+send its whole request in time). They are read from the door every few seconds by the daemon (``Metrics.on_front``).
 
 An incident is counted once, when its kind is known (``captured``). One whose kind never becomes
 known (its capture failed, or it ended or the daemon stopped before the capture finished) is

@@ -319,6 +319,7 @@ class Daemon:
         next tick; the watcher watches on without it. Doors follow the watchers: a change that
         waits for an incident to end reaches the door when it reaches the watcher."""
         wanted = {i.name: (i.url, i.front) for i in instances if i.front is not None}
+        startup = {i.name: i.probe.startup_timeout for i in instances}  # bounds a door's first Retry-After guess
         for name in [n for n, (spec, _) in self.doors.items() if wanted.get(n) != spec]:
             serving, door = self.doors[name]
             spec = wanted.get(name)
@@ -336,7 +337,7 @@ class Daemon:
                 self.state.update(name, front=None)
         for name, (url, front) in wanted.items():
             if name not in self.doors:
-                door = self.door_factory(name, url, front, clock=self.shared.clock)
+                door = self.door_factory(name, url, front, clock=self.shared.clock, startup_timeout=startup[name])
                 try:
                     await door.start()
                 except FrontError as exc:
@@ -350,6 +351,7 @@ class Daemon:
                 self.doors[name] = ((url, front), door)
                 self.state.update(name, front_error=None)
                 log.info("%s: front door on %s for %s", name, listen_address(front.listen), url)
+            self.doors[name][1].set_startup_timeout(startup[name])  # a reload may change it
             watcher = self.watchers.get(name)
             if watcher is not None and watcher.door is not self.doors[name][1]:
                 watcher.door = self.doors[name][1]  # a new door: the door source takes a new baseline

@@ -27,8 +27,9 @@ CANCELLED = "cancelled"  # the client went away first
 FAILED_LOUDLY = "failed_loudly"  # ended with an explicit error from the door
 REFUSED_RESTARTING = "refused_restarting"  # 503 + Retry-After while the gate was not open
 REPLAYED = "replayed"  # sent again to the recovered server (counted once per replay)
-REJECTED = "rejected"  # refused before forwarding: header or body over the limit
-OUTCOMES = (OK, CANCELLED, FAILED_LOUDLY, REFUSED_RESTARTING, REPLAYED, REJECTED)
+REJECTED = "rejected"  # refused before forwarding: over a limit (size, connections), or malformed
+TIMEOUT = "timeout"  # the client did not send its whole request in time (cut off, or 408)
+OUTCOMES = (OK, CANCELLED, FAILED_LOUDLY, REFUSED_RESTARTING, REPLAYED, REJECTED, TIMEOUT)
 
 OBSERVATIONS_KEPT = 4096  # first-token latencies and rates kept until a reader takes them
 

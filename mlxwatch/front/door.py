@@ -25,6 +25,7 @@ there is logged and never stops bytes from flowing.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import enum
 import json
@@ -39,25 +40,35 @@ from mlxwatch.config import FrontConfig
 from mlxwatch.errors import FrontError
 from mlxwatch.front import http1, wire
 from mlxwatch.front.delivery import (
-    CANCELLED, FAILED_LOUDLY, OK, REFUSED_RESTARTING, REJECTED, DeliveryView, Ledger, Observations,
+    CANCELLED, FAILED_LOUDLY, OK, REFUSED_RESTARTING, REJECTED, TIMEOUT, DeliveryView, Ledger, Observations,
     RequestView,
 )
 from mlxwatch.front.tokens import MAX_BODY_READ, StreamReader, body_tokens
+from mlxwatch.host.memory import give_back
 
 log = logging.getLogger(__name__)
 
-RETRY_AFTER = 5  # seconds a refused client is told to wait while the server restarts
+RETRY_AFTER = 5  # seconds a refused client is told to wait when no restart is under way (and the least once overdue)
+# While the server restarts, Retry-After is what the restart is still expected to take
+# (``retry_after``): the openai SDK retries a 503 twice by default, each after Retry-After, so a
+# fixed 5 s carried a client through 10 s of a gate closed 17-22 s (issue 29).
+RETRY_AFTER_MAX = 60  # the openai SDK honours up to 60 s (1.x; 120 s in 3.x, and refuses to retry beyond)
+FIRST_RESTART_GUESS = 30.0  # a restart's length before this door measured one (at most startup_timeout)
+RESTARTS_KEPT = 5  # the restarts measured lately: the longest of them is the one expected
 ERROR_WRITE_TIMEOUT = 5.0  # writing the final error to a client that does not read: then cut
 MAX_HEADER_COUNT = 100  # header fields per request (their total size is cfg.max_header; clients send ~10)
 # Clients that take their time sending a request are cut off, as nginx does (client_header_timeout,
 # client_body_timeout, keepalive_timeout: 60, 60 and 75 s): a connection that never completes its
 # request must not hold a file descriptor and buffers for ever (the daemon shares its descriptors
 # with the door, and a few hundred such connections would starve its probes).
-HEAD_TIMEOUT = 60.0  # from the connection to a complete request head
-BODY_TIMEOUT = 60.0  # between two reads of a request body
+HEAD_TIMEOUT = 60.0  # from the connection to a complete request head: the whole head
+BODY_TIMEOUT = 60.0  # from the start of a request body to its end: the whole body (not per read)
 KEEPALIVE_TIMEOUT = 75.0  # an idle keep-alive connection (also a partial next request)
 MIN_CONNECTIONS, MAX_CONNECTIONS = 32, 4096  # the cap on open client connections: bounds of
 FDS_PER_CONNECTION, FDS_KEPT = 2, 128  # ... (open-files limit - kept for the daemon) / fds per connection
+GIVE_BACK_AFTER = 32 * 1024**2  # request body bytes let go before freed memory is given back to the system
+GIVE_BACK_DELAY = 1.0  # ... at most once per this many seconds
+ADDRESS_SHARE = 0.75  # of the cap, the most one client address may hold: the rest stays for others
 # Request headers the door does not pass on: the client's own Host and length belong to its hop;
 # the door has read the body whole (and answered Expect: 100-continue itself).
 _NOT_FORWARDED = frozenset({"host", "content-length", "expect"})
@@ -75,10 +86,13 @@ class _Live:
     """One request the door is serving: the task talking to the server, and why it was failed."""
 
     fid: str
+    conn: http1.ClientConnection | None = None  # the client's connection
     task: asyncio.Task | None = None  # the task serving it: cancelled to end its exchange with the server
     sse: StreamReader | None = None
     failure: tuple[str, str] | None = None  # (message, code) once the door decided to fail it
     replayed: bool = False
+    replay_due: bool = False  # failed by the verdict with nothing sent to its client: held to be sent again
+    final_at: int | None = None  # the client's byte offset where the answer was whole (final SSE event, or body)
     tracking: bool = True  # False after a bug in counting: bytes keep flowing, tokens stop counting
 
 
@@ -92,7 +106,8 @@ class _Parsed:
 class FrontDoor:
     """A pass-through for one instance; see the module docstring."""
 
-    def __init__(self, name: str, upstream: str, cfg: FrontConfig, *, clock: Clock | None = None) -> None:
+    def __init__(self, name: str, upstream: str, cfg: FrontConfig, *, clock: Clock | None = None,
+                 startup_timeout: float | None = None) -> None:
         self.name = name
         self._upstream = upstream.rstrip("/")
         self._cfg = cfg
@@ -101,6 +116,9 @@ class FrontDoor:
         self._gate = Gate.OPEN
         self._gate_changed = asyncio.Event()  # set (and replaced) at every gate change and at stop
         self._opened = 0  # how many times the gate has opened: a replay waits for the next opening
+        self._closed_at: float | None = None  # when the gate closed (monotonic), while it is closed
+        self._restarts: collections.deque[float] = collections.deque(maxlen=RESTARTS_KEPT)  # gate closures, s
+        self._startup_timeout = startup_timeout  # the instance's probe.startup_timeout
         self._live: dict[str, _Live] = {}
         self._idle = asyncio.Event()
         self._idle.set()
@@ -109,6 +127,10 @@ class FrontDoor:
         self._server: asyncio.Server | None = None
         self._pool: http1.UpstreamPool | None = None
         self._conns: set[http1.ClientConnection] = set()
+        self._per_address: dict[str, int] = {}  # admitted connections by client address
+        self._buffered = 0  # request body bytes held, all connections together (front.max_buffered)
+        self._let_go = 0  # request body bytes let go since memory was last given back
+        self._give_back: asyncio.TimerHandle | None = None
         self._cap = MAX_CONNECTIONS
         self._monitor: asyncio.Task | None = None
         self._cut_off_said = -math.inf
@@ -154,6 +176,9 @@ class FrontDoor:
             self._fail_all("the mlxwatch front door is stopping", wire.STOPPING)
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._idle.wait(), ERROR_WRITE_TIMEOUT + 1.0)
+        if self._give_back is not None:
+            self._give_back.cancel()
+            self._give_back = None
         if self._monitor is not None:
             self._monitor.remove_done_callback(self._monitor_ended)
             self._monitor.cancel()
@@ -194,17 +219,60 @@ class FrontDoor:
         if gate is self._gate:
             return
         self._gate = gate
+        now = self._clock.monotonic()
         if gate is Gate.OPEN:
             self._opened += 1
+            if self._closed_at is not None:
+                self._restarts.append(max(0.0, now - self._closed_at))  # a restart, measured
+            self._closed_at = None
+        else:
+            self._closed_at = now
         self._wake_gate_waiters()
+
+    def set_startup_timeout(self, seconds: float | None) -> None:
+        """The instance's probe.startup_timeout: bounds the guess of a restart's length before
+        one is measured (a reload may change it)."""
+        self._startup_timeout = seconds
+
+    def expected_restart(self) -> float:
+        """How long a restart (the gate closed) is expected to take: the longest of the last
+        RESTARTS_KEPT measured, else FIRST_RESTART_GUESS, at most the instance's startup_timeout."""
+        if self._restarts:
+            return max(self._restarts)
+        if self._startup_timeout is not None:
+            return min(FIRST_RESTART_GUESS, self._startup_timeout)
+        return FIRST_RESTART_GUESS
+
+    def _retry_after(self) -> int:
+        """Retry-After for a 503 now: while restarting, what the restart is still expected to
+        take; else RETRY_AFTER."""
+        if self._gate is not Gate.RESTARTING or self._closed_at is None or self._stopping:
+            return RETRY_AFTER
+        return retry_after(self.expected_restart(), self._clock.monotonic() - self._closed_at)
 
     @property
     def gate(self) -> Gate:
         return self._gate
 
     def fail_in_flight(self, reason: str) -> int:
-        """End every request in flight now with an explicit error naming ``reason``; how many."""
-        return self._fail_all(reason, wire.HUNG)
+        """End every request in flight now with an explicit error naming ``reason``; how many
+        were failed loudly. With ``replay``, a request that has had no byte of its answer is
+        not: it is held to be sent again once the gate reopens (``replaying``; failed loudly
+        then only if the gate stays closed past ``hold``), and the door says how many."""
+        failed = replaying = 0
+        for live in list(self._live.values()):
+            if self._fail(live, reason, wire.HUNG):
+                replaying += live.replay_due
+                failed += not live.replay_due
+        if replaying:
+            log.warning("front door %s: %d request(s) in flight held to be sent again once the server is back "
+                        "(front.replay)", self.name, replaying)
+        return failed
+
+    @property
+    def replaying(self) -> int:
+        """Requests failed by the verdict that wait to be sent again (front.replay)."""
+        return sum(1 for live in self._live.values() if live.replay_due)
 
     def take_stalled_requests(self) -> list[RequestView]:
         """Requests the door failed alone since the last call (no token for
@@ -220,7 +288,9 @@ class FrontDoor:
     def _fail(self, live: _Live, message: str, code: str) -> bool:
         if live.failure is not None or live.task is None or live.task.done():
             return False
-        live.failure = (message, code)
+        live.failure = (message, code)  # from now on nothing more of the server's answer reaches the client
+        live.replay_due = (self._cfg.replay and not live.replayed and code == wire.HUNG and live.conn is not None
+                           and not live.conn.started)
         live.task.cancel()
         return True
 
@@ -290,12 +360,61 @@ class FrontDoor:
         self._conns.add(conn)
         return conn
 
+    def admit(self, conn: http1.ClientConnection) -> bool:
+        """Whether a new connection's address may hold one more: at most ADDRESS_SHARE of the
+        cap (4,200 connections from one address took every slot: issue 29)."""
+        held = self._per_address.get(conn.address, 0)
+        if held >= max(1, int(self._cap * ADDRESS_SHARE)):
+            self._conns.discard(conn)
+            self.cut_off(f"{held} connections open from {conn.address}, its share of the cap", None)
+            return False
+        self._per_address[conn.address] = held + 1
+        conn.admitted = True
+        return True
+
+    @property
+    def buffered(self) -> int:
+        """Request body bytes the door holds now, all connections together."""
+        return self._buffered
+
+    def hold(self, nbytes: int) -> http1.Answer | None:
+        """Take ``nbytes`` more of request bodies, or the 503 that refuses them: what the door
+        holds, all connections together, stays within front.max_buffered (20 connections of
+        16 MiB each took the daemon from 79 to 415 MB: issue 29)."""
+        if self._buffered + nbytes > self._cfg.max_buffered:
+            return http1.error_answer(503, f"the mlxwatch front door holds {self._buffered} bytes of request "
+                                           f"bodies, its limit is {self._cfg.max_buffered} (front.max_buffered); "
+                                           "try again shortly", wire.DOOR_FULL, retry_after=1, close=True)
+        self._buffered += nbytes
+        return None
+
+    def let_go(self, nbytes: int) -> None:
+        """``nbytes`` of request bodies are no longer held; after GIVE_BACK_AFTER of them, the
+        freed memory is given back to the system (glibc's malloc kept it: 366 MB stayed with
+        the daemon after 20 connections of 16 MiB closed, issue 29)."""
+        self._buffered = max(0, self._buffered - nbytes)
+        self._let_go += nbytes
+        if self._let_go >= GIVE_BACK_AFTER and self._give_back is None and self._server is not None:
+            self._give_back = asyncio.get_running_loop().call_later(GIVE_BACK_DELAY, self._giving_back)
+
+    def _giving_back(self) -> None:
+        self._give_back, self._let_go = None, 0
+        give_back()
+
     def closed(self, conn: http1.ClientConnection) -> None:
         self._conns.discard(conn)
+        if conn.admitted:
+            conn.admitted = False
+            left = self._per_address.get(conn.address, 0) - 1
+            if left > 0:
+                self._per_address[conn.address] = left
+            else:
+                self._per_address.pop(conn.address, None)
 
     def refused(self, answer: http1.Answer, why: str) -> http1.Answer:
-        """A request refused before it was read whole (too large, too slow, malformed)."""
-        self._ledger.count(REJECTED)
+        """A request refused before it was read whole: too large or malformed (rejected), or
+        too slow (timeout: a 408)."""
+        self._ledger.count(TIMEOUT if answer.status == 408 else REJECTED)
         return answer
 
     async def serve(self, conn: http1.ClientConnection, request: http1.Request) -> None:
@@ -309,7 +428,7 @@ class FrontDoor:
         parsed = _parse(request.method, path, request.body)
         fid = self._ledger.open(request.method, path, stream=parsed.stream, max_tokens=parsed.max_tokens,
                                 prompt_bytes=len(request.body), generation=parsed.generation, body=request.body)
-        live = _Live(fid)
+        live = _Live(fid, conn)
         self._live[fid] = live
         self._idle.clear()
         try:
@@ -329,9 +448,10 @@ class FrontDoor:
                 self._idle.set()
 
     def cut_off(self, why: str, after: float | None) -> None:
-        """A connection closed by the door before any request went through: counted as rejected,
+        """A connection closed by the door before any request went through: counted as timeout
+        when it took longer than ``after`` s to send its request, else rejected (over a cap);
         said at most once a minute (a flood must not flood the log)."""
-        self._ledger.count(REJECTED)
+        self._ledger.count(TIMEOUT if after is not None else REJECTED)
         now = self._clock.monotonic()
         if now - self._cut_off_said >= 60.0:
             self._cut_off_said = now
@@ -342,9 +462,8 @@ class FrontDoor:
         if self._stopping:
             return http1.error_answer(503, "the mlxwatch front door is stopping", wire.STOPPING,
                                       retry_after=RETRY_AFTER)
-        wait = max(RETRY_AFTER, math.ceil(self._cfg.hold))
         return http1.error_answer(503, "the server is being restarted by mlxwatch; try again shortly",
-                                  wire.RESTARTING, retry_after=wait)
+                                  wire.RESTARTING, retry_after=self._retry_after())
 
     async def _serve(self, conn: http1.ClientConnection, request: http1.Request, parsed: _Parsed,
                      live: _Live) -> None:
@@ -355,7 +474,11 @@ class FrontDoor:
                 outcome = await self._exchange(conn, request, parsed, live)
             except asyncio.CancelledError:
                 if live.failure is None or conn.gone:
-                    self._ledger.close(live.fid, CANCELLED)  # the client went away (or the daemon stops)
+                    # The client went away (or the daemon stops). One that closed once its answer
+                    # was whole had it: the openai SDK closes right after `data: [DONE]`, often
+                    # before the server's end of the answer reached the door (issue 29).
+                    whole = live.final_at is not None and conn.took(live.final_at)
+                    self._ledger.close(live.fid, OK if whole else CANCELLED)
                     raise
                 assert live.task is not None
                 live.task.uncancel()  # the door's own cancel: the exchange is over, the client is told below
@@ -364,14 +487,18 @@ class FrontDoor:
                 return
             message, code = live.failure
             if not conn.started:
-                if self._cfg.replay and not live.replayed and code == wire.HUNG:
+                if live.replay_due:
                     live.replayed = True
-                    if await self._wait_gate(self._cfg.hold, after_opening=opening):
+                    back = await self._wait_gate(self._cfg.hold, after_opening=opening)
+                    live.replay_due = False
+                    if back:
                         live.failure = None
                         self._ledger.restart(live.fid)
                         continue
+                    log.warning("front door %s: request %s not sent again: the server was not back within "
+                                "front.hold (%gs); failed loudly", self.name, live.fid, self._cfg.hold)
                 self._ledger.close(live.fid, FAILED_LOUDLY)
-                conn.answer(http1.error_answer(503, message, code, retry_after=RETRY_AFTER))
+                conn.answer(http1.error_answer(503, message, code, retry_after=self._retry_after()))
                 return
             self._ledger.close(live.fid, FAILED_LOUDLY)
             await self._end_loudly(conn, live, message, code)
@@ -404,7 +531,7 @@ class FrontDoor:
         except OSError as exc:
             conn.answer(http1.error_answer(503, f"the server at {self._upstream} did not answer "
                                                 f"({exc.strerror or exc.__class__.__name__})", wire.UNREACHABLE,
-                                           retry_after=RETRY_AFTER))
+                                           retry_after=self._retry_after()))
             return FAILED_LOUDLY
         relay = _Relay(self, conn, live, parsed, head_only=request.method == "HEAD")
         conn.attach(upstream)
@@ -420,7 +547,7 @@ class FrontDoor:
                                                wire.TRUNCATED))
             else:
                 conn.answer(http1.error_answer(503, f"the server at {self._upstream} did not answer ({error})",
-                                               wire.UNREACHABLE, retry_after=RETRY_AFTER))
+                                               wire.UNREACHABLE, retry_after=self._retry_after()))
             return FAILED_LOUDLY
         if error is not None:
             live.failure = (f"the server ended the response early ({error})", wire.TRUNCATED)
@@ -433,6 +560,9 @@ class FrontDoor:
         if relay.collected is not None:
             self._delivered(live, self._guarded(live, body_tokens, bytes(relay.collected)) or 0, 0)
         conn.end()
+        if conn.eof and not (live.final_at is not None and conn.took(live.final_at)) and conn.reset:
+            conn.abort()  # it shut its side before the answer was whole, and it is gone: it never read it
+            return CANCELLED
         return OK
 
     def _count(self, live: _Live, chunk: bytes) -> int:
@@ -489,6 +619,8 @@ class _Relay:
             self._account(chunk)
 
     def on_head(self, status: int, reason: str, headers: list[tuple[str, str]], length: int | None) -> None:
+        if self.live.failure is not None:
+            return  # the door has failed this request: what the server sends now goes nowhere
         self.status = status
         ctype = next((v for k, v in headers if k.lower() == "content-type"), "")
         # an answer to HEAD has no body: no stream to judge, whatever its type says
@@ -513,6 +645,8 @@ class _Relay:
             self.on_body(body)
 
     def on_body(self, chunk: bytes) -> None:
+        if self.live.failure is not None:
+            return
         if self._held is not None:
             self._held_body += chunk
             if len(self._held_body) >= self._held[3]:
@@ -527,15 +661,29 @@ class _Relay:
     def _account(self, chunk: bytes) -> None:
         live = self.live
         tokens = self.door._count(live, chunk)
+        if live.final_at is None and live.sse is not None and live.sse.ended:
+            live.final_at = self.conn.written  # the final event ([DONE] or a finish_reason) has been written
         if self.collected is not None and len(self.collected) <= MAX_BODY_READ:
             self.collected += chunk
         self.door._delivered(live, tokens, len(chunk))
 
     def on_end(self, error: str | None) -> None:
-        if self._held is not None and error is None:
-            self._release()  # an empty body (a shorter one ends with an error)
+        if self.live.failure is None:  # (a request the door failed gets nothing more of the server's)
+            if self._held is not None and error is None:
+                self._release()  # an empty body (a shorter one ends with an error)
+            if error is None and self.live.final_at is None and (self.live.sse is None or self.live.sse.ended):
+                self.live.final_at = self.conn.written  # the whole answer has been written
         if not self.done.done():
             self.done.set_result(error)
+
+
+def retry_after(expected: float, closed_for: float) -> int:
+    """Seconds a client refused during a restart should wait: until the restart is expected to
+    be over, and a second (the SDK's retry then lands on the recovered server); once overdue, a
+    quarter of the expected length, at least RETRY_AFTER; never above RETRY_AFTER_MAX."""
+    left = expected - closed_for
+    wait = left + 1.0 if left > 0 else max(float(RETRY_AFTER), expected / 4)
+    return max(1, min(RETRY_AFTER_MAX, math.ceil(wait)))
 
 
 def _parse(method: str, path: str, body: bytes) -> _Parsed:

@@ -27,6 +27,7 @@ RESTARTING = "mlxwatch_restarting"  # the server is being restarted: try again l
 UNREACHABLE = "mlxwatch_upstream_unreachable"  # the server refused or dropped the connection
 STOPPING = "mlxwatch_stopping"  # the door itself is stopping
 TOO_LARGE = "mlxwatch_body_too_large"
+DOOR_FULL = "mlxwatch_door_full"  # the door holds front.max_buffered of request bodies: try again shortly
 HEADERS_TOO_LARGE = "mlxwatch_headers_too_large"
 BAD_REQUEST = "mlxwatch_bad_request"
 TIMEOUT = "mlxwatch_request_timeout"  # the client did not send its request in time
