@@ -78,7 +78,8 @@ def free_port_block(n: int) -> int:
     raise RuntimeError(f"no block of {n} free ports")
 
 
-def run_one(instances: int, interval: float, window: float, workdir: Path, target: str | None = None) -> dict[str, Any]:
+def run_one(instances: int, interval: float, window: float, workdir: Path, target: str | None = None,
+            kernel: str = "auto") -> dict[str, Any]:
     workdir.mkdir(parents=True, exist_ok=True)
     first = free_port_block(instances)
     ports = list(range(first, first + instances))
@@ -94,7 +95,7 @@ def run_one(instances: int, interval: float, window: float, workdir: Path, targe
         state_dir = workdir / "state"
         config = write_config(workdir / "config.yaml", [
             {"name": f"i{i:03d}", "url": f"http://127.0.0.1:{port}", "probe": {"interval": f"{interval:g}s"},
-             "restart": "none"} for i, port in enumerate(ports)], state_dir)
+             "restart": "none", "kernel": kernel} for i, port in enumerate(ports)], state_dir)
         daemon = DaemonProcess(config, state_dir, workdir / "daemon.log")
         started = time.time()
         daemon.start()

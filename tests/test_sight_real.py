@@ -50,6 +50,8 @@ def end(proc: subprocess.Popen) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(10)
+    if proc.stdout is not None:
+        proc.stdout.close()
 
 
 def config_for(lab: LabServer, state_dir: Path, probe: ProbeConfig, kernel: str = "auto") -> Config:
