@@ -61,7 +61,8 @@ def test_doctor_on_the_real_server(lab, tmp_path, capsys):
     other.write_text("")
     cfg = write_config(tmp_path, lab, log=str(other))
     code, out, _ = mlxwatch(capsys, "doctor", "--config", str(cfg))
-    assert code == 0 and f"does not write {other}" in out and str(lab.log_path) in out
+    flat = " ".join(out.split())  # reflowed to 80 columns: a line may break between any two words
+    assert code == 0 and f"does not write {other}" in flat and str(lab.log_path) in flat
 
     path = tmp_path / "dead.yaml"
     path.write_text(f"state_dir: {tmp_path / 'state'}\ninstances: [{{name: dead, url: 'http://127.0.0.1:{free_port()}'}}]\n")
@@ -106,7 +107,7 @@ def test_capture_refuses_what_is_not_the_server_then_bundles_browse(lab, tmp_pat
     archive = tmp_path / "lab.tar.gz"
     code, out, err = mlxwatch(capsys, "--config", str(cfg), "capture", "--instance", "lab", "--out", str(archive),
                               "--snapshots", "1")
-    assert code == 0 and archive.exists() and f"archive: {archive}" in out, err
+    assert code == 0 and archive.exists() and f"archive: {archive}" in " ".join(out.split()), err
 
     code, out, _ = mlxwatch(capsys, "bundle", "list", "--dir", str(out_dir), "--json")
     assert [b["path"] for b in json.loads(out)["bundles"]] == [str(bundle)]

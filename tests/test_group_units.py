@@ -109,3 +109,22 @@ def test_group_judgement_from_rank_states():
     assert (judged.hung, judged.culprit_rank) == (True, 1) and "generation thread died" in judged.reason
     judged = judge_group([running[0], replace(running[1], state="unknown")])
     assert not judged.hung and judged.unknown == (1,) and "no evidence" in judged.reason
+
+
+async def test_a_stopped_rank_is_a_stall_that_ends_a_probes_wait(monkeypatch):
+    """Rank 1 stopped: the group source's answer is a stall, journaled as `group_stall`, that a
+    probe waiting for its first token need not wait out (cut_after 0: nothing can come until
+    the rank runs); all ranks running: no stall, the group in the detail for status."""
+    from mlxwatch.evidence import Window
+    from mlxwatch.evidence import group as source
+
+    found = _group()
+    monkeypatch.setattr(source, "find_group", lambda pid: found)
+    monkeypatch.setattr(source, "refresh", lambda g: replace(g, ranks=(g.ranks[0], replace(g.ranks[1], state="stopped"))))
+    rank0 = ProcessIdentity(101, 9.0, ("python", "mlx_lm.server"), started=9.0, boot="b")
+    looks = source.GroupSource(lambda: rank0)
+    first = await looks.look(Window(0.0, 1.0, suspect=True))
+    assert first.stall is None and first.detail["group"]["ranks"][1]["state"] == "running"
+    later = await looks.look(Window(0.0, 1.0 + source.POLL_SUSPECT, suspect=True))
+    assert later.stall is not None and later.stall.event == "group_stall" and later.stall.cut_after == 0.0
+    assert later.stall.journal["culprit_rank"] == 1 and "rank 1 on mac2 (PID 7) is stopped" in later.stall.reason

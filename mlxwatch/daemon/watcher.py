@@ -38,7 +38,7 @@ from mlxwatch.config import CaptureConfig, InstanceConfig
 from mlxwatch.daemon.frontwatch import requests_evidence
 from mlxwatch.daemon.notify import Notifier
 from mlxwatch.errors import MlxwatchError
-from mlxwatch.evidence import Evidence, Window
+from mlxwatch.evidence import Evidence, Stall, Window
 from mlxwatch.evidence.door import DoorSource
 from mlxwatch.evidence.group import GroupSource
 from mlxwatch.evidence.kernel import KernelSource
@@ -317,9 +317,8 @@ class InstanceWatcher:
         evidence = await self.sight.look(Window(start, now, probe=probe, suspect=suspect))
         for note in evidence.notes:
             self._say(note)
-        kernel = "ok" if "kernel" in evidence.detail else next(
-            (n.removeprefix("kernel sight unavailable (").split("): ")[0] for n in evidence.notes
-             if n.startswith("kernel sight unavailable")), self.kernel_sight)
+        seen = evidence.detail.get("kernel")
+        kernel = self.kernel_sight if seen is None else seen.get("unavailable", "ok")
         group = self.group_source.group.to_dict() if self.group_source.group is not None else None
         if kernel != self.kernel_sight or group != self.saved_group:
             self.kernel_sight = kernel
@@ -332,10 +331,12 @@ class InstanceWatcher:
         nothing flowed to any client (nor any other sign of work) for ``probe.quiet_window``,
         where a source sees every client; or a source's own bound (a stall at the front door)."""
         evidence = await self._look(sent)
+        if self.sight.first_time(evidence.stall):
+            assert evidence.stall is not None
+            await self._stall_seen(evidence.stall, probing=True)
         now = self.shared.clock.monotonic()
         if evidence.cut_after is not None and now - sent >= evidence.cut_after:
-            stall = evidence.stall.reason if evidence.stall else "the front door delivered nothing meanwhile"
-            return f"{stall}"
+            return evidence.stall.reason if evidence.stall else "the front door delivered nothing meanwhile"
         quiet = evidence.quiet_for(now, since=sent)
         window = self.inst.probe.quiet_window
         if quiet is not None and quiet >= window:
@@ -761,16 +762,17 @@ class InstanceWatcher:
                                             suspect=suspect)
                 if self.sight.first_time(evidence.stall):
                     assert evidence.stall is not None
-                    await self._stall_seen(evidence.stall.reason, evidence.stall.event, evidence.stall.journal)
+                    await self._stall_seen(evidence.stall)
                     return
             await self._sleep(min(left, LOOK_EVERY if suspect else WATCH_EVERY))
 
-    async def _stall_seen(self, reason: str, event: str, journal: dict) -> None:
-        """A source saw a stall (the shim from inside, the front door, the kernel's counters): a
-        healthy server is suspect at once, so the next probe runs now."""
-        log.warning("%s: %s: suspect, probing now", self.name, reason)
-        self.shared.journal.note(Event(event), instance=self.name, **journal)
-        if self.detect.state == policy.HEALTHY:
+    async def _stall_seen(self, stall: Stall, probing: bool = False) -> None:
+        """A source saw a stall (the shim from inside, the front door, the kernel's counters, a
+        group's rank): journaled once an episode; between probes a healthy server is suspect at
+        once, so the next probe runs now (while a probe waits, that probe is the next)."""
+        log.warning("%s: %s: suspect%s", self.name, stall.reason, "" if probing else ", probing now")
+        self.shared.journal.note(Event(stall.event), instance=self.name, **stall.journal)
+        if not probing and self.detect.state == policy.HEALTHY:
             await self.sight.prime()  # prompt progress logged while it was healthy is history, not progress
             self.detect.suspect()
             self._save()

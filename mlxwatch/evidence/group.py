@@ -4,8 +4,9 @@ Every rank takes part in every pass of mlx-lm's generation loop (the next reques
 ``all_sum`` at least every 0.1 s, idle too), so a rank that is gone, stopped, or whose generation
 thread died leaves the others waiting in that collective for ever: the group delivers nothing,
 while rank 0 still answers ``/health`` and ``/v1/models``. That is a **stall** on its own
-evidence, which makes the next failed probe decisive; a rank that merely cannot be asked (its
-host does not answer over ssh) is no evidence of anything, and is said so (a note).
+evidence: a probe waiting for its first token stops waiting at once, and its failure is
+decisive; a rank that merely cannot be asked (its host does not answer over ssh) is no evidence
+of anything, and is said so (a note).
 
 The group is found once per proven server process (``find_group``: nothing for a single server)
 and its ranks' states read again at each look that is due: every ``POLL_SUSPECT`` s while a probe
@@ -89,6 +90,8 @@ class GroupSource:
         culprit = self.group.rank(judged.culprit_rank) if judged.culprit_rank is not None else None
         reason = f"group: {judged.reason}"
         episode = ("group", judged.culprit_rank, culprit.pid if culprit else None, culprit.state if culprit else None)
-        stall = Stall(reason, episode, source=self.name, event="group_stall",
+        # cut_after 0: no rank waits its turn here; the group cannot deliver until the culprit
+        # runs again, so a probe waiting for its first token stops waiting at the next look.
+        stall = Stall(reason, episode, source=self.name, cut_after=0.0, event="group_stall",
                       journal={"reason": reason, "culprit_rank": judged.culprit_rank, "group": self.group.to_dict()})
         return Evidence(stall=stall, seen=(reason,), detail=detail)

@@ -158,7 +158,8 @@ class KernelSource:
         reading = self.last_reading
         if reading is None or reading.error:
             why = reading.error if reading else "no reading yet"
-            return Evidence(notes=(f"kernel sight unavailable ({why}): judging by the probe's rules",))
+            return Evidence(notes=(f"kernel sight unavailable ({why}): judging by the probe's rules",),
+                            detail={"kernel": {"unavailable": why}})
         now = window.end
         inside = [f for f in self.flows if window.start < f.at <= now]
         tokens = [f for f in inside if f.kind == "tokens"]
