@@ -127,16 +127,23 @@ class OpenLoopClient:
             return any(r["kind"] == "ok" and r["sent"] >= t for r in self.results)
 
 
-def start_daemon(server: LabServer, workdir: Path) -> tuple[DaemonProcess, str]:
-    port = free_port()
-    inst = {"name": "lab", "url": server.url, "log": str(server.log_path), "pid_file": str(server.pid_file),
-            "restart": {"command": [str(TEST_PYTHON), str(LAB_CLI), "relaunch", str(server.workdir)],
-                        "timeout": "120s", "backoff": "1s", "window": "1s", "budget": 100},
-            "front": {"listen": f"127.0.0.1:{port}"}}  # every other probe and front setting: its default
+def start_daemon(server: LabServer, workdir: Path, front: bool = True) -> tuple[DaemonProcess, str]:
+    """``mlxwatch run`` on ``server`` at the defaults (only the lab's relaunch hook, a budget that
+    trials do not exhaust and, with ``front``, ``front.listen`` are set); returns the daemon and
+    the URL clients use: the door's, or the server's own."""
+    inst: dict[str, Any] = {
+        "name": "lab", "url": server.url, "log": str(server.log_path), "pid_file": str(server.pid_file),
+        "restart": {"command": [str(TEST_PYTHON), str(LAB_CLI), "relaunch", str(server.workdir)],
+                    "timeout": "120s", "backoff": "1s", "window": "1s", "budget": 100}}
+    url = server.url
+    if front:
+        port = free_port()
+        inst["front"] = {"listen": f"127.0.0.1:{port}"}  # every other probe and front setting: its default
+        url = f"http://127.0.0.1:{port}"
     cfg = write_config(workdir / "config.yaml", [inst], workdir / "state")
     daemon = DaemonProcess(cfg, workdir / "state", workdir / "daemon.log")
     daemon.start()
-    return daemon, f"http://127.0.0.1:{port}"
+    return daemon, url
 
 
 def events(daemon: DaemonProcess, name: str, since: float) -> list[dict[str, Any]]:
@@ -181,10 +188,13 @@ def detection(python: str, workdir: Path, trials: int) -> dict[str, Any]:
     return result
 
 
-def slow_soak(python: str, workdir: Path, duration: float) -> dict[str, Any]:
-    server = LabServer.start(python, workdir / "server")
-    daemon, door = start_daemon(server, workdir / "daemon")
-    client = OpenLoopClient(door, every=2.0, long_prompts=True)
+def slow_soak(python: str, workdir: Path, duration: float, front: bool = True,
+              extra_args: tuple[str, ...] = ()) -> dict[str, Any]:
+    """``duration`` s of a server made slow (``SLOW_STEP`` s a batch step) with a long prompt
+    streamed every 2 s, through the door or (``front=False``) straight to the server."""
+    server = LabServer.start(python, workdir / "server", extra_args=extra_args)
+    daemon, url = start_daemon(server, workdir / "daemon", front)
+    client = OpenLoopClient(url, every=2.0, long_prompts=True)
     try:
         daemon.wait_until(lambda: daemon.instance_state("lab").get("state") == "healthy", 180, "healthy")
         server.set_fault("slow", SLOW_STEP)
@@ -195,15 +205,16 @@ def slow_soak(python: str, workdir: Path, duration: float) -> dict[str, Any]:
             if not daemon.alive():
                 raise RuntimeError(f"the daemon exited: {daemon.log_path}")
         verdicts = events(daemon, "verdict", t0)
-        states = daemon.instance_state("lab").get("state")
+        slow = events(daemon, "slow", t0)
+        state = daemon.instance_state("lab").get("state")
     finally:
         client.close()
         daemon.stop()
         server.refresh()
         server.stop()
     return {"mlx_lm": server_version(python), "duration_s": duration, "slow_step_s": SLOW_STEP,
-            "verdicts": len(verdicts), "state_at_end": states, "clients": _client_summary(client.results),
-            "pass": not verdicts}
+            "verdicts": len(verdicts), "slow_episodes": len(slow), "state_at_end": state,
+            "clients": _client_summary(client.results), "pass": not verdicts}
 
 
 def _client_summary(results: list[dict[str, Any]]) -> dict[str, Any]:

@@ -37,7 +37,6 @@ from bench.common import (
     OLD_PYTHON,
     ROOT,
     TEST_PYTHON,
-    DaemonProcess,
     fmt_mmm,
     git_commit,
     load_average,
@@ -45,11 +44,9 @@ from bench.common import (
     machine,
     splice_section,
     summary,
-    write_config,
     write_json,
 )
-from bench.front_detection import OpenLoopClient, _client_summary, events
-from lab.server import CLI as LAB_CLI
+from bench.front_detection import OpenLoopClient, _client_summary, events, slow_soak, start_daemon
 from lab.server import LabServer, server_version
 from mlxwatch.config import ProbeConfig
 
@@ -61,23 +58,12 @@ SECTION = "## Kernel sight at the defaults: detection without the door, and the 
 KERNEL_PERIOD = 5.0  # the kernel source's reading period while healthy (evidence/kernel.py POLL_HEALTHY)
 VERDICT_WAIT = 240.0
 RECOVERY_WAIT = 240.0
-SLOW_STEP = 1.0
-
-
-def start_daemon(server: LabServer, workdir: Path) -> DaemonProcess:
-    inst = {"name": "lab", "url": server.url, "log": str(server.log_path), "pid_file": str(server.pid_file),
-            "restart": {"command": [str(TEST_PYTHON), str(LAB_CLI), "relaunch", str(server.workdir)],
-                        "timeout": "120s", "backoff": "1s", "window": "1s", "budget": 100}}
-    cfg = write_config(workdir / "config.yaml", [inst], workdir / "state")
-    daemon = DaemonProcess(cfg, workdir / "state", workdir / "daemon.log")
-    daemon.start()
-    return daemon
 
 
 def detection(python: str, workdir: Path, trials: int, traffic: str) -> dict[str, Any]:
     server = LabServer.start(python, workdir / "server")
-    daemon = start_daemon(server, workdir / "daemon")
-    client = OpenLoopClient(server.url, every=2.0) if traffic == "app" else None
+    daemon, url = start_daemon(server, workdir / "daemon", front=False)
+    client = OpenLoopClient(url, every=2.0) if traffic == "app" else None
     out: dict[str, list[dict[str, Any]]] = {f: [] for f in FAULTS}
     try:
         daemon.wait_until(lambda: daemon.instance_state("lab").get("state") == "healthy", 180, "healthy")
@@ -113,32 +99,6 @@ def detection(python: str, workdir: Path, trials: int, traffic: str) -> dict[str
         result[fault] = summary(t["onset_to_verdict_s"] for t in out[fault])
     result["pass"] = all(result[f]["median"] is not None and result[f]["median"] <= GOALS[traffic] for f in FAULTS)
     return result
-
-
-def slow_soak(python: str, workdir: Path, duration: float) -> dict[str, Any]:
-    server = LabServer.start(python, workdir / "server", extra_args=("--prefill-step-size", "64"))
-    daemon = start_daemon(server, workdir / "daemon")
-    client = OpenLoopClient(server.url, every=2.0, long_prompts=True)
-    try:
-        daemon.wait_until(lambda: daemon.instance_state("lab").get("state") == "healthy", 180, "healthy")
-        server.set_fault("slow", SLOW_STEP)
-        t0 = time.time()
-        client.start()
-        while time.time() - t0 < duration:
-            time.sleep(1)
-            if not daemon.alive():
-                raise RuntimeError(f"the daemon exited: {daemon.log_path}")
-        verdicts = events(daemon, "verdict", t0)
-        slow = events(daemon, "slow", t0)
-        state = daemon.instance_state("lab").get("state")
-    finally:
-        client.close()
-        daemon.stop()
-        server.refresh()
-        server.stop()
-    return {"mlx_lm": server_version(python), "duration_s": duration, "slow_step_s": SLOW_STEP,
-            "verdicts": len(verdicts), "slow_episodes": len(slow), "state_at_end": state,
-            "clients": _client_summary(client.results), "pass": not verdicts}
 
 
 def section(data: dict[str, Any]) -> str:
@@ -218,7 +178,8 @@ def main(argv: list[str] | None = None) -> int:
                 data["detection"].append(detection(python, Path(tmp) / f"app-{n}", args.trials, "app"))
             data["detection"].append(detection(pythons[-1], Path(tmp) / "quiet", args.trials, "quiet"))
             if args.soak > 0:
-                data["slow_soak"] = slow_soak(pythons[-1], Path(tmp) / "soak", args.soak)
+                data["slow_soak"] = slow_soak(pythons[-1], Path(tmp) / "soak", args.soak, front=False,
+                                              extra_args=("--prefill-step-size", "64"))
         data["pass"] = all(r["pass"] for r in data["detection"]) and data.get("slow_soak", {}).get("pass", True)
     if args.no_write:
         print(json.dumps(data, indent=1, default=str))

@@ -9,7 +9,6 @@ whatever server the lab recorded last and starts another)."""
 from __future__ import annotations
 
 import asyncio
-import time
 from pathlib import Path
 
 import httpx
@@ -23,9 +22,9 @@ from mlxwatch.config import (
     ProbeConfig,
     RestartConfig,
 )
-from mlxwatch.daemon.supervisor import Daemon
 from mlxwatch.host.process import ProcessIdentity
 from mlxwatch.journal.incidents import Journal
+from lab.daemon import run_daemon_until
 from lab.server import LabServer, relaunch_argv
 
 
@@ -34,30 +33,6 @@ def lab_config(lab: LabServer, state_dir: Path, probe: ProbeConfig) -> Config:
                             timeout=120.0, backoff=1.0)
     inst = InstanceConfig("lab", lab.url, lab.log_path, lab.pid_file, probe, restart)
     return Config(None, (inst,), state_dir, (), CaptureConfig(snapshots=3, spacing=0.5, ceiling=25.0))
-
-
-async def run_daemon_until(config: Config, predicate, timeout: float, after_healthy, overrides=None) -> Journal:
-    """Run the real daemon until ``predicate(journal)``; ``after_healthy()`` once it saw a good probe."""
-    stop = asyncio.Event()
-    daemon = Daemon(config, config.state_dir, shared_overrides=overrides)
-    task = asyncio.create_task(daemon.run(stop))
-    journal = Journal(config.state_dir)
-    try:
-        deadline = time.monotonic() + timeout
-        while not hasattr(daemon, "state"):
-            await asyncio.sleep(0.05)
-        while not (daemon.state.instance("lab").get("last_probe") or {}).get("ok"):
-            assert time.monotonic() < deadline, "never healthy"
-            await asyncio.sleep(0.1)
-        after_healthy()
-        while not predicate(journal):
-            assert not task.done(), task
-            assert time.monotonic() < deadline, f"timed out; journal: {[r['event'] for r in journal.records()]}"
-            await asyncio.sleep(0.2)
-    finally:
-        stop.set()
-        await task
-    return journal
 
 
 @pytest.mark.timeout(600)

@@ -458,15 +458,12 @@ async def test_the_daemon_feeds_the_door_into_the_metrics(tmp_path):
                         what="the door's series in the textfile")
 
 
-async def test_with_a_door_the_look_again_does_not_hold_clients_for_the_probe_timeout(tmp_path, standin):
-    """Measured: with a door, the look-again before the restart waited up to `probe.timeout`
-    for a late token (90 s at the defaults) while every client got 503. The door failed its
-    requests at the verdict and is the witness: the look-again probe is cut to
-    front.stall_timeout and does not wait on. Here timeout is 30 s; the restart comes well
-    before that."""
+async def _capture_to_restart(tmp_path, standin, probe: ProbeConfig, front: FrontConfig = FRONT,
+                              request_in_flight: bool = False) -> float:
+    """Seconds from the bundle to the restart (the look-again between them), with a door in
+    front of a hung server."""
     [url], _, _ = standin("hang")
-    probe = replace(FAST, interval=60.0, suspect_interval=60.0, first_token_timeout=4.0, timeout=30.0, failures=1)
-    cfg = cfg_with(tmp_path / "state", url, probe=probe,
+    cfg = cfg_with(tmp_path / "state", url, probe=probe, front=front,
                    restart=RestartConfig("command", argv=("true",), backoff=0.1))
     restarted = asyncio.Event()
 
@@ -476,14 +473,26 @@ async def test_with_a_door_the_look_again_does_not_hold_clients_for_the_probe_ti
 
     async with FrontRunning(cfg, capture_fn=fake_capture, restart_fn=restart_fn) as run:
         await run.until(lambda: FakeDoor.made and FakeDoor.made[0].started, what="the door to start")
-        door = FakeDoor.made[0]
-        now = run.daemon.shared.clock.monotonic()
-        door.in_flight, door.last_token_mono = (request(now - 5.0),), None
-        await run.until(lambda: "verdict" in run.events(), timeout=20, what="the verdict")
+        assert FakeDoor.made[0].cfg.stall_timeout == front.stall_timeout
+        if request_in_flight:
+            now = run.daemon.shared.clock.monotonic()
+            FakeDoor.made[0].in_flight, FakeDoor.made[0].last_token_mono = (request(now - 5.0),), None
+        await run.until(lambda: "captured" in run.events(), timeout=30, what="the capture")
         loop = asyncio.get_running_loop()
-        verdict_at = loop.time()
+        captured_at = loop.time()
         await asyncio.wait_for(restarted.wait(), timeout=60)
-        assert loop.time() - verdict_at < 20.0, "the look-again held the restart for the probe timeout"
+        return loop.time() - captured_at
+
+
+async def test_with_a_door_the_look_again_does_not_hold_clients_for_the_probe_timeout(tmp_path, standin):
+    """Measured: with a door, the look-again before the restart waited up to `probe.timeout`
+    for a late token (90 s at the defaults) while every client got 503. The door failed its
+    requests at the verdict and is the witness: the look-again probe is cut to
+    front.stall_timeout and does not wait on. Here timeout is 30 s; the restart comes well
+    before that."""
+    probe = replace(FAST, interval=60.0, suspect_interval=60.0, first_token_timeout=4.0, timeout=30.0, failures=1)
+    seconds = await _capture_to_restart(tmp_path, standin, probe, request_in_flight=True)
+    assert seconds < 20.0, "the look-again held the restart for the probe timeout"
 
 
 async def test_the_look_again_with_a_door_ends_at_the_first_token_deadline_at_a_fast_config(tmp_path, standin):
@@ -491,21 +500,6 @@ async def test_the_look_again_with_a_door_ends_at_the_first_token_deadline_at_a_
     probe's first-token timeout, the look-again was not shortened: it waited out the full
     `timeout` for a late token while the door, which saw no token to anyone, held every client
     at 503. Now it ends at the first-token deadline."""
-    [url], _, _ = standin("hang")
     probe = replace(FAST, interval=60.0, suspect_interval=60.0, first_token_timeout=2.0, timeout=14.0, failures=1)
-    cfg = cfg_with(tmp_path / "state", url, probe=probe, front=replace(FRONT, stall_timeout=10.0),
-                   restart=RestartConfig("command", argv=("true",), backoff=0.1))
-    restarted = asyncio.Event()
-
-    async def restart_fn(ctx):
-        restarted.set()
-        return RestartOutcome(OK, "restarted")
-
-    async with FrontRunning(cfg, capture_fn=fake_capture, restart_fn=restart_fn) as run:
-        await run.until(lambda: FakeDoor.made and FakeDoor.made[0].started, what="the door to start")
-        assert FakeDoor.made[0].cfg.stall_timeout > probe.first_token_timeout
-        await run.until(lambda: "captured" in run.events(), timeout=30, what="the capture")
-        loop = asyncio.get_running_loop()
-        captured_at = loop.time()
-        await asyncio.wait_for(restarted.wait(), timeout=60)
-        assert loop.time() - captured_at < probe.first_token_timeout + 4.0, "the look-again waited on past its deadline"
+    seconds = await _capture_to_restart(tmp_path, standin, probe, front=replace(FRONT, stall_timeout=10.0))
+    assert seconds < probe.first_token_timeout + 4.0, "the look-again waited on past its deadline"

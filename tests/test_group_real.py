@@ -19,10 +19,11 @@ import httpx
 import pytest
 
 from mlxwatch.capture import CaptureRequest, capture_bundle
-from mlxwatch.config import InstanceConfig, RestartConfig
+from mlxwatch.config import CaptureConfig, Config, InstanceConfig, ProbeConfig, RestartConfig
 from mlxwatch.host.group import RUNNING, STOPPED, find_group, refresh
-from mlxwatch.restart.methods import OK, RestartContext, restart
 from mlxwatch.evidence.group import judge_group
+from mlxwatch.restart.methods import OK, RestartContext, restart
+from lab.daemon import probed_ok, run_daemon_until
 
 CEILING = 30.0
 
@@ -184,9 +185,6 @@ def test_the_daemon_finds_a_stopped_rank_captures_every_rank_and_restarts_the_gr
     old group, and recovery is proven through rank 0 on the new group. Measured before: a bundle
     of rank 0 alone saying `livelock`, rank 0 signalled alone, rank 1 left stopped and
     mlx.launch spinning for ever."""
-    from mlxwatch.config import CaptureConfig, Config, ProbeConfig
-    from mlxwatch.daemon.supervisor import Daemon
-    from mlxwatch.journal.incidents import Journal
 
     old = lab_group.group()
     probe = ProbeConfig(interval=2.0, suspect_interval=1.0, first_token_timeout=4.0, timeout=8.0,
@@ -195,29 +193,12 @@ def test_the_daemon_finds_a_stopped_rank_captures_every_rank_and_restarts_the_gr
                           restart=RestartConfig("signal", grace=5.0, backoff=1.0))
     config = Config(None, (inst,), tmp_path / "state", (), CaptureConfig(snapshots=2, spacing=0.5, ceiling=40.0))
 
-    async def run() -> Journal:
-        stop = asyncio.Event()
-        daemon = Daemon(config, config.state_dir)
-        task = asyncio.create_task(daemon.run(stop))
-        journal = Journal(config.state_dir)
-        try:
-            deadline = time.monotonic() + 420
-            while not hasattr(daemon, "state") or not (daemon.state.instance("group").get("last_probe") or {}).get("ok"):
-                assert time.monotonic() < deadline and not task.done(), "never healthy"
-                await asyncio.sleep(0.1)
-            while not (daemon.state.instance("group").get("group") or {}).get("ranks"):
-                assert time.monotonic() < deadline, "the group was never found"
-                await asyncio.sleep(0.2)
-            os.kill(old.rank(1).pid, signal.SIGSTOP)
-            while "recovered" not in [r["event"] for r in journal.records()]:
-                assert time.monotonic() < deadline and not task.done(), [r["event"] for r in journal.records()]
-                await asyncio.sleep(0.2)
-        finally:
-            stop.set()
-            await task
-        return journal
+    def group_found(instance: dict) -> bool:
+        return probed_ok(instance) and bool((instance.get("group") or {}).get("ranks"))
 
-    journal = asyncio.run(run())
+    journal = asyncio.run(run_daemon_until(
+        config, lambda j: "recovered" in [r["event"] for r in j.records()], timeout=420,
+        after_healthy=lambda: os.kill(old.rank(1).pid, signal.SIGSTOP), ready=group_found))
     records = journal.records()
     events = [r["event"] for r in records]
     assert events.index("group_stall") < events.index("verdict") < events.index("restart") < events.index("recovered")

@@ -26,6 +26,7 @@ from mlxwatch.config import (
 )
 from mlxwatch.daemon.supervisor import Daemon
 from mlxwatch.journal.incidents import Journal
+from lab.daemon import run_daemon_until
 from lab.server import LabServer, relaunch_argv
 
 INTERVAL, FIRST, TOTAL, FAILURES = 1.0, 2.0, 4.0, 2
@@ -42,30 +43,6 @@ def config_for(lab: LabServer, state_dir: Path, **probe) -> Config:
                     grace_ceiling=60.0, endpoint_timeout=2.0, startup_timeout=90.0, **probe)
     inst = InstanceConfig("lab", lab.url, lab.log_path, lab.pid_file, p, restart)
     return Config(None, (inst,), state_dir, (), CaptureConfig(snapshots=3, spacing=0.5, ceiling=25.0))
-
-
-async def run_daemon_until(config: Config, predicate, timeout: float, after_healthy=None) -> Journal:
-    """Run the real daemon until ``predicate(journal)``; ``after_healthy()`` once it saw a good probe."""
-    stop = asyncio.Event()
-    daemon = Daemon(config, config.state_dir)
-    task = asyncio.create_task(daemon.run(stop))
-    journal = Journal(config.state_dir)
-    try:
-        deadline = time.monotonic() + timeout
-        while not hasattr(daemon, "state"):
-            await asyncio.sleep(0.05)
-        if after_healthy is not None:
-            while not (daemon.state.instance("lab").get("last_probe") or {}).get("ok"):
-                assert time.monotonic() < deadline, "never healthy"
-                await asyncio.sleep(0.1)
-            after_healthy()
-        while not predicate(journal):
-            assert time.monotonic() < deadline, f"timed out; journal: {[r['event'] for r in journal.records()]}"
-            await asyncio.sleep(0.2)
-    finally:
-        stop.set()
-        await task
-    return journal
 
 
 def incident_records(journal: Journal) -> list[dict]:
