@@ -14,7 +14,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import psutil
 import yaml
@@ -278,6 +278,37 @@ def write_section(name: str, data: Any, heading: str, section: str) -> Path:
     tmp.write_text(splice_section(md.read_text(), heading, section))
     os.replace(tmp, md)
     return md
+
+
+def run_header(**fields: Any) -> dict[str, Any]:
+    """What every recorded run starts with: when, from which commit, on what machine and load."""
+    import datetime
+
+    return {"started_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "commit": git_commit(), "machine": machine(), "load_average": load_average(), **fields}
+
+
+def add_record_options(parser: Any) -> None:
+    """``--no-write`` and ``--render JSON``, as every recording benchmark has them."""
+    parser.add_argument("--no-write", action="store_true", help="print the JSON; write neither JSON nor RESULTS.md")
+    parser.add_argument("--render", metavar="JSON", help="only rewrite the RESULTS.md section from this saved run")
+
+
+def record(name: str, args: Any, run: Callable[[], dict[str, Any]], heading: str,
+           render: Callable[[dict[str, Any]], str]) -> int:
+    """A benchmark's ending: ``run()`` (or the saved run ``args.render``), printed
+    (``--no-write``) or written to ``bench/<name>.json`` and its section of RESULTS.md; exit 0
+    when the run says it met its goals (``pass``)."""
+    data = json.loads(Path(args.render).read_text()) if args.render else run()
+    if args.no_write:
+        print(json.dumps(data, indent=1, default=str))
+    elif args.render:
+        md = ROOT / "bench" / "RESULTS.md"
+        md.write_text(splice_section(md.read_text(), heading, render(data)))
+    else:
+        write_section(name, data, heading, render(data))
+        log(f"wrote bench/{name}.json and its section of bench/RESULTS.md")
+    return 0 if data.get("pass") else 1
 
 
 def keep_other_sections(old_md: str, new_md: str) -> str:

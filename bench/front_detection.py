@@ -35,18 +35,15 @@ import httpx
 from bench.analysis import CRON_PERIOD, CRON_TIMEOUT
 from bench.common import (
     OLD_PYTHON,
-    ROOT,
     TEST_PYTHON,
+    add_record_options,
     DaemonProcess,
     fmt_mmm,
-    git_commit,
-    load_average,
     log,
-    machine,
-    splice_section,
+    record,
+    run_header,
     summary,
     write_config,
-    write_json,
 )
 from lab.ports import free_port
 from lab.server import CLI as LAB_CLI
@@ -275,8 +272,6 @@ def section(data: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     import argparse
-    import datetime
-    import json
     import tempfile
 
     parser = argparse.ArgumentParser(prog="python -m bench.front_detection", description=__doc__.split("\n")[0])
@@ -284,31 +279,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--soak", type=float, default=600, help="seconds of the slow soak (default 600; 0: skip)")
     parser.add_argument("--pythons", default=f"{OLD_PYTHON},{TEST_PYTHON}",
                         help="the servers' Pythons (their mlx-lm versions), comma-separated; the soak uses the last")
-    parser.add_argument("--no-write", action="store_true", help="print the JSON; write neither JSON nor RESULTS.md")
-    parser.add_argument("--render", metavar="JSON", help="only rewrite the RESULTS.md section from this saved run")
+    add_record_options(parser)
     args = parser.parse_args(argv)
-    results, json_path = ROOT / "bench" / "RESULTS.md", ROOT / "bench" / "front_detection.json"
-    if args.render:
-        data = json.loads(Path(args.render).read_text())
-    else:
+
+    def run() -> dict[str, Any]:
         pythons = [p for p in args.pythons.split(",") if p]
-        data = {"started_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                "commit": git_commit(), "machine": machine(), "load_average": load_average(), "detection": {}}
+        data = run_header(detection={})
         with tempfile.TemporaryDirectory(prefix="mlxwatch-bench-front-") as tmp:
             for n, python in enumerate(pythons):
-                run = detection(python, Path(tmp) / f"detection-{n}", args.trials)
-                data["detection"][f"mlx-lm {run['mlx_lm']}"] = run
+                result = detection(python, Path(tmp) / f"detection-{n}", args.trials)
+                data["detection"][f"mlx-lm {result['mlx_lm']}"] = result
             if args.soak > 0:
                 data["slow_soak"] = slow_soak(pythons[-1], Path(tmp) / "soak", args.soak)
         data["pass"] = all(r["pass"] for r in data["detection"].values()) and data.get("slow_soak", {}).get("pass", True)
-    if args.no_write:
-        print(json.dumps(data, indent=1, default=str))
-    else:
-        if not args.render:
-            write_json(json_path, data)
-        results.write_text(splice_section(results.read_text(), SECTION, section(data)))
-        log(f"wrote {json_path.relative_to(ROOT)} and the section of {results.relative_to(ROOT)}")
-    return 0 if data.get("pass") else 1
+        return data
+
+    return record("front_detection", args, run, SECTION, section)
 
 
 if __name__ == "__main__":

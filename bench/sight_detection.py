@@ -37,14 +37,12 @@ from bench.common import (
     OLD_PYTHON,
     ROOT,
     TEST_PYTHON,
+    add_record_options,
     fmt_mmm,
-    git_commit,
-    load_average,
     log,
-    machine,
-    splice_section,
+    record,
+    run_header,
     summary,
-    write_json,
 )
 from bench.front_detection import OpenLoopClient, _client_summary, events, slow_soak, start_daemon
 from lab.server import LabServer, server_version
@@ -155,7 +153,6 @@ def _door_median() -> float | None:
 
 def main(argv: list[str] | None = None) -> int:
     import argparse
-    import datetime
     import tempfile
 
     parser = argparse.ArgumentParser(prog="python -m bench.sight_detection", description=__doc__.split("\n")[0])
@@ -163,16 +160,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--soak", type=float, default=600, help="seconds of the slow soak (default 600; 0: skip)")
     parser.add_argument("--pythons", default=f"{OLD_PYTHON},{TEST_PYTHON}",
                         help="the servers' Pythons, comma-separated; no traffic and the soak use the last")
-    parser.add_argument("--no-write", action="store_true", help="print the JSON; write neither JSON nor RESULTS.md")
-    parser.add_argument("--render", metavar="JSON", help="only rewrite the RESULTS.md section from this saved run")
+    add_record_options(parser)
     args = parser.parse_args(argv)
-    results, json_path = ROOT / "bench" / "RESULTS.md", ROOT / "bench" / "sight_detection.json"
-    if args.render:
-        data = json.loads(Path(args.render).read_text())
-    else:
+
+    def run() -> dict[str, Any]:
         pythons = [p for p in args.pythons.split(",") if p]
-        data = {"started_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                "commit": git_commit(), "machine": machine(), "load_average": load_average(), "detection": []}
+        data = run_header(detection=[])
         with tempfile.TemporaryDirectory(prefix="mlxwatch-bench-sight-") as tmp:
             for n, python in enumerate(pythons):
                 data["detection"].append(detection(python, Path(tmp) / f"app-{n}", args.trials, "app"))
@@ -181,14 +174,9 @@ def main(argv: list[str] | None = None) -> int:
                 data["slow_soak"] = slow_soak(pythons[-1], Path(tmp) / "soak", args.soak, front=False,
                                               extra_args=("--prefill-step-size", "64"))
         data["pass"] = all(r["pass"] for r in data["detection"]) and data.get("slow_soak", {}).get("pass", True)
-    if args.no_write:
-        print(json.dumps(data, indent=1, default=str))
-    else:
-        if not args.render:
-            write_json(json_path, data)
-        results.write_text(splice_section(results.read_text(), SECTION, section(data)))
-        log(f"wrote {json_path.relative_to(ROOT)} and the section of {results.relative_to(ROOT)}")
-    return 0 if data.get("pass") else 1
+        return data
+
+    return record("sight_detection", args, run, SECTION, section)
 
 
 if __name__ == "__main__":

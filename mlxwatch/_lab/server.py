@@ -61,8 +61,33 @@ def server_version(python: str) -> str:
     return out.stdout.strip()
 
 
+class LabFiles:
+    """Where a lab server (one process, or a group's rank 0) listens and keeps its files: all in
+    its ``workdir``."""
+
+    workdir: Path
+    port: int
+    LOG = "server.log"
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def log_path(self) -> Path:
+        return self.workdir / self.LOG
+
+    @property
+    def fault_file(self) -> Path:
+        return self.workdir / "fault"
+
+    @property
+    def model_dir(self) -> Path:
+        return self.workdir / "model"
+
+
 @dataclass
-class LabServer:
+class LabServer(LabFiles):
     """One real server we started; owns its PID, log, fault file and launch recipe.
 
     Fields whose names start with ``_`` are this process's own; the others are the recipe."""
@@ -76,24 +101,8 @@ class LabServer:
     _popen: subprocess.Popen | None = field(default=None, repr=False, compare=False)
 
     @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    @property
-    def log_path(self) -> Path:
-        return self.workdir / "server.log"
-
-    @property
-    def fault_file(self) -> Path:
-        return self.workdir / "fault"
-
-    @property
     def pid_file(self) -> Path:
         return self.workdir / "server.pid"
-
-    @property
-    def model_dir(self) -> Path:
-        return self.workdir / "model"
 
     @classmethod
     def start(cls, python: str, workdir: Path, *, port: int | None = None, ready_timeout: float = 120.0,

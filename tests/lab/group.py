@@ -27,7 +27,7 @@ from pathlib import Path
 import httpx
 
 from lab.ports import free_port
-from mlxwatch._lab.server import INJECT_DIR, make_tiny_model
+from mlxwatch._lab.server import INJECT_DIR, LabFiles, make_tiny_model
 from mlxwatch.host.group import Group, find_group, signal_ranks, wait_ranks_gone
 from mlxwatch.host.process import lookup_server
 
@@ -51,7 +51,7 @@ def _two_free_ports() -> int:
 
 
 @dataclass
-class LabGroup:
+class LabGroup(LabFiles):
     workdir: Path
     python: str
     port: int
@@ -60,22 +60,7 @@ class LabGroup:
     supervised: bool = False
     env: dict[str, str] = field(default_factory=dict)  # extra environment for the launcher
     _popen: subprocess.Popen | None = field(default=None, repr=False)
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    @property
-    def log_path(self) -> Path:
-        return self.workdir / "group.log"
-
-    @property
-    def fault_file(self) -> Path:
-        return self.workdir / "fault"
-
-    @property
-    def model_dir(self) -> Path:
-        return self.workdir / "model"
+    LOG = "group.log"  # every rank's output, and the launcher's
 
     @classmethod
     def start(cls, python: str, workdir: Path, *, hosts: tuple[str, ...] = ("127.0.0.1", "127.0.0.1"),
