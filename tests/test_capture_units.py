@@ -18,7 +18,7 @@ import pytest
 
 import mlxwatch.probes
 from mlxwatch import stacks
-from mlxwatch.capture import CaptureRequest, capture_bundle, collector, procstats, pyspy
+from mlxwatch.capture import CaptureRequest, capture_bundle, collector, delivery, procstats, pyspy
 from mlxwatch.capture.bundle import (
     WRITER,
     BundleWriter,
@@ -34,8 +34,10 @@ from mlxwatch.capture.results import VersionsResult
 from mlxwatch.capture.runner import StepRunner
 from mlxwatch.capture.summary import render_summary
 from mlxwatch.host.commands import CommandResult, run_command
+from mlxwatch.host.sockets import KernelCounters
 from mlxwatch.serverlog.markers import scan, since_last_start
 from mlxwatch.serverlog.markers import prompt_advances
+from lab.evidence import KernelShows
 
 
 def thread(name="Thread-1 (_generate)", frames=(("_step", 1369), ("next", 1415), ("_generate", 853))):
@@ -68,6 +70,8 @@ PROBE_FAILED = dict(probe_ran=True, probe_ok=False, probe_failure="no_first_toke
     (Evidence(**PROBE_FAILED, snapshots=[], stacks_error="py-spy not found", process_cpu=0.0), "blocked", "low"),
     (Evidence(**PROBE_FAILED, snapshots=[], stacks_error="py-spy not found", process_cpu=12.0), "livelock", "low"),
     (Evidence(snapshots=[], stacks_error="needs root", process_cpu=0.0), "unknown", "low"),
+    (Evidence(**PROBE_FAILED, snapshots=SAME, process_cpu=0.5,
+              delivered_to_clients=["kernel: 700 bytes of tokens sent to clients in the last 3s"]), "busy", "high"),
 ])
 def test_classification_rules(evidence, kind, confidence):
     """Each kind from the evidence that defines it, with the confidence that evidence earns."""
@@ -595,8 +599,11 @@ def offline(tmp_path, monkeypatch, sleeper):
                         (BundleWriter, "__init__")]:
         watch(owner, name)
     monkeypatch.setattr(pyspy, "find_py_spy", lambda: "py-spy")
+    kernel = KernelShows(streams=1)  # someone else's stream on the server's port: quiet unless told
+    monkeypatch.setattr(delivery, "KernelCounters", lambda: KernelCounters(kernel, max_age=0.0))
 
-    def make(healthy=False, **kw):
+    def make(healthy=False, delivering=False, **kw):
+        kernel.flowing = delivering
         probe = _FakeProbe(log, healthy)
         monkeypatch.setattr(mlxwatch.probes, "run_check", probe)
         req = CaptureRequest(pid=sleeper, out_dir=tmp_path / "bundles", url="http://127.0.0.1:9", log=log,
@@ -711,7 +718,7 @@ async def test_a_failed_step_leaves_the_others_results_in_the_bundle(offline, mo
     steps = {s["name"]: s for s in bundle.manifest["steps"]}
     assert (steps["versions"]["outcome"], steps["versions"]["error"]) == ("failed", "RuntimeError: importlib.metadata went away")
     assert {n: s["outcome"] for n, s in steps.items() if n != "versions"} == {
-        "process": "ok", "stacks": "ok", "cpu": "ok", "probe": "ok", "heartbeat": "skipped",
+        "process": "ok", "stacks": "ok", "cpu": "ok", "probe": "ok", "heartbeat": "skipped", "kernel": "ok",
         "sample": "skipped", "spindump": "skipped", "crash_reports": "skipped", "log": "ok"}
     for name in ("process.json", "procstats.json", "stacks/pyspy-3.json", "probe.json", "log-tail.txt"):
         assert (bundle.path / name).is_file(), name
@@ -751,3 +758,28 @@ async def test_capture_healthy_after_a_verdict_states_the_contradiction(offline)
     assert bundle.manifest["classification"]["contradicts_verdict"] is True
     head = (bundle.path / "summary.md").read_text().splitlines()[:4]
     assert any(f"The watchdog judged this server hung ({VERDICT}); the capture saw healthy" in line for line in head)
+
+
+async def test_a_capture_while_tokens_reach_other_clients_is_busy_never_blocked(offline):
+    """Issue 27, measured: a slow server (1 s a batch step) streaming to its clients was
+    restarted with a bundle saying `blocked, high confidence`: the same frame in every
+    snapshot at 0 % CPU, as here. The capture reads what the kernel saw the server send over
+    its window, as the daemon does: tokens reached another client, so the server works
+    (`busy`, contradicting the verdict); the manifest and kernel.json say what was seen. With
+    `kernel: off` the same capture reads stacks and CPU alone (blocked), and says nothing of
+    the kernel."""
+    make, _ = offline
+    req, _ = make(delivering=True, verdict=VERDICT)
+    bundle = await capture_bundle(req, runner=_fake_runner)
+    _end_drain(bundle)
+    c = bundle.classification
+    assert (c.kind, c.confidence, c.contradicts_verdict) == ("busy", "medium", True), c
+    assert any(line.startswith("kernel: ") and "bytes of tokens sent to clients" in line for line in c.evidence), c
+    assert bundle.manifest["kernel"]["delivered"] and bundle.manifest["kernel"]["connections"] == 1
+    assert json.loads((bundle.path / "kernel.json").read_text())["delivered"]
+
+    req, _ = make(delivering=True, verdict=VERDICT, kernel=False)
+    bundle = await capture_bundle(req, runner=_fake_runner)
+    _end_drain(bundle)
+    assert bundle.classification.kind == "blocked" and bundle.manifest["kernel"] is None
+    assert {s["name"]: s["outcome"] for s in bundle.manifest["steps"]}["kernel"] == "skipped"

@@ -8,29 +8,13 @@ import time
 from mlxwatch.config import ProbeConfig
 from mlxwatch.daemon.supervisor import Daemon
 from mlxwatch.host.process import ServerLookup
-from mlxwatch.host.sockets import Connection, KernelCounters, Reading
+from mlxwatch.host.sockets import KernelCounters
 from mlxwatch.journal.incidents import Journal
+from lab.evidence import KernelShows
 from test_delivery_units import StandIn, _capture_nothing, _config, _events, _last_probe_ok, _run_until
 
-PORT = 9  # the instance's port in _config's URL
 
-
-class Kernel:
-    """What the kernel shows on the server's port: one app's stream, its bytes growing by one
-    token event (350 bytes, one segment) at each reading while ``flowing``."""
-
-    def __init__(self, streams: int = 0) -> None:
-        self.streams, self.flowing, self.sent, self.segments = streams, False, 248, 1
-
-    def __call__(self, ports) -> Reading:
-        if self.flowing:
-            self.sent, self.segments = self.sent + 350, self.segments + 1
-        conns = tuple(Connection(PORT, ("127.0.0.1", 40000 + i), (i,), self.sent, 300, self.segments)
-                      for i in range(self.streams))
-        return Reading(time.monotonic(), conns)
-
-
-def _daemon(tmp_path, probe: ProbeConfig, server: StandIn, kernel: Kernel):
+def _daemon(tmp_path, probe: ProbeConfig, server: StandIn, kernel: KernelShows):
     cfg = _config(tmp_path, probe)
     daemon = Daemon(cfg, cfg.state_dir, shared_overrides={
         "make_client": server.client, "capture_fn": _capture_nothing, "lookup_fn": lambda *a, **k: ServerLookup(),
@@ -42,7 +26,7 @@ async def test_nothing_flowing_anywhere_ends_a_probes_wait_after_the_quiet_windo
     """A server nobody else uses hangs: without kernel sight each probe waits out its
     first-token timeout (30 s here, 45 s at the defaults); with it, the wait ends once nothing
     has been sent to any client for quiet_window."""
-    server, kernel = StandIn(), Kernel(streams=0)
+    server, kernel = StandIn(), KernelShows(streams=0)
     probe = ProbeConfig(interval=1.0, suspect_interval=0.4, first_token_timeout=30.0, timeout=60.0,
                         quiet_window=1.0, endpoint_timeout=0.5, startup_timeout=30.0)
     daemon, journal, state = _daemon(tmp_path, probe, server, kernel)
@@ -62,7 +46,7 @@ async def test_nothing_flowing_anywhere_ends_a_probes_wait_after_the_quiet_windo
 async def test_tokens_the_kernel_sees_sent_to_other_clients_make_it_slow_never_hung(tmp_path):
     """Every probe fails its deadline, but another client's stream keeps receiving token events:
     the server works (slow); when that stream stops too, the verdict comes."""
-    server, kernel = StandIn(), Kernel(streams=1)
+    server, kernel = StandIn(), KernelShows(streams=1)
     probe = ProbeConfig(interval=0.5, suspect_interval=0.3, first_token_timeout=0.5, timeout=1.0, quiet_window=1.0,
                         endpoint_timeout=0.5, startup_timeout=30.0)
     daemon, journal, state = _daemon(tmp_path, probe, server, kernel)
@@ -90,7 +74,7 @@ async def test_client_streams_left_without_a_byte_are_a_stall_and_the_next_probe
     """An app's stream stops receiving bytes while the daemon's next probe is far off (interval
     60 s): the stall is seen within the quiet window, journaled, and the probe it brings at once
     is decisive (the stall was the first failure)."""
-    server, kernel = StandIn(), Kernel(streams=1)
+    server, kernel = StandIn(), KernelShows(streams=1)
     probe = ProbeConfig(interval=60.0, suspect_interval=10.0, first_token_timeout=30.0, timeout=60.0,
                         quiet_window=1.0, endpoint_timeout=0.5, startup_timeout=30.0)
     daemon, journal, state = _daemon(tmp_path, probe, server, kernel)

@@ -130,6 +130,7 @@ class Evidence:
     log_progress_advanced: bool = False  # another prompt's X in "Prompt processing progress: X/Y" grew
     log_progress_now: tuple[int, int] | None = None  # its latest X/Y
     log_admissions: int = 0  # other requests admitted (POST ... 200) during the window: not progress
+    delivered_to_clients: list[str] = field(default_factory=list)  # the kernel saw tokens sent to clients
     verdict: str | None = None  # the watchdog's reason for its verdict; None for a manual capture
     shim: ShimFindings | None = None  # the launch shim's heartbeat findings, if any
     ranks: list[RankEvidence] = field(default_factory=list)  # an mlx.launch group's ranks; empty: one server
@@ -214,6 +215,12 @@ def _classify(ev: Evidence) -> Classification:
         if ev.log and ev.log.insufficient_memory:  # said, not counted: the traceback line is the evidence
             dead.append(f"log: {ev.log.insufficient_memory[-1]} ({METAL_RAISES})")
         return Classification("dead_thread", confidence if not competing else "medium", dead, competing)
+
+    if ev.delivered_to_clients:  # whatever the stacks say: a server that delivers works
+        lines += ev.delivered_to_clients
+        lines.append("tokens reached other clients during the capture: the server works (slowly for the "
+                     "probe), it is not hung")
+        return Classification("busy", "high", lines)
 
     progress = _progress_signals(ev)
     if progress:

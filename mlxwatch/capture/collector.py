@@ -52,6 +52,7 @@ import httpx
 from mlxwatch import __version__, probes, stacks
 from mlxwatch.capture import macos, pyspy
 from mlxwatch.capture.bundle import BundleWriter, adopt_partials, prune
+from mlxwatch.capture.delivery import watch_delivery
 from mlxwatch.capture.classify import Classification, Evidence, RankEvidence, classify
 from mlxwatch.capture.procstats import describe_process, sample_process
 from mlxwatch.capture.redact import (
@@ -64,6 +65,7 @@ from mlxwatch.capture.redact import (
 from mlxwatch.capture.results import (
     CaptureResults,
     CpuResult,
+    DeliveryResult,
     GroupResult,
     RankFinding,
     HeartbeatResult,
@@ -78,7 +80,7 @@ from mlxwatch.capture.results import (
 from mlxwatch.capture.runner import R, StepCallback, StepResult, StepRunner
 from mlxwatch.capture.summary import render_summary
 from mlxwatch.capture.versions import server_versions
-from mlxwatch.config import CaptureConfig, ProbeConfig
+from mlxwatch.config import CaptureConfig, ProbeConfig, url_port
 from mlxwatch.errors import ProcessGoneError
 from mlxwatch.host.commands import CommandResult, Runner, run_command
 from mlxwatch.host.group import SSH_OPTIONS, Group, Rank, refresh
@@ -143,6 +145,7 @@ class CaptureRequest:
     stacks: str = CaptureConfig.stacks
     redact: bool = CaptureConfig.redact  # the raw bundle's redaction (redact.PRIVATE); False: complete (NONE)
     group: Group | None = None  # the mlx.launch group whose rank 0 ``pid`` is: every rank is captured
+    kernel: bool = True  # read what the server sends its clients over the window (instances[].kernel)
 
 
 class ProbeTimeouts(TypedDict):
@@ -224,7 +227,9 @@ async def capture_bundle(req: CaptureRequest, *, runner: Runner = run_command, o
         else:
             ranks_step = asyncio.get_running_loop().create_future()
             ranks_step.set_result(GroupResult(outcome="skipped"))
-        window: list[asyncio.Future] = [stacks_step, cpu_step, probe_step, heartbeat_step, ranks_step]
+        delivery_step = asyncio.ensure_future(steps.run(
+            "kernel", lambda: _delivery(req, files, window_seconds), DeliveryResult))
+        window: list[asyncio.Future] = [stacks_step, cpu_step, probe_step, heartbeat_step, ranks_step, delivery_step]
         sample_step = asyncio.ensure_future(steps.run("sample", lambda: _sample(req, files, runner), SampleResult))
         spindump_step = asyncio.ensure_future(steps.run("spindump", lambda: _spindump(req, files, runner), StepResult))
         crash_step = asyncio.ensure_future(steps.run(
@@ -236,7 +241,7 @@ async def capture_bundle(req: CaptureRequest, *, runner: Runner = run_command, o
         results = CaptureResults(process=process, stacks=stacks_step.result(), cpu=cpu_step.result(),
                                  probe=probe_step.result(), heartbeat=heartbeat_step.result(),
                                  sample=sample_step.result(), versions=versions_step.result(), log=log_step.result(),
-                                 ranks=ranks_step.result())
+                                 ranks=ranks_step.result(), delivery=delivery_step.result())
         bundle = await asyncio.to_thread(_finish, req, steps, files, results, probe_first_token)
     except BaseException:
         if probe_step is not None and probe_step.done() and not probe_step.cancelled() \
@@ -443,6 +448,16 @@ async def _cpu(req: CaptureRequest, files: _Files, seconds: float) -> CpuResult:
     window = await sample_process(req.pid, seconds)
     await files.write_json("procstats.json", window.to_dict())
     return CpuResult(window=window, error="; ".join(window.errors) or None)
+
+
+async def _delivery(req: CaptureRequest, files: _Files, seconds: float) -> DeliveryResult:
+    if req.url is None or not req.kernel:
+        return DeliveryResult(outcome="skipped", error="no URL" if req.url is None else "kernel: off")
+    found = await watch_delivery(url_port(req.url), req.pid, seconds)
+    await files.write_json("kernel.json", found.to_dict())
+    if found.unavailable:
+        return DeliveryResult(delivery=found, outcome="skipped", error=f"kernel sight unavailable: {found.unavailable}")
+    return DeliveryResult(delivery=found)
 
 
 async def _heartbeat(req: CaptureRequest, process: ProcessResult, files: _Files, seconds: float,
@@ -698,6 +713,7 @@ def _evidence(req: CaptureRequest, found: CaptureResults) -> tuple[Evidence, Log
         ev.models_status = report.models.status
         ev.endpoints_answered = report.health.answered or report.models.answered
     ev.log = markers
+    ev.delivered_to_clients = list(found.delivery.delivery.delivered)
     ev.ranks = [RankEvidence(f.rank.rank, f.rank.host, f.rank.pid, f.rank.state,
                              [threads for _, threads in f.snapshots], target=f.rank.pid == req.pid and f.rank.local)
                 for f in found.ranks.ranks]
@@ -739,6 +755,7 @@ def _finish(req: CaptureRequest, steps: StepRunner, files: _Files, found: Captur
         "versions": found.versions.versions,
         "classification": classification.to_dict(),
         "group": _group_entry(req, found),
+        "kernel": found.delivery.delivery.to_dict() if req.url is not None and req.kernel else None,
     }
     manifest = redact_json(manifest, files.redaction)  # the command line, the verdict, step errors
     markers = found.log.markers

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
+from mlxwatch.capture.delivery import WindowDelivery
 from mlxwatch.capture.procstats import ProcessWindow
 from mlxwatch.capture.runner import StepResult
 from mlxwatch.host.group import Group, Rank
@@ -49,6 +50,13 @@ class CpuResult(StepResult):
     """The process's CPU and thread states over the window (``procstats.json``)."""
 
     window: ProcessWindow = field(default_factory=ProcessWindow)
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeliveryResult(StepResult):
+    """What the kernel saw the server send its clients over the window (``kernel.json``)."""
+
+    delivery: WindowDelivery = field(default_factory=WindowDelivery)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -124,3 +132,4 @@ class CaptureResults:
     versions: VersionsResult
     log: LogResult
     ranks: GroupResult = GroupResult(outcome="skipped")
+    delivery: DeliveryResult = DeliveryResult(outcome="skipped")

@@ -49,7 +49,7 @@ def cmd_capture(args: argparse.Namespace, out: Console) -> int:
         snapshots=args.snapshots or cap.snapshots, spacing=args.spacing or cap.spacing,
         ceiling=args.ceiling or cap.ceiling, sudo=cap.sudo, log_tail_lines=cap.log_tail_lines,
         keep=cap.keep, max_bytes=cap.max_bytes, keep_days=cap.keep_days, min_free_bytes=cap.min_free_bytes,
-        stacks=args.stacks or cap.stacks, redact=cap.redact,
+        stacks=args.stacks or cap.stacks, redact=cap.redact, kernel=inst is None or inst.kernel != "off",
         **capture_probe_timeouts(probe),
     )
     # A bundle or an archive that cannot be written where the user asked is their problem (exit

@@ -638,6 +638,7 @@ class InstanceWatcher:
             prior_probes=[r.to_dict() for r in self.failed_reports],
             keep=cap.keep, max_bytes=cap.max_bytes, keep_days=cap.keep_days, min_free_bytes=cap.min_free_bytes,
             verdict=_verdict_text(self.failed_reports, inc.stranger), front_requests=front_requests, group=group,
+            kernel=self.inst.kernel != "off",
         )
         try:
             bundle = await self.shared.capture_fn(request)

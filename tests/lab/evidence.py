@@ -1,12 +1,32 @@
-"""Drive an evidence source the way the watcher does, one window after another, from sync tests."""
+"""Evidence sources driven by a test: the log asked the way the watcher does, one window after
+another (``LogLooks``), and what the kernel shows on a server's port (``KernelShows``)."""
 
 from __future__ import annotations
 
 import asyncio
+import time
 
 from mlxwatch.evidence import Evidence, Window
 from mlxwatch.evidence.log import LogSource, ProgressTracker
+from mlxwatch.host.sockets import Connection, Reading
 from mlxwatch.probes import CheckReport
+
+
+class KernelShows:
+    """A kernel reader (``mlxwatch.host.sockets.Reader``): ``streams`` client streams of
+    someone else's on ``port``, past their head (248 bytes, one segment), each growing by one
+    token event (350 bytes, one segment) at every reading while ``flowing``."""
+
+    def __init__(self, streams: int = 0, port: int = 9, flowing: bool = False) -> None:
+        self.streams, self.port, self.flowing = streams, port, flowing
+        self.sent, self.segments = 248, 1
+
+    def __call__(self, ports) -> Reading:
+        if self.flowing:
+            self.sent, self.segments = self.sent + 350, self.segments + 1
+        conns = tuple(Connection(self.port, ("127.0.0.1", 40000 + i), (i,), self.sent, 300, self.segments)
+                      for i in range(self.streams))
+        return Reading(time.monotonic(), conns)
 
 
 class LogLooks:
