@@ -944,6 +944,9 @@ def _uid(value: Any) -> int:
 
 def _choice(options: tuple[str, ...]) -> Callable[[Any], str]:
     def read(value: Any) -> str:
+        # YAML 1.1 reads a bare `off` (or `no`) as false: the word the user wrote, where it is one
+        if value is False and "off" in options:
+            return "off"
         if not isinstance(value, str) or value not in options:
             raise ValueError(f"must be one of {', '.join(options)}")
         return value

@@ -261,13 +261,13 @@ async def check_instance(inst: InstanceConfig, config: Config, exe: str | None, 
 async def kernel_finding(inst: InstanceConfig, env: Env) -> Finding:
     """Can the daemon read what the server sends each client (docs/deciding.md, kernel sight)?"""
     if inst.kernel == "off":
-        return Finding("kernel sight", SKIP, "off (instances[].kernel): judged by the probe alone", instance=inst.name)
+        return Finding("kernel", SKIP, "off (instances[].kernel): judged by the probe alone", instance=inst.name)
     reading = await asyncio.to_thread(env.kernel, inst.port)
     if reading.error:
-        return Finding("kernel sight", WARN, f"unavailable: {reading.error}",
+        return Finding("kernel", WARN, f"unavailable: {reading.error}",
                        "without it a hang is called by the probe's deadlines alone (minutes at the defaults); "
                        "see docs/deciding.md#kernel-sight", inst.name)
-    return Finding("kernel sight", OK, f"reads the bytes sent on port {inst.port}'s "
+    return Finding("kernel", OK, f"reads the bytes sent on port {inst.port}'s "
                    f"{len(reading.connections)} client connection(s) now", instance=inst.name)
 
 

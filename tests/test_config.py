@@ -442,3 +442,20 @@ def test_defaults_come_from_the_dataclasses(config_file):
     inst = cfg.instances[0]
     assert inst.probe == ProbeConfig() and cfg.capture == CaptureConfig()
     assert inst.restart == RestartConfig(method="launchd", target="x")
+
+
+@pytest.mark.parametrize("text, kernel, shim", [
+    ("kernel: off, shim: off", "off", "off"),  # YAML 1.1 reads a bare off as false
+    ("kernel: 'off', shim: 'off'", "off", "off"),
+    ("kernel: auto, shim: required", "auto", "required"),
+])
+def test_off_written_bare_means_off(tmp_path, text, kernel, shim):
+    """Found by a new user: `kernel: off` as the docs write it was refused, "must be one of
+    auto, off (got False)": YAML had read it as a boolean. `on` is still refused (not a mode)."""
+    path = tmp_path / "c.yaml"
+    path.write_text(f"instances: [{{{A}, {text}}}]\n")
+    inst = load_config(path).instances[0]
+    assert (inst.kernel, inst.shim) == (kernel, shim)
+    path.write_text(f"instances: [{{{A}, kernel: on}}]\n")
+    with pytest.raises(ConfigError, match=r"instances\[0\]\.kernel: must be one of auto, off \(got True\)"):
+        load_config(path)

@@ -39,7 +39,7 @@ KNOWN_FAILURES = (
     ("os error 60", "py-spy cannot attach to this process on this Mac (py-spy #242, #754, Apple silicon); "
                     "the native stacks are in native/sample.txt"),
     ("failed to find python version", "py-spy cannot find the interpreter in this process (py-spy #726, "
-                                      "Homebrew/uv Pythons); the native stacks are in native/sample.txt"),
+                                      "Homebrew/uv Pythons); on macOS the native stacks are in native/sample.txt"),
     ("unsupported version of python", "this py-spy is too old for the server's Python (3.13 needs py-spy "
                                       ">= 0.4.0, 3.14 needs >= 0.4.2): upgrade py-spy"),
 )

@@ -32,9 +32,11 @@ from mlxwatch.host.connections import Connection, Reader, Reading  # defined the
 from mlxwatch.host.nettop import NettopReader
 
 MAX_AGE = 0.5  # seconds a dump serves every instance that asks for it
-# TCP states a server can still send in: established, and closing from either side.
-_STATES = ("ESTABLISHED", "FIN_WAIT1", "FIN_WAIT2", "CLOSE_WAIT", "LAST_ACK", "CLOSING")
-_STATE_NUMBERS = {"ESTABLISHED": 1, "FIN_WAIT1": 4, "FIN_WAIT2": 5, "CLOSE_WAIT": 8, "LAST_ACK": 9, "CLOSING": 11}
+# TCP states of a connection a client still reads: established, and closing from the server's
+# side. Not CLOSE_WAIT or LAST_ACK: the client closed its end, nothing is owed to it (a probe the
+# daemon gave up on, or a killed daemon's: counted as open streams, they made false stalls).
+_STATES = ("ESTABLISHED", "FIN_WAIT1", "FIN_WAIT2", "CLOSING")
+_STATE_NUMBERS = {"ESTABLISHED": 1, "FIN_WAIT1": 4, "FIN_WAIT2": 5, "CLOSING": 11}
 _INET_DIAG_INFO = 2
 
 
