@@ -8,6 +8,7 @@ against the real server."""
 from __future__ import annotations
 
 import asyncio
+import re
 import os
 import signal
 import subprocess
@@ -258,6 +259,8 @@ async def test_a_probe_cut_short_fails_at_once_and_its_stream_is_read_on():
         result = await probe_generation(client, url, first_token_timeout=30.0, timeout=60.0, read_until=5.0, cut=cut)
         assert time.monotonic() - started < 5.0
         assert result.failure == Failure.NO_FIRST_TOKEN and "nothing sent to any client for 8s" in result.detail
+        # found by a new user: the early end read as if it were the first-token timeout ("1.0s")
+        assert re.match(r"the wait ended early, after [0-9.]+s of 30s: ", result.detail), result.detail
         assert result.lingering is not None
         await result.lingering
         assert result.late_tokens == 1  # read on: the late token is a delivery

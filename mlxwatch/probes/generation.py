@@ -323,7 +323,8 @@ class _Run:
         if res.ttft is None:
             where = "no response headers" if res.status is None else "headers received"
             extra = f", {len(res.keepalives)} keepalives" if res.keepalives else ""
-            waited = f"{self.now():.1f}s: {early}" if early else f"{self.first_token_timeout:g}s passed"
+            waited = (f"the wait ended early, after {self.now():.1f}s of {self.first_token_timeout:g}s: {early}"
+                      if early else f"{self.first_token_timeout:g}s passed")
             self.fail(Failure.NO_FIRST_TOKEN, f"{waited} ({where}{extra})")
         else:
             self.fail(Failure.STALLED, f"{res.tokens} tokens, then nothing; stream unfinished after {self.timeout:g}s")
