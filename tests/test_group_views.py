@@ -142,3 +142,9 @@ def test_config_init_names_rank0_as_one_instance_of_a_group(tmp_path):
     lines = console.file.getvalue().splitlines()
     assert "    rank 0 of an mlx.launch group of 2 ranks (ring): 127.0.0.1" in lines
     assert all(len(line) <= 80 for line in lines if "group" in line)
+    # found by a new user: each server's line (107 columns) and the next commands (112) ran on
+    # (the CLI's console, piped: soft wrap, the text kept whole unless reflowed)
+    console = Console(file=io.StringIO(), width=80, soft_wrap=True)
+    render_written(tmp_path / "a-longer-directory-name" / "config-for-this-machine.yaml", True, servers, console,
+                   config_option=" --config /tmp/a-longer-directory-name/config-for-this-machine.yaml")
+    assert all(len(line) <= 80 for line in console.file.getvalue().splitlines() if " " in line.strip())

@@ -12,7 +12,7 @@ from rich.console import Console
 
 from mlxwatch.config import Config, listen_address
 from mlxwatch.host.discover import FoundServer
-from mlxwatch.output.text import lines_of, plain
+from mlxwatch.output.text import lines_of
 
 
 def render_validated(config: Config, console: Console) -> None:
@@ -34,12 +34,12 @@ def render_written(path: Path, created_parent: bool, servers: list[FoundServer],
                    config_option: str = "") -> None:
     """``config init`` wrote ``path``: each server found, then the next two commands
     (``config_option``: `` --config FILE`` when the file is not the default one)."""
-    plain(console, f"wrote {path}" + (f" (created {path.parent})" if created_parent else "")
-          + f": {len(servers)} instance(s)")
+    lines_of(console, f"wrote {path}" + (f" (created {path.parent})" if created_parent else "")
+             + f": {len(servers)} instance(s)")
     for s in servers:
         restart = (f"launchd {s.launchd_label}" if s.launchd_label else f"systemd {s.systemd_unit}"
                    if s.systemd_unit else "none (edit restart:)")
-        plain(console, f"  {s.name}: {s.url} (PID {s.pid}); log {s.log or 'not found'}; restart {restart}")
+        lines_of(console, f"  {s.name}: {s.url} (PID {s.pid}); log {s.log or 'not found'}; restart {restart}")
         if s.group is not None:
-            plain(console, f"    {s.group_text}")
-    plain(console, f"next: `mlxwatch{config_option} doctor`, then `mlxwatch{config_option} run`")
+            lines_of(console, f"    {s.group_text}")
+    lines_of(console, f"next: `mlxwatch{config_option} doctor`, then `mlxwatch{config_option} run`")
