@@ -136,13 +136,14 @@ class KernelCounters:
     _last: Reading | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
-    def read(self, port: int) -> Reading:
-        """The counters for ``port`` (blocking: call from a thread; one dump at a time)."""
+    def read(self, port: int, max_age: float | None = None) -> Reading:
+        """The counters for ``port`` from a dump at most ``max_age`` s old (default
+        ``self.max_age``; blocking: call from a thread; one dump at a time)."""
         with self._lock:
             new_port = port not in self.ports
             self.ports.add(port)
             last = self._last
-            if last is None or new_port or self.clock() - last.at > self.max_age:
+            if last is None or new_port or self.clock() - last.at > (self.max_age if max_age is None else max_age):
                 last = self._last = self.reader(frozenset(self.ports))
         return Reading(last.at, last.on(port), last.error)
 
