@@ -99,8 +99,8 @@ class CaptureProgress:
 def render_target_notes(err: Console, target: CaptureTarget, config_path: Path | None) -> None:
     """How the capture's target was learnt, one ``mlxwatch: capture`` line each (on stderr)."""
     if target.matched:
-        err.print(f"mlxwatch: capture: PID {target.pid} is {target.matched} in {config_path}: its URL, log and "
-                  "probe settings are used", markup=False)
+        err.print(f"mlxwatch: capture: PID {target.pid} is {target.matched} of {config_path}: its settings used",
+                  markup=False)
     if target.problem:
         err.print(f"mlxwatch: capture --force: {target.problem}; capturing it anyway", markup=False)
     if target.listens_at:
