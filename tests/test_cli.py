@@ -561,6 +561,9 @@ def test_starter_config_validates_and_names_are_unique():
         ("gemma-3-27b-it-4bit-2", "http://127.0.0.1:8081", None, "launchd", "com.example.mlx"),
         ("hidden", "http://[::1]:8082", None, "systemd", "mlx.service")]
     assert cfg.instances[2].restart.user is True
+    # found by a new user: its header and hint comments ran to 105 and 89 columns (`--print`)
+    wide = [line for line in starter_config(servers).splitlines() if len(line) > 80 and "# found: PID" not in line]
+    assert wide == []
 
 
 @pytest.mark.parametrize("addresses, url", [

@@ -242,10 +242,11 @@ def starter_config(servers: list[FoundServer], now: datetime | None = None) -> s
     It is validated before it is returned (ValueError would be a bug here)."""
     stamp = (now or datetime.now()).strftime("%Y-%m-%d %H:%M")
     out = [
-        f"# mlxwatch config written by `mlxwatch config init` on {stamp}: the mlx-lm servers running then.",
-        "# Check it with `mlxwatch doctor`, then start the watchdog with `mlxwatch run`",
-        "# (on macOS `mlxwatch launchd install` keeps it running). Every setting, with its default:",
-        "# `mlxwatch config example`. Durations: 30, 30s, 5m, 1h.",
+        f"# Written by `mlxwatch config init` on {stamp}: the mlx-lm servers",
+        "# running then. Check it with `mlxwatch doctor`, then start the watchdog with",
+        "# `mlxwatch run` (on macOS `mlxwatch launchd install` keeps it running).",
+        "# Every setting, with its default: `mlxwatch config example`.",
+        "# Durations: 30, 30s, 5m, 1h.",
         "",
         "instances:",
     ]
@@ -259,20 +260,21 @@ def starter_config(servers: list[FoundServer], now: datetime | None = None) -> s
         if s.log is not None:
             out.append(f"    log: {_q(str(s.log))}  # {s.log_from}")
         else:
-            out.append("    # log: \"/path/to/server.log\"  # not found: its stdout and stderr go to a terminal or a pipe;")
-            out.append("    #   redirect them to a file and name it here, for log evidence and progress grace")
+            out.append("    # log: \"/path/to/server.log\"  # not found: its output goes to a")
+            out.append("    #   terminal or a pipe; redirect it to a file and name it here")
+            out.append("    #   (log evidence, progress grace)")
         if s.launchd_label:
-            out.append(f"    restart: {{launchd: {_q(s.launchd_label)}}}  # the launchd job that runs it")
+            out.append(f"    restart: {{launchd: {_q(s.launchd_label)}}}  # the job that runs it")
         elif s.systemd_unit:
             user = ", user: true" if s.systemd_user else ""
-            out.append(f"    restart: {{systemd: {_q(s.systemd_unit)}{user}}}  # the systemd unit that runs it")
+            out.append(f"    restart: {{systemd: {_q(s.systemd_unit)}{user}}}  # the unit that runs it")
         else:
             out += [
                 "    restart: none  # capture and notify only; to restart it, one of:",
-                "    #   restart: {launchd: LABEL}                       # a launchd job",
-                "    #   restart: {systemd: UNIT, user: true}            # a systemd unit",
-                "    #   restart: {command: [\"/path/to/restart\", \"{name}\", \"{pid}\"]}  # any argv, no shell",
-                "    #   restart: {signal: SIGTERM}                      # a supervisor starts it again",
+                "    #   restart: {launchd: LABEL}                   # a launchd job",
+                "    #   restart: {systemd: UNIT, user: true}        # a systemd unit",
+                "    #   restart: {command: [\"/path/to/restart\", \"{pid}\"]}   # any argv, no shell",
+                "    #   restart: {signal: SIGTERM}                  # a supervisor restarts it",
             ]
     text = "\n".join(out) + "\n"
     parse_config(yaml.safe_load(text), "<config init>")  # what we write must validate
