@@ -147,6 +147,11 @@ class CaptureRequest:
     group: Group | None = None  # the mlx.launch group whose rank 0 ``pid`` is: every rank is captured
     kernel: bool = True  # read what the server sends its clients over the window (instances[].kernel)
 
+    @property
+    def kernel_port(self) -> int | None:
+        """The port whose client connections the capture reads; None: it reads none."""
+        return url_port(self.url) if self.url is not None and self.kernel else None
+
 
 class ProbeTimeouts(TypedDict):
     """The CaptureRequest fields ``capture_probe_timeouts`` fills (typed, for ``**`` into it)."""
@@ -451,9 +456,9 @@ async def _cpu(req: CaptureRequest, files: _Files, seconds: float) -> CpuResult:
 
 
 async def _delivery(req: CaptureRequest, files: _Files, seconds: float) -> DeliveryResult:
-    if req.url is None or not req.kernel:
+    if req.kernel_port is None:
         return DeliveryResult(outcome="skipped", error="no URL" if req.url is None else "kernel: off")
-    found = await watch_delivery(url_port(req.url), req.pid, seconds)
+    found = await watch_delivery(req.kernel_port, req.pid, seconds)
     await files.write_json("kernel.json", found.to_dict())
     if found.unavailable:
         return DeliveryResult(delivery=found, outcome="skipped", error=f"kernel sight unavailable: {found.unavailable}")
@@ -755,7 +760,7 @@ def _finish(req: CaptureRequest, steps: StepRunner, files: _Files, found: Captur
         "versions": found.versions.versions,
         "classification": classification.to_dict(),
         "group": _group_entry(req, found),
-        "kernel": found.delivery.delivery.to_dict() if req.url is not None and req.kernel else None,
+        "kernel": found.delivery.delivery.to_dict() if req.kernel_port is not None else None,
     }
     manifest = redact_json(manifest, files.redaction)  # the command line, the verdict, step errors
     markers = found.log.markers

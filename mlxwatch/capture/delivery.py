@@ -37,12 +37,10 @@ class WindowDelivery:
         return asdict(self)
 
 
-async def watch_delivery(port: int, pid: int | None, seconds: float,
-                         counters: KernelCounters | None = None) -> WindowDelivery:
+async def watch_delivery(port: int, pid: int | None, seconds: float) -> WindowDelivery:
     """Read the counters of ``port``'s client connections every ``READ_EVERY`` s for
     ``seconds``; what flowed between the first reading and the last."""
-    mine = counters is None
-    counters = counters if counters is not None else KernelCounters()
+    counters = KernelCounters()
     source = KernelSource(counters, port, quiet_window=lambda: seconds, server_pid=lambda: pid)
     try:
         start = time.monotonic()
@@ -58,5 +56,4 @@ async def watch_delivery(port: int, pid: int | None, seconds: float,
         seen = source.answer(Window(start, time.monotonic()))
         return WindowDelivery(seen.delivered, seen.progress, seen.detail.get("kernel", {}).get("connections", 0))
     finally:
-        if mine:
-            await asyncio.to_thread(counters.close)
+        await asyncio.to_thread(counters.close)

@@ -331,9 +331,7 @@ class InstanceWatcher:
         nothing flowed to any client (nor any other sign of work) for ``probe.quiet_window``,
         where a source sees every client; or a source's own bound (a stall at the front door)."""
         evidence = await self._look(sent)
-        if self.sight.first_time(evidence.stall):
-            assert evidence.stall is not None
-            await self._stall_seen(evidence.stall, probing=True)
+        await self._stall_seen(evidence.stall, probing=True)
         now = self.shared.clock.monotonic()
         if evidence.cut_after is not None and now - sent >= evidence.cut_after:
             return evidence.stall.reason if evidence.stall else "the front door delivered nothing meanwhile"
@@ -761,22 +759,24 @@ class InstanceWatcher:
             if self.incident is None and self.detect.state in (policy.HEALTHY, *policy.PROBING_SOON):
                 evidence = await self._look(self.shared.clock.monotonic() - self.inst.probe.quiet_window,
                                             suspect=suspect)
-                if self.sight.first_time(evidence.stall):
-                    assert evidence.stall is not None
-                    await self._stall_seen(evidence.stall)
+                if await self._stall_seen(evidence.stall):
                     return
             await self._sleep(min(left, LOOK_EVERY if suspect else WATCH_EVERY))
 
-    async def _stall_seen(self, stall: Stall, probing: bool = False) -> None:
+    async def _stall_seen(self, stall: Stall | None, probing: bool = False) -> bool:
         """A source saw a stall (the shim from inside, the front door, the kernel's counters, a
-        group's rank): journaled once an episode; between probes a healthy server is suspect at
-        once, so the next probe runs now (while a probe waits, that probe is the next)."""
+        group's rank): journaled once an episode (True: this look was its first); between probes
+        a healthy server is suspect at once, so the next probe runs now (while a probe waits,
+        that probe is the next)."""
+        if stall is None or not self.sight.first_time(stall):
+            return False
         log.warning("%s: %s: suspect%s", self.name, stall.reason, "" if probing else ", probing now")
         self.shared.journal.note(Event(stall.event), instance=self.name, **stall.journal)
         if not probing and self.detect.state == policy.HEALTHY:
             await self.sight.prime()  # prompt progress logged while it was healthy is history, not progress
             self.detect.suspect()
             self._save()
+        return True
 
     # --- front door (instances[].front): the door told what the verdict means for its clients.
     # Without a door every method here is a no-op. (What it delivers is evidence: evidence.door.)
