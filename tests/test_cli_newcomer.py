@@ -266,6 +266,18 @@ def test_an_empty_config_is_refused(argv, capsys):
     one_line_error(capsys, code, argv, 2, "--config is empty")
 
 
+@pytest.mark.parametrize("argv", [["run", "--state-dir", ""], ["status", "--state-dir="], ["doctor", "--state-dir", ""],
+                                  ["bundle", "list", "--dir", ""], ["capture", "1", "--out", ""],
+                                  ["bundle", "export", "x", "--out", ""], ["config", "init", "--out", ""]])
+def test_an_empty_path_is_refused(argv, capsys, tmp_path, monkeypatch):
+    """Measured by a new user: `--state-dir ""`, `--dir ""` and `--out ""` silently used the
+    default place (while `--config ""` was refused)."""
+    monkeypatch.chdir(tmp_path)
+    code = cli.run(argv, out=Console(file=io.StringIO()))
+    option = next(a for a in argv if a.startswith("--")).split("=")[0]
+    one_line_error(capsys, code, argv, 2, f"{option} is empty: give a path, or leave {option} out for the default")
+
+
 
 # --- run: what it watches, when it first probes, when a loading server is first judged
 

@@ -216,7 +216,7 @@ def parse(parser: argparse.ArgumentParser, argv: Sequence[str]) -> argparse.Name
     args, extra = parser.parse_known_args(_attach_negative_values(parser, argv))
     if extra:  # reported by the subcommand that was given them, so its --help is the one named
         _leaf_parser(parser, args).error(f"unrecognized arguments: {' '.join(extra)}")
-    _refuse_empty_config(args)
+    _refuse_empty_paths(args)
     return args
 
 
@@ -257,8 +257,14 @@ def _attach_negative_values(parser: argparse.ArgumentParser, argv: Sequence[str]
     return out
 
 
-def _refuse_empty_config(args: argparse.Namespace) -> None:
-    """``--config ""`` (an unset shell variable, often) must not fall back to the default file."""
+def _refuse_empty_paths(args: argparse.Namespace) -> None:
+    """An empty path (an unset shell variable, often) must not fall back to the default one:
+    ``--config ""`` would read another config, ``--state-dir ""`` another journal, ``--out ""``
+    write where the default puts it."""
     for dest in ("config", "launchd_config"):
         if getattr(args, dest, None) == "":
             raise UsageError(f"--config is empty: give a config file, or leave --config out (then {CONFIG_DEFAULT})")
+    for dest in ("state_dir", "dir", "out"):
+        if getattr(args, dest, None) == "":
+            option = "--" + dest.replace("_", "-")
+            raise UsageError(f"{option} is empty: give a path, or leave {option} out for the default")
