@@ -213,6 +213,32 @@ def test_an_append_cut_short_by_a_full_disk_leaves_only_whole_lines(tmp_path, fu
     assert [json.loads(line)["event"] for line in data.splitlines()] == ["verdict", "recovering", "recovered"]
 
 
+def test_the_daemons_writer_writes_a_backlog_once_space_is_freed_with_nothing_new_to_append(tmp_path, full_disk,
+                                                                                           monkeypatch):
+    """Found by a new user: with the disk freed, the records a full disk held back waited for the
+    next event, so `status` showed the incident 'capturing' long after it had ended. The
+    daemon's writer thread now tries its backlog again by itself."""
+    from mlxwatch.journal import incidents
+    from mlxwatch.journal.incidents import Event, Incident, Journal
+
+    monkeypatch.setattr(incidents, "BACKLOG_RETRY", 0.05, raising=False)
+    journal = Journal(tmp_path / "state")
+    journal.start()
+    try:
+        incident = Incident("lab")
+        disk = full_disk(journal.dir, free=0)
+        journal.record(Event.VERDICT, incident)
+        journal.flush()
+        assert [r["event"] for r in journal.backlog] == ["verdict"] and disk.refused
+        disk.free = 10**9  # space again, and no record after it
+        deadline = time.monotonic() + 30
+        while journal.backlog and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert [r["event"] for r in journal.records()] == ["verdict"] and journal.write_error is None
+    finally:
+        journal.stop()
+
+
 def test_a_record_glued_to_a_torn_line_is_recovered(tmp_path):
     """Journals written before the fix (or zero-filled by a crash) have the next record on the torn line."""
     path = tmp_path / "j.jsonl"

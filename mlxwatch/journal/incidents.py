@@ -123,6 +123,7 @@ class Event(StrEnum):
 CLOSING_EVENTS = (Event.RECOVERED, Event.GAVE_UP, Event.CLOSED)
 RECORD_FIELDS = ("ts", "event")  # set by the journal itself, never copied from an older record
 MAX_BACKLOG = 1000  # records kept in memory while the journal cannot be written
+BACKLOG_RETRY = 5.0  # seconds between the writer thread's tries of a backlog when nothing new comes
 
 
 @dataclass
@@ -334,7 +335,14 @@ class Journal:
 
     def _write_queued(self, q: "queue.Queue[dict[str, Any] | None]") -> None:
         while True:
-            entry = q.get()
+            try:  # a backlog is tried again by itself: freed space must not wait for the next event
+                entry = q.get(timeout=BACKLOG_RETRY) if self.backlog else q.get()
+            except queue.Empty:
+                try:
+                    self._write([])
+                except Exception as exc:  # as below: the thread must live
+                    log.error("journal writer failed on its backlog", exc_info=exc)
+                continue
             try:
                 if entry is None:
                     with self._handing:  # records queued after the stop request are written first
@@ -373,9 +381,10 @@ class Journal:
 
     def _write(self, entries: list[dict[str, Any]]) -> None:
         """Write ``entries`` after any backlog. A write that fails (a full disk) never stops the
-        watcher that made it: the record waits in memory (bounded) and the next append writes
-        it first, in order. Logged once per failing streak. A failed append leaves nothing of
-        itself in the file (``append_record`` cuts it back off): no torn line, no record twice."""
+        watcher that made it: the record waits in memory (bounded) and the next append (or the
+        writer thread, every BACKLOG_RETRY seconds) writes it first, in order. Logged once per
+        failing streak. A failed append leaves nothing of itself in the file (``append_record``
+        cuts it back off): no torn line, no record twice."""
         with self._writing:
             self._write_locked(entries)
 
