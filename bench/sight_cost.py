@@ -12,11 +12,10 @@ Writes ``bench/sight_cost.json`` and the section "Kernel sight's cost" of ``benc
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
-from bench.common import ROOT, git_commit, load_average, log, machine, splice_section, write_json
+from bench.common import add_record_options, log, record, run_header
 from bench.scale import run_one
 
 SIZES = (10, 100, 300)
@@ -40,7 +39,7 @@ def section(data: dict[str, Any]) -> str:
         lines.append(f"| {row['instances']} | {row['kernel']} | {row['daemon_cpu_pct']:.2f} % | "
                      f"{row['gaps']['p99_s']:.3f} s ({row['gaps']['p99_s'] / INTERVAL * 100:.1f} %) | "
                      f"{row['skipped_gaps']} | {row['rss_mb_max']} MB |")
-    ten = next(r for r in data["runs"] if r["instances"] == 10 and r["kernel"] == "auto")
+    ten = _ten(data)
     lines += ["", f"Goal: at most {GOAL_CPU:g} % of a core at 10 @ {INTERVAL:g} s with kernel sight: "
               f"{ten['daemon_cpu_pct']:.2f} %, {'met' if ten['daemon_cpu_pct'] <= GOAL_CPU else '**missed**'}."]
     return "\n".join(lines) + "\n"
@@ -48,30 +47,31 @@ def section(data: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     import argparse
-    import datetime
     import tempfile
 
     parser = argparse.ArgumentParser(prog="python -m bench.sight_cost", description=__doc__.split("\n")[0])
     parser.add_argument("--window", type=float, default=60.0, help="seconds measured per run (default 60)")
-    parser.add_argument("--no-write", action="store_true")
+    add_record_options(parser)
     args = parser.parse_args(argv)
-    data: dict[str, Any] = {"started_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                            "commit": git_commit(), "machine": machine(), "load_average": load_average(),
-                            "window": args.window, "runs": []}
-    with tempfile.TemporaryDirectory(prefix="mlxwatch-bench-sightcost-") as tmp:
-        for n in SIZES:
-            for kernel in ("auto", "off"):
-                res = run_one(n, INTERVAL, args.window, Path(tmp) / f"{n}-{kernel}", kernel=kernel)
-                res.update(instances=n, kernel=kernel)
-                log(f"sight cost: {n} @ {INTERVAL:g}s kernel {kernel}: cpu {res['daemon_cpu_pct']:.2f}%")
-                data["runs"].append(res)
-    if args.no_write:
-        print(json.dumps(data, indent=1, default=str))
-        return 0
-    write_json(ROOT / "bench" / "sight_cost.json", data)
-    results = ROOT / "bench" / "RESULTS.md"
-    results.write_text(splice_section(results.read_text(), SECTION, section(data)))
-    return 0
+
+    def run() -> dict[str, Any]:
+        data = run_header(window=args.window, runs=[])
+        with tempfile.TemporaryDirectory(prefix="mlxwatch-bench-sightcost-") as tmp:
+            for n in SIZES:
+                for kernel in ("auto", "off"):
+                    res = run_one(n, INTERVAL, args.window, Path(tmp) / f"{n}-{kernel}", kernel=kernel)
+                    res.update(instances=n, kernel=kernel)
+                    log(f"sight cost: {n} @ {INTERVAL:g}s kernel {kernel}: cpu {res['daemon_cpu_pct']:.2f}%")
+                    data["runs"].append(res)
+        data["pass"] = _ten(data)["daemon_cpu_pct"] <= GOAL_CPU
+        return data
+
+    return record("sight_cost", args, run, SECTION, section)
+
+
+def _ten(data: dict[str, Any]) -> dict[str, Any]:
+    """The run the goal is about: 10 instances with kernel sight."""
+    return next(r for r in data["runs"] if r["instances"] == 10 and r["kernel"] == "auto")
 
 
 if __name__ == "__main__":
