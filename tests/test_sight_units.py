@@ -43,6 +43,37 @@ async def test_nothing_flowing_anywhere_ends_a_probes_wait_after_the_quiet_windo
     assert "nothing sent to any client" in verdict["failures"][-1]
 
 
+async def test_a_failure_the_quiet_window_ended_is_confirmed_at_once_not_after_suspect_interval(tmp_path):
+    """Measured at the defaults with no client traffic (bench/sight_detection): 42-50 s from a
+    hang to its verdict, 10 s of it the wait of suspect_interval between a probe that had
+    already watched nothing flow anywhere for quiet_window and the probe confirming it. Now the
+    confirming probe goes at once (suspect_interval 6 s here)."""
+    sent: list[float] = []
+
+    class Counted(StandIn):
+        async def handle(self, request):
+            if request.url.path == "/v1/chat/completions":
+                sent.append(time.monotonic())
+            return await super().handle(request)
+
+    server, kernel = Counted(), KernelShows(streams=0)
+    probe = ProbeConfig(interval=8.0, suspect_interval=6.0, first_token_timeout=30.0, timeout=60.0,
+                        quiet_window=1.0, endpoint_timeout=0.5, startup_timeout=30.0)
+    daemon, journal, state = _daemon(tmp_path, probe, server, kernel)
+    seen: dict[str, int] = {}
+
+    def hung(j: Journal) -> bool:
+        if "from" not in seen and _last_probe_ok(state):
+            server.delay, seen["from"] = None, len(sent)
+        return "verdict" in _events(j)
+
+    await _run_until(daemon, journal, hung, timeout=60)
+    first, confirming = sent[seen["from"]:seen["from"] + 2]
+    assert confirming - first < 4.5  # its 1 s wait and at once: not 1 s and 6 s
+    verdict = next(r for r in journal.records() if r["event"] == "verdict")
+    assert len(verdict["failures"]) == 2 and all("nothing sent to any client" in f for f in verdict["failures"])
+
+
 async def test_tokens_the_kernel_sees_sent_to_other_clients_make_it_slow_never_hung(tmp_path):
     """Every probe fails its deadline, but another client's stream keeps receiving token events:
     the server works (slow); when that stream stops too, the verdict comes."""

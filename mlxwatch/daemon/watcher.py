@@ -72,6 +72,7 @@ FIRST_PROBE_SPREAD = 5.0  # each instance's first probe comes within min(interva
 KEPT_FAILED_REPORTS = 20
 LOOK_EVERY = 1.0  # seconds between looks while a probe waits or the instance is suspect
 WATCH_EVERY = 2.0  # ... while healthy (each source reads at its own rate; a look costs no I/O otherwise)
+CONFIRM_AFTER_CUT = 1.0  # a failure the evidence ended (nothing flowed anywhere) is confirmed this soon
 
 
 @dataclass
@@ -254,9 +255,16 @@ class InstanceWatcher:
             self.seen_healthy = False
 
     def next_delay(self) -> float:
-        """A suspect server is probed again soon: one failure is a question, not an answer."""
+        """A suspect server is probed again soon: one failure is a question, not an answer. A
+        failure the evidence ended (nothing sent to any client for ``quiet_window``) already
+        watched the server that long, so the confirming probe goes at once: with no client
+        traffic this took a hang from about 41 s to about 31 s at the defaults (bench/RESULTS.md,
+        "Kernel sight at the defaults")."""
         p = self.inst.probe
-        return min(p.interval, p.suspect_interval) if self.detect.state in policy.PROBING_SOON else p.interval
+        if self.detect.state not in policy.PROBING_SOON:
+            return p.interval
+        soon = min(p.interval, p.suspect_interval)
+        return min(soon, CONFIRM_AFTER_CUT) if self.cut else soon
 
     async def _sleep(self, seconds: float) -> None:
         """Sleep that a stop request interrupts."""
