@@ -60,6 +60,11 @@ def config_for(lab: LabServer, state_dir: Path, probe: ProbeConfig, kernel: str 
     return Config(None, (inst,), state_dir, (), CaptureConfig(snapshots=3, spacing=0.5, ceiling=25.0))
 
 
+# The settings of the measured failure: interval 3 s, first token 5 s, timeout 8 s.
+PROBE = ProbeConfig(interval=3.0, first_token_timeout=5.0, timeout=8.0, suspect_interval=3.0, endpoint_timeout=2.0,
+                    startup_timeout=90.0)
+
+
 def events(journal: Journal) -> list[str]:
     return [r["event"] for r in journal.records() if r.get("instance") == "lab"]
 
@@ -77,16 +82,51 @@ async def test_slow_server_streaming_long_prompts_is_not_restarted(server_python
     hung, and no probe's stream is closed under it (no broken pipe)."""
     server = LabServer.start(server_python, lab_root / f"slowlong-{Path(server_python).parts[-3]}",
                              extra_args=("--prefill-step-size", "64"))
+    try:
+        slow = await _slow_server_is_not_restarted(server, tmp_path, 4.0, "--words", "300", "--max-tokens", "16",
+                                                   "--parallel", "2", "--count", "2")
+    finally:
+        server.stop()
+    # The proof is a token that came after the probe's `timeout`, on a stream held open
+    # because the kernel saw the server write to its clients (keepalives while it read the
+    # prompts; the tiny model's tokens are mostly not text, so few token events go out).
+    late = [float(m) for line in slow["evidence"] for m in re.findall(r"the first ([0-9.]+)s after it was sent", line)]
+    assert late and max(late) > PROBE.timeout, slow["evidence"]
+
+
+@pytest.mark.timeout(600)
+async def test_slow_server_serving_a_seeded_long_generation_ahead_of_the_probe_is_not_restarted(lab, tmp_path):
+    """The cousin of the case above: a request that cannot be batched (a `seed`) is served
+    alone, a token every 3 s, and the probe waits in the queue behind it with not a byte of
+    its own; the prompts are short, so the log shows no prompt progress either. Only the
+    kernel's counters show the server at work (tokens to another client). Every token is
+    biased to the word " the": the tiny model's random tokens are mostly not text, and the
+    server writes nothing for a token without text, where a real model's tokens are words.
+    Measured while writing this test, without the bias: no byte left the server for 8 s, a
+    `kernel_stall`, and a verdict while the app was served (a silent generation, a tool call's
+    say, is docs/deciding.md's "What stays invisible")."""
+    vocab = json.loads((lab.model_dir / "tokenizer.json").read_text())["model"]["vocab"]
+    try:
+        slow = await _slow_server_is_not_restarted(lab, tmp_path, 3.0, "--seed", "7", "--max-tokens", "12",
+                                                   "--parallel", "1", "--count", "2", "--text-token",
+                                                   str(vocab["Ġthe"]))
+    finally:
+        lab.set_fault("")
+    assert any("bytes of tokens sent to clients" in line for line in slow["evidence"]), slow["evidence"]
+
+
+async def _slow_server_is_not_restarted(server: LabServer, tmp_path: Path, step: float, *app_args: str) -> dict:
+    """Make ``server`` slow (``step`` s a step), run the app with ``app_args`` at the settings of
+    the measured failure (``PROBE``) until it is done: no verdict, every answer whole, a probe
+    failed (the journal's ``slow`` record, returned: its evidence says why it was not hung)
+    and no probe's stream was closed under the server (no broken pipe)."""
     clients: dict[str, subprocess.Popen] = {}
     try:
-        probe = ProbeConfig(interval=3.0, first_token_timeout=5.0, timeout=8.0, suspect_interval=3.0,
-                            endpoint_timeout=2.0, startup_timeout=90.0)
-        config = config_for(server, tmp_path / "state", probe)
+        config = config_for(server, tmp_path / "state", PROBE)
 
         def start():
-            server.set_fault("slow", 4.0)
-            clients["app"] = app(server.url, "--words", "300", "--max-tokens", "16", "--parallel", "2",
-                                 "--count", "2")
+            server.set_fault("slow", step)
+            clients["app"] = app(server.url, *app_args)
 
         def over(journal: Journal) -> bool:
             return "verdict" in events(journal) or ("app" in clients and clients["app"].poll() is not None)
@@ -98,17 +138,11 @@ async def test_slow_server_streaming_long_prompts_is_not_restarted(server_python
         # every answer complete (the tiny random model's tokens may detokenize to empty text)
         assert [r["finish"] for r in got] == ["length", "length"] and not any(r["error"] for r in got), got
         assert "slow" in events(journal), "no probe failed: the test did not exercise a slow server"
-        # The proof is a token that came after the probe's `timeout`, on a stream held open
-        # because the kernel saw the server write to its clients (keepalives while it read the
-        # prompts; the tiny model's tokens are mostly not text, so few token events go out).
-        slow = next(r for r in journal.records() if r.get("event") == "slow")
-        late = [float(m) for line in slow["evidence"] for m in re.findall(r"the first ([0-9.]+)s after it was sent", line)]
-        assert late and max(late) > probe.timeout, slow["evidence"]
         assert "BrokenPipeError" not in log_at_end, "a probe's stream was closed while the server worked"
+        return next(r for r in journal.records() if r.get("event") == "slow")
     finally:
         for proc in clients.values():
             end(proc)
-        server.stop()
 
 
 @pytest.mark.timeout(600)

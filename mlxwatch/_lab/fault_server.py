@@ -13,7 +13,8 @@ streaming code. Faults (the file's first word; empty or missing file = healthy):
 - ``block`` wait forever on a lock: thread alive, 0% CPU, identical stacks.
 - ``spin``  return no results while burning CPU in real MLX work: the loop keeps stepping
             and nothing reaches any client (the livelock of mlx-lm #1493).
-- ``slow [SECONDS]`` delay each step (default 0.5 s); output stays correct.
+- ``slow [SECONDS]`` delay each step (default 0.5 s), and each token of a request served
+            alone (the non-batched path: a ``seed``); output stays correct.
 - ``gil``   hold the GIL forever in a native call (libc ``sleep`` through ctypes.PyDLL, which
             keeps the GIL): no Python thread runs, HTTP included; 0% CPU.
 
@@ -88,6 +89,17 @@ def install(fault_file: str) -> None:
             return super().next(*args, **kwargs)
 
     server.BatchGenerator = FaultyBatchGenerator  # type: ignore[misc]  # the fault, patched in place
+
+    single = server.stream_generate  # a request that cannot be batched (a seed) is served by it
+
+    def slow_stream_generate(*args, **kwargs):
+        for item in single(*args, **kwargs):
+            fault, arg = read_fault(fault_file)
+            if fault == "slow":
+                time.sleep(arg if arg is not None else 0.5)
+            yield item
+
+    server.stream_generate = slow_stream_generate
 
 
 def main(argv: list[str]) -> None:

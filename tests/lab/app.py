@@ -24,6 +24,8 @@ def one(url: str, args: argparse.Namespace, i: int, lock: threading.Lock) -> Non
             "temperature": 0.0, "stream": True}
     if args.seed is not None:
         body["seed"] = args.seed
+    if args.text_token is not None:  # every token this one: text the server writes as it comes
+        body["logit_bias"] = {str(args.text_token): 100.0}
     started, tokens, finish, error = time.monotonic(), 0, None, None
     try:
         with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, trust_env=False,
@@ -52,6 +54,9 @@ def main() -> None:
     ap.add_argument("--every", type=float, default=0.0, help="start a request this often (0: as --parallel allows)")
     ap.add_argument("--timeout", type=float, default=600.0)
     ap.add_argument("--seed", type=int, default=None)
+    ap.add_argument("--text-token", type=int, default=None,
+                    help="a token id to bias every token to: the tiny model's random tokens are mostly not text, "
+                         "and the server writes nothing for a token without text")
     args = ap.parse_args()
     lock, threads, i = threading.Lock(), [], 0
     while args.count == 0 or i < args.count:
