@@ -162,10 +162,12 @@ def test_hung_rank1_verdict_bundle_and_group_restart(lab_group, tmp_path, fault)
     assert wait_for(lab_group.answers, 60)
 
 
-@pytest.mark.parametrize("fault", ["killed"])
+@pytest.mark.parametrize("fault", ["killed", "dead_thread"])
 def test_rank1_exits_group_ends_and_comes_back(lab_group, fault):
-    """Rank 1 killed: the ranks' states judge the group hung while it is gone; mlx.launch then ends the whole group itself (rank
-    0 loses its peer) and the keep-alive loop's new group answers. Nothing of the old group stays."""
+    """Rank 1 killed, or its generation thread dead (measured: the rank aborts, `terminate called
+    without an active exception`): the ranks' states judge the group hung while rank 1 is gone;
+    mlx.launch then ends the whole group itself (rank 0 loses its peer) and the keep-alive
+    loop's new group answers. Nothing of the old group stays."""
     old = lab_group.group()
     _switch_fault(lab_group, old, fault)
     assert wait_for(lambda: not old.rank(1).identity.alive(), 60)
