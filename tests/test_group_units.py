@@ -95,6 +95,25 @@ def test_every_rank_in_the_collective_blames_none():
     assert classify(Evidence(probe_ran=True, snapshots=[[WAITING]] * 3, process_cpu=60.0)).kind == "livelock"
 
 
+def test_rank0_that_left_a_non_batched_generation_is_the_culprit():
+    """Measured on both versions (a seeded stream to a group, its client gone after 5 events):
+    rank 0 waits for the next request in `_share_object` while rank 1, still inside the
+    non-batched generation (`_serve_single`), waits idle in the model step. Rank 0 left it
+    (mlx-lm raises NotImplementedError on rank 0 alone): before this rule the bundle blamed
+    rank 1 as a rank that 'skipped or repeated a step'."""
+    single = ThreadStack("Thread-1 (_generate)", 1, False, False, [
+        Frame("generate_step", "mlx_lm/generate.py", 472), Frame("stream_generate", "mlx_lm/generate.py", 734),
+        Frame("ResponseGenerator._serve_single", "mlx_lm/server.py", 1097),
+        Frame("ResponseGenerator._generate", "mlx_lm/server.py", 905)])
+    between = ThreadStack("Thread-1 (_generate)", 1, False, False, single.frames[2:])  # measured: snapshot 1
+    c = classify(_evidence("running", [[between], [single], [single]]))
+    assert (c.kind, c.culprit_rank, c.confidence) == ("collective_wait", 0, "high"), c
+    assert any("left a non-batched generation" in line for line in c.evidence), c.evidence
+    # rank 1 elsewhere in the model step but not in a non-batched generation: rank 1 went astray
+    batched = ThreadStack("Thread-1 (_generate)", 1, False, False, single.frames[:2] + single.frames[3:])
+    assert classify(_evidence("running", [[batched]] * 3)).culprit_rank == 1
+
+
 def test_group_judgement_from_rank_states():
     """A stopped, gone or zombie rank, or one whose generation thread died, is a hung group
     naming it; a rank whose host did not answer is no evidence; all running: not hung."""

@@ -13,7 +13,9 @@ The kinds, and the evidence that leads to each (first match wins, ambiguity is r
                  or it is stuck in one call while the process computes nothing
     collective_wait  a rank of an mlx.launch group waits in a collective (``_share_object``'s
                  ``all_sum``, a sharded layer) for a rank that is not in it: stopped, gone, no
-                 generation thread, or its generation thread elsewhere. ``culprit_rank`` names it.
+                 generation thread, or its generation thread elsewhere; or rank 0 that left a
+                 non-batched generation the others are still in (a distributed cancel).
+                 ``culprit_rank`` names it.
                  Rank 0 alone looks like a livelock (it spins in the collective): every rank's
                  state and stacks decide, so this is checked before any single-process kind.
     livelock     generation thread present and stepping while no token was delivered: the shim
@@ -72,19 +74,32 @@ def in_collective(thread: ThreadStack) -> bool:
 
 
 MODEL_STEP_FILES = ("generate.py",)  # mlx-lm's model step; a sharded model sums across ranks inside it
+SINGLE_GENERATION = "_serve_single"  # mlx-lm's path for a request it cannot batch (a seed, --kv-bits)
+
+
+def _in_single(thread: ThreadStack) -> bool:
+    return any(f.name.rsplit(".", 1)[-1] == SINGLE_GENERATION and "mlx_lm" in f.filename for f in thread.frames)
+
+
+def _in_model(thread: ThreadStack) -> bool:
+    """Inside the model's evaluation: the model step, or a non-batched generation's own
+    evaluation of its tokens (measured: ``_serve_single`` innermost between two steps); not a
+    lock, event, queue or socket wait."""
+    frames = thread.frames
+    if not frames or Path(frames[0].filename).name in WAIT_FILES:
+        return False
+    return _in_single(thread) or any(Path(f.filename).name in MODEL_STEP_FILES and "mlx_lm" in f.filename
+                                     for f in frames[:3])
 
 
 def waits_for_peers(present: list[ThreadStack]) -> bool:
     """A rank's generation thread (every snapshot that shows it) waits for the other ranks: in a
-    collective by name, or idle inside the model step in every snapshot (measured: rank 0 of a
-    group whose rank 1 never ran the step sits in ``PromptProcessingBatch.prompt``, idle in a
-    native wait; a model step of a lone process computes, it is never idle)."""
-    last = present[-1]
-    if in_collective(last):
+    collective by name, or idle inside the model's evaluation in every snapshot (measured: rank 0
+    of a group whose rank 1 never ran the step sits in ``PromptProcessingBatch.prompt``, idle in
+    a native wait; a model step of a lone process computes, it is never idle)."""
+    if in_collective(present[-1]):
         return True
-    in_step = all(any(Path(f.filename).name in MODEL_STEP_FILES and "mlx_lm" in f.filename for f in g.frames[:3])
-                  for g in present)
-    return in_step and not any(g.active for g in present)
+    return all(_in_model(g) for g in present) and not any(g.active for g in present)
 
 
 def _place(thread: ThreadStack) -> str:
@@ -287,9 +302,14 @@ def _collective_wait(ev: Evidence) -> Classification | None:
     places = {r.rank: _place(gens[r.rank][-1]) for r in waiters}
     if not culprits and len(waiters) == len(ev.ranks) and len({p.split(" (")[0] for p in places.values()}) > 1:
         # Every rank waits, in different collectives: neither completes. Rank 0 takes the requests
-        # and the others follow its steps: a rank elsewhere than rank 0 went astray, most likely.
+        # and the others follow its steps: a rank elsewhere than rank 0 went astray, most likely,
+        # unless rank 0 left a non-batched generation the others are still in (a distributed cancel).
         odd = next((r for r in waiters if r is not first and places[r.rank] != places[first.rank]), None)
-        if odd is not None:
+        left = _left_single(first, waiters, gens)
+        if left is not None:
+            culprits.append(left)
+            waiters = [r for r in waiters if r is not first]
+        elif odd is not None:
             culprits.append((odd, f"{odd.where} waits in another collective than {first.where} "
                                   f"({places[odd.rank]} against {places[first.rank]}): it skipped or "
                                   "repeated a step, so neither completes", "medium"))
@@ -302,10 +322,30 @@ def _collective_wait(ev: Evidence) -> Classification | None:
     lines = [f"{waiting} wait{'s' if len(waiters) == 1 else ''} in a collective for rank {culprit.rank}; "
              f"innermost: {where}", *(why for _, why, _ in culprits)]
     if ev.probe_ran and not ev.probe_ok:
-        lines.append("the probe got no token: the group delivers nothing while a rank is missing")
+        lines.append("the probe got no token: the group delivers nothing while its ranks are out of step")
     competing = [f"{len(culprits)} ranks are not in the collective: rank {culprit.rank} is named first"] \
         if len(culprits) > 1 else []
     return Classification("collective_wait", confidence, lines, competing, culprit_rank=culprit.rank)
+
+
+def _left_single(first: RankEvidence, waiters: list[RankEvidence],
+                 gens: dict[int, list[ThreadStack]]) -> tuple[RankEvidence, str, str] | None:
+    """Rank 0 (``first``) waits for the next request while another rank is still inside a
+    non-batched generation: rank 0 left it. mlx-lm does that when the client of such a request
+    disconnects in distributed mode (``_serve_single`` raises NotImplementedError on rank 0
+    alone; measured on 0.31.3 and 0.32.2): the others go on with the generation's collectives."""
+    if first.rank != 0 or any(_in_single(g) for g in gens[first.rank]):
+        return None
+    inside = [r for r in waiters if r is not first and all(_in_single(g) for g in gens[r.rank])]
+    if not inside:
+        return None
+    steady = len(gens[first.rank]) >= 2 and all(len(gens[r.rank]) >= 2 for r in inside)
+    names = ", ".join(f"rank {r.rank}" for r in inside)
+    return (first, f"{first.where} left a non-batched generation ({SINGLE_GENERATION}) that {names} "
+                   f"{'is' if len(inside) == 1 else 'are'} still in, and waits for the next request: mlx-lm "
+                   "ends such a generation on rank 0 alone when its client disconnects (distributed mode "
+                   "raises NotImplementedError there), so the ranks wait in different collectives",
+            "high" if steady else "medium")
 
 
 @dataclass(frozen=True)
