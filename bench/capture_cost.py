@@ -60,6 +60,28 @@ async def _bite(url: str) -> asyncio.Task:
     return task
 
 
+async def timed_capture(pid: int, out_dir: Path, label: str, url: str, log: Path, biter: asyncio.Task,
+                        runner: Any = run_command, **kw: Any) -> tuple[Any, float]:
+    """``capture_bundle`` of ``pid`` as the daemon calls it at the default config, then what it
+    left running (its lingering probe, the biting request) ended; the bundle and its wall time."""
+    cap, p = CaptureConfig(), ProbeConfig()  # the defaults, as the daemon passes them
+    req = CaptureRequest(
+        pid=pid, out_dir=out_dir, label=label, url=url, log=log,
+        snapshots=cap.snapshots, spacing=cap.spacing, ceiling=cap.ceiling, log_tail_lines=cap.log_tail_lines,
+        probe_first_token_timeout=min(p.first_token_timeout, 10.0), probe_timeout=min(p.timeout, 20.0),
+        verdict="benchmark capture", keep=1000, **kw,
+    )
+    t0 = time.monotonic()
+    bundle = await capture_bundle(req, runner=runner)
+    wall = time.monotonic() - t0
+    if bundle.lingering is not None:
+        bundle.lingering.cancel()
+        await asyncio.gather(bundle.lingering, return_exceptions=True)
+    biter.cancel()
+    await asyncio.gather(biter, return_exceptions=True)
+    return bundle, wall
+
+
 async def one_capture(server: LabServer, fault: str, out_dir: Path) -> dict[str, Any]:
     server.relaunch()
     server.set_fault(fault)
@@ -75,21 +97,8 @@ async def one_capture(server: LabServer, fault: str, out_dir: Path) -> dict[str,
                           "ok": result.ok})
         return result
 
-    cap, p = CaptureConfig(), ProbeConfig()  # the defaults, as the daemon passes them
-    req = CaptureRequest(
-        pid=server.pid, out_dir=out_dir, label=f"bench-{fault}", url=server.url, log=server.log_path,
-        snapshots=cap.snapshots, spacing=cap.spacing, ceiling=cap.ceiling, log_tail_lines=cap.log_tail_lines,
-        probe_first_token_timeout=min(p.first_token_timeout, 10.0), probe_timeout=min(p.timeout, 20.0),
-        verdict="benchmark capture", keep=1000,
-    )
-    t0 = time.monotonic()
-    bundle = await capture_bundle(req, runner=timed)
-    wall = time.monotonic() - t0
-    if bundle.lingering is not None:
-        bundle.lingering.cancel()
-        await asyncio.gather(bundle.lingering, return_exceptions=True)
-    biter.cancel()
-    await asyncio.gather(biter, return_exceptions=True)
+    bundle, wall = await timed_capture(server.pid, out_dir, f"bench-{fault}", server.url, server.log_path, biter,
+                                       runner=timed)
     server.set_fault("")
     m = bundle.manifest
     return {
