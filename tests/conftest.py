@@ -51,8 +51,11 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
                 raise pytest.UsageError("MLXWATCH_REQUIRE_REAL_SERVER=1 but no interpreter with mlx-lm")
             metafunc.parametrize("server_python", [pytest.param(None, marks=pytest.mark.skip("no mlx-lm"))])
             return
-        ids = [server_version(p) for p in SERVER_PYTHONS]
-        metafunc.parametrize("server_python", SERVER_PYTHONS, ids=[f"mlx-lm-{v}" for v in ids], scope="session")
+        # A test marked ``newest_server_only`` is about mlxwatch itself, not a version's behaviour
+        # (every behaviour it meets is tested on each version elsewhere): the newest version only.
+        pythons = SERVER_PYTHONS[-1:] if metafunc.definition.get_closest_marker("newest_server_only") else SERVER_PYTHONS
+        ids = [server_version(p) for p in pythons]
+        metafunc.parametrize("server_python", pythons, ids=[f"mlx-lm-{v}" for v in ids], scope="session")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -256,12 +256,16 @@ class DaemonProcess:
             await asyncio.sleep(0.1)
 
 
+@pytest.mark.newest_server_only
 async def test_long_run_with_a_growing_log_a_retrying_client_faults_and_daemon_stops(server_python, lab_root, tmp_path):
     """One daemon over a real server whose log holds more than 5 MB, with a client retrying
     every 2 s, faults switched on and off, and the daemon stopped (SIGTERM and SIGKILL) and
     started again six times in different states. Every hang is found within
     failures x (suspect_interval + first_token_timeout) plus the stated slack; no healthy or
-    loading server is restarted; the journal is coherent and status truthful throughout."""
+    loading server is restarted; the journal is coherent and status truthful throughout.
+    The daemon's own stops and starts are the subject: on the newest mlx-lm only (2.5 minutes
+    a version); each fault it meets is found and restarted on both versions by the tests of
+    tests/test_watchdog_real.py."""
     server = LabServer.start(server_python, lab_root / f"long-{Path(server_python).parts[-3]}")
     state = tmp_path / "state"
     config = tmp_path / "config.yaml"
