@@ -92,9 +92,12 @@ def section(data: dict[str, Any]) -> str:
                          f"{len(v[kind])} | {fmt_mmm(v[f'{kind}_wall'], 2)} | {fmt_mmm(v[f'{kind}_stacks'], 2)} | "
                          f"{fmt_mmm(v[f'{kind}_kb'], 0)} KB | {', '.join(said)} |")
     lines += ["", "Group against single (median capture wall time): " + ", ".join(
-        f"{v['mlx_lm']} {v['ratio']:.2f}x" for v in data["versions"]) + ". Every rank's dumps run side by side, "
-        "so a second rank adds its dumps' time to none of the steps; the group's bundle holds every rank's stacks. "
-        "A remote rank (over ssh) was not in this run.",
+        f"{v['mlx_lm']} {v['ratio']:.2f}x" for v in data["versions"]) + ". Every rank's dumps run side by side: "
+        "the second rank adds " + ", ".join(
+            f"{(v['group_stacks']['median'] - v['single_stacks']['median']):.2f} s" for v in data["versions"]) +
+        " to the stacks step (medians) and nothing the wall time shows, which the capture's probe, cut at the "
+        "window's end, sets. The group's bundle holds every rank's stacks. A remote rank (over ssh) was not in "
+        "this run.",
         "", f"Goal: the group's capture within the ceiling ({CaptureConfig.ceiling:g} s) and classified "
         "`collective_wait` naming rank 1: " + ("met." if data["pass"] else "**missed**.")]
     return "\n".join(lines) + "\n"
