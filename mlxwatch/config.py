@@ -176,9 +176,14 @@ class Config:
 
 
 def resolve_config_path(explicit: str | os.PathLike[str] | None) -> Path:
-    """``--config``, else ``$MLXWATCH_CONFIG``, else ``~/.config/mlxwatch/config.yaml``."""
+    """``--config``, else ``$MLXWATCH_CONFIG``, else ``~/.config/mlxwatch/config.yaml``. A
+    ``$MLXWATCH_CONFIG`` set but empty (an unset variable in a unit file, often) is refused,
+    as ``--config ""`` is: falling back would read another config."""
     if explicit:
         return Path(explicit).expanduser()
+    if os.environ.get(CONFIG_ENV) == "":
+        raise ConfigError(f"${CONFIG_ENV}", "", "set but empty: give a config file, or unset it "
+                          f"(then {DEFAULT_CONFIG_PATH})")
     if os.environ.get(CONFIG_ENV):
         return Path(os.environ[CONFIG_ENV]).expanduser()
     return DEFAULT_CONFIG_PATH.expanduser()

@@ -278,6 +278,21 @@ def test_an_empty_path_is_refused(argv, capsys, tmp_path, monkeypatch):
     one_line_error(capsys, code, argv, 2, f"{option} is empty: give a path, or leave {option} out for the default")
 
 
+@pytest.mark.parametrize(("argv", "env", "says"), [
+    (["config", "validate", ""], {}, "config validate: PATH is empty"),
+    (["config", "validate"], {"MLXWATCH_CONFIG": ""}, "$MLXWATCH_CONFIG: set but empty"),
+    (["status"], {"MLXWATCH_CONFIG": ""}, "$MLXWATCH_CONFIG: set but empty")])
+def test_an_empty_config_path_anywhere_is_refused(argv, env, says, capsys, tmp_path, monkeypatch):
+    """Found by a new user: `config validate "$UNSET"` and `MLXWATCH_CONFIG=` validated the
+    default config and said ok, exit 0, where `--config ""` was refused."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.delenv("MLXWATCH_CONFIG", raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    code = cli.run(argv, out=Console(file=io.StringIO()))
+    one_line_error(capsys, code, argv, 2, says)
+
+
 
 # --- run: what it watches, when it first probes, when a loading server is first judged
 

@@ -264,6 +264,8 @@ def _refuse_empty_paths(args: argparse.Namespace) -> None:
     for dest in ("config", "launchd_config"):
         if getattr(args, dest, None) == "":
             raise UsageError(f"--config is empty: give a config file, or leave --config out (then {CONFIG_DEFAULT})")
+    if getattr(args, "path", None) == "" and getattr(args, "config_command", None) == "validate":
+        raise UsageError(f"config validate: PATH is empty: give a config file, or leave it out (then {CONFIG_DEFAULT})")
     for dest in ("state_dir", "dir", "out"):
         if getattr(args, dest, None) == "":
             option = "--" + dest.replace("_", "-")
