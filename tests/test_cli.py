@@ -192,6 +192,34 @@ def test_status_reads_a_damaged_state_file_without_a_traceback(state_json, tmp_p
         assert code == 1 and "Traceback" not in err and "internal error" not in err, err
 
 
+def _no_constant(name: str) -> None:
+    raise AssertionError(f"{name} in status --json: not JSON")
+
+
+@pytest.mark.parametrize("state_json", ['{"instances": {"x": {"failures": 1e400}}}',
+                                        '{"instances": {"x": {"failures": NaN}}}',
+                                        '{"instances": {"x": {"group": {"ranks": [{"rank": 1e400}]}}}}',
+                                        '{"daemon": {"pid": 1e400, "last_tick": NaN}}',
+                                        '{"instances": {"x": {"state": "healthy", "failures": -3}}, '
+                                        '"daemon": {"pid": "abc", "last_tick": "yesterday", "watcher_errors": 2.5}}'])
+def test_status_of_a_state_file_with_odd_numbers_is_json_and_no_internal_error(state_json, tmp_path, capsys):
+    """Found by a new user: NaN, Infinity or 1e400 in state.json made `status` an internal error
+    (OverflowError, ValueError), and `status --json` passed the daemon's fields through as they
+    were: `Infinity`, `NaN` (not JSON) or a string PID. A file holding non-JSON numbers is
+    damaged (status says so and the daemon rebuilds it); odd values are left out."""
+    (tmp_path / "state.json").write_text(state_json)
+    assert cli.run(["status", "--state-dir", str(tmp_path)], out=Console(file=io.StringIO())) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "internal error" not in err, err
+    assert cli.run(["status", "--state-dir", str(tmp_path), "--json"]) == 1
+    data = json.loads(capsys.readouterr().out, parse_constant=_no_constant)
+    daemon = data["daemon"]
+    assert daemon["pid"] is None and "last_tick" not in daemon and "watcher_errors" not in daemon, daemon
+    assert all(i["failures"] >= 0 for i in data["instances"]), data["instances"]
+    if "NaN" in state_json or "1e400" in state_json:
+        assert data["state_problem"], data
+
+
 # --- stdout closed early (`| head`): no traceback, the shell's SIGPIPE code
 
 

@@ -15,6 +15,7 @@ odd fields is shown as far as it makes sense, never a traceback::
 
 from __future__ import annotations
 
+import math
 import time
 from pathlib import Path
 from typing import Any
@@ -38,7 +39,15 @@ def _list(value: Any) -> list:
 
 
 def _number(value: Any) -> float | None:
-    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return None
+    return float(value) if math.isfinite(value) else None
+
+
+def _count(value: Any) -> int | None:
+    """A whole number >= 0 (a PID, a rank, a count), or None for anything else."""
+    number = _number(value)
+    return int(number) if number is not None and number >= 0 and number == int(number) else None
 
 
 def _text(value: Any) -> str | None:
@@ -75,7 +84,7 @@ def collect_status(config: Config, state_dir: Path, clock: Clock | None = None) 
                            "reason": _text(probe.get("reason")), "ttft": _number(probe.get("ttft")),
                            "total": _number(probe.get("total")), "tokens": _number(probe.get("tokens"))}
             if probe else None,
-            "failures": int(_number(s.get("failures")) or 0),
+            "failures": _count(s.get("failures")) or 0,
             "restarts_in_window": _restarts_in_window(s, config, name, clock),
             "budget": next((i.restart.budget for i in config.instances if i.name == name), None),
             "last_incident": inc and {k: inc.get(k) for k in ("id", "event", "kind", "confidence", "detected_at",
@@ -89,9 +98,29 @@ def collect_status(config: Config, state_dir: Path, clock: Clock | None = None) 
         })
     return {"state_dir": str(state_dir), "state_problem": problem,
             "config": str(config.path) if config.path else None,
-            "daemon": {**daemon, "running": running, "pid": holder if holder is not None and holder > 0 else daemon.get("pid"),
+            "daemon": {**_daemon_fields(daemon), "running": running,
+                       "pid": holder if holder is not None and holder > 0 else _count(daemon.get("pid")),
                        "stalled": stalled},
             "instances": instances}
+
+
+def _daemon_fields(daemon: dict) -> dict[str, Any]:
+    """What the daemon wrote about itself, each field as it writes it or left out: a damaged
+    file must not put a string PID or a non-JSON number into ``status --json``."""
+    fields: dict[str, Any] = {}
+    for key in ("started_at", "stopped_at", "last_tick", "updated_at"):
+        if _number(daemon.get(key)) is not None:
+            fields[key] = _number(daemon.get(key))
+    if _count(daemon.get("watcher_errors")) is not None:
+        fields["watcher_errors"] = _count(daemon.get("watcher_errors"))
+    metrics = _dict(daemon.get("metrics"))
+    if metrics:
+        fields["metrics"] = {"serving": _text(metrics.get("serving")), "error": _text(metrics.get("error"))}
+    reload = _dict(daemon.get("last_reload"))
+    if reload:
+        fields["last_reload"] = {"at": _number(reload.get("at")), "ok": reload.get("ok") is True,
+                                 "message": _text(reload.get("message"))}
+    return fields
 
 
 def _shim_status(s: dict) -> dict | None:
@@ -114,17 +143,15 @@ def group_status(saved: Any) -> dict | None:
     ranks = []
     for item in _list(g.get("ranks")):
         r = _dict(item)
-        number = _number(r.get("rank"))
+        number = _count(r.get("rank"))
         if number is None:
             continue
-        pid = _number(r.get("pid"))
-        ranks.append({"rank": int(number), "host": _text(r.get("host")) or "?",
-                      "pid": int(pid) if pid is not None else None, "state": _text(r.get("state")) or "unknown"})
+        ranks.append({"rank": number, "host": _text(r.get("host")) or "?", "pid": _count(r.get("pid")),
+                      "state": _text(r.get("state")) or "unknown"})
     if not ranks:
         return None
-    launcher = _number(_dict(g.get("launcher")).get("pid"))
     hosts, errors = _list(g.get("hosts")), _list(g.get("errors"))
-    return {"launcher_pid": int(launcher) if launcher is not None else None, "backend": _text(g.get("backend")),
+    return {"launcher_pid": _count(_dict(g.get("launcher")).get("pid")), "backend": _text(g.get("backend")),
             "size": max(len(hosts), len(ranks)), "ranks": sorted(ranks, key=lambda r: r["rank"]),
             "errors": [str(e) for e in errors]}
 
@@ -137,9 +164,9 @@ def _front_status(s: dict) -> dict | None:
         return None
     outcomes = _dict(front.get("outcomes"))
     return {"listen": _text(front.get("listen")), "gate": _text(front.get("gate")), "error": error,
-            "in_flight": int(_number(front.get("in_flight")) or 0),
+            "in_flight": _count(front.get("in_flight")) or 0,
             "last_token_at": _number(front.get("last_token_at")),
-            "outcomes": {str(k): int(v) for k, v in outcomes.items() if _number(v) is not None}}
+            "outcomes": {str(k): n for k, v in outcomes.items() if (n := _count(v)) is not None}}
 
 
 def _incidents(journal: Journal) -> tuple[dict[str, dict], dict[str, dict]]:

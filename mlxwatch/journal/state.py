@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import logging
 import os
 import stat
@@ -107,6 +108,18 @@ class StateFile:
                 await asyncio.sleep(5.0)
 
 
+def _no_constant(name: str) -> float:
+    """``NaN`` and ``Infinity`` are not JSON: a state file holding them is damaged."""
+    raise ValueError(f"{name} is not a number JSON allows")
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):  # 1e400: no count or time the daemon writes
+        raise ValueError(f"{text} is out of range")
+    return value
+
+
 def load_state(state_dir: Path) -> tuple[dict[str, Any], str | None]:
     """The state as saved, and what was wrong with it (None: read fine, or none saved yet).
 
@@ -131,7 +144,8 @@ def load_state(state_dir: Path) -> tuple[dict[str, Any], str | None]:
         return empty, f"is larger than {MAX_STATE_BYTES} bytes"
     try:
         with open_regular(path) as fh:
-            data = json.loads(fh.read(MAX_STATE_BYTES).decode("utf-8"))
+            data = json.loads(fh.read(MAX_STATE_BYTES).decode("utf-8"), parse_constant=_no_constant,
+                              parse_float=_finite)
     except (OSError, ValueError) as exc:
         return empty, f"is unreadable ({type(exc).__name__})"
     if not isinstance(data, dict) or not isinstance(data.get("instances", {}), dict) \
