@@ -15,6 +15,7 @@ five minutes and more for a cron job probing every five minutes.
 
 from __future__ import annotations
 
+import difflib
 import ipaddress
 import os
 import re
@@ -73,7 +74,7 @@ class RestartConfig:
     user: bool = False  # systemd --user
     argv: tuple[str, ...] = ()  # command
     signal_name: str = "SIGTERM"  # signal
-    grace: float = 15.0  # signal: SIGTERM -> SIGKILL
+    grace: float = 15.0  # signal: SIGTERM -> SIGKILL; any method: how long a group's ranks may outlive it
     timeout: float = 60.0  # the restart action itself
     backoff: float = 30.0  # first wait between restarts; doubles each time
     max_backoff: float = 600.0
@@ -675,21 +676,38 @@ def _list(value: Any) -> list:
 # {launcher_pid}, {pids} (comma-separated, by rank) and {hosts} (likewise): an mlx.launch group's, else empty.
 HOOK_FIELDS = ("name", "pid", "url", "bundle", "launcher_pid", "pids", "hosts")
 HOOK_FIELD = re.compile(r"\{(" + "|".join(HOOK_FIELDS) + r")\}")
-_BRACED_WORD = re.compile(r"(?<!\$)\{([A-Za-z0-9_]+)\}")  # not ${VAR}: the shell's
+# a brace and a name, closed or not; never ${VAR}: the shell's
+_BRACED_NAME = re.compile(r"(?<!\$)\{([A-Za-z0-9_-]+)(\}|(?=\s|$))")
 
 
 def _hook_argv(value: Any) -> tuple[str, ...]:
-    """A restart command. A field in the wrong case ({PID}) is refused: it would reach the
-    command as written, at restart time. Other braces (a shell's ${VAR}, awk's {print}, JSON)
-    are the command's own and pass as written."""
+    """A restart command. A field in the wrong case ({PID}) or misspelt ({launcherpid},
+    {launcher-pid}, {launcher_pid without its brace) is refused: it would reach the command as
+    written, at restart time. Other braces (a shell's ${VAR}, awk's {print}, JSON) are the
+    command's own and pass as written."""
     argv = _argv(value)
     for i, arg in enumerate(argv):
-        for m in _BRACED_WORD.finditer(arg):
-            word = m.group(1)
-            if word not in HOOK_FIELDS and word.lower() in HOOK_FIELDS:
-                raise ValueError(f"argument {i} has {{{word}}}, which mlxwatch does not fill; its fields are "
-                                 "{name}, {pid}, {url}, {bundle}, {launcher_pid}, {pids} and {hosts}, in lower case")
+        for m in _BRACED_NAME.finditer(arg):
+            word, closed = m.group(1), m.group(2) == "}"
+            if closed and word in HOOK_FIELDS:
+                continue
+            meant = _near_field(word)
+            if meant is None:
+                continue
+            written = "{" + word + ("}" if closed else "")
+            raise ValueError(f"argument {i} has {written}, which mlxwatch does not fill: did you mean {{{meant}}}? "
+                             "Its fields are {name}, {pid}, {url}, {bundle}, {launcher_pid}, {pids} and {hosts}")
     return argv
+
+
+def _near_field(word: str) -> str | None:
+    """The field ``word`` was most likely meant to be (case, ``-`` for ``_``, a letter off), or None."""
+    plain = word.lower().replace("-", "_")
+    if plain in HOOK_FIELDS:
+        return plain
+    close = difflib.get_close_matches(plain, HOOK_FIELDS, n=1, cutoff=0.85)
+    squeezed = {f.replace("_", ""): f for f in HOOK_FIELDS}
+    return squeezed.get(plain.replace("_", "")) or (close[0] if close else None)
 
 
 def _argv(value: Any) -> tuple[str, ...]:
@@ -921,9 +939,10 @@ def _restart(raw: Any, path: str, file: str) -> RestartConfig:
         kwargs["argv"] = sec.require("command", _hook_argv)
     elif method == "signal":
         kwargs["signal_name"] = sec.require("signal", _signal_name)
-        kwargs.update(sec.take_present({"grace": _positive_duration}))
     else:
         sec.take("none", lambda v: v, None)
+    if method != "none":  # signal: the time to SIGKILL; every method: how long a group's ranks may outlive it
+        kwargs.update(sec.take_present({"grace": _positive_duration}))
     kwargs.update(sec.take_present({
         "timeout": _positive_duration,
         "backoff": _positive_duration,

@@ -61,6 +61,7 @@ def test_example_config_is_valid():
     assert [i.name for i in cfg.instances]
 
 
+FIELDS = "Its fields are {name}, {pid}, {url}, {bundle}, {launcher_pid}, {pids} and {hosts}"
 BAD = [
     # (yaml text, expected message after "<file>: ")
     ("instances: [{name: a, url: 'http://127.0.0.1:1', colour: red}]",
@@ -108,14 +109,23 @@ BAD = [
      " (got ['launchd', 'systemd'])"),
     ("instances: [{name: a, url: 'http://127.0.0.1:1', restart: {command: 'restart.sh now'}}]",
      "instances[0].restart.command: must be a non-empty list of strings (an argv, run without a shell) (got 'restart.sh now')"),
-    # a field in the wrong case: refused at load, not passed to the hook as written at restart time
+    # a field in the wrong case or misspelt: refused at load, not passed to the hook as written
+    # at restart time (found by a new user: {launcherpid} and an unclosed {launcher_pid passed)
     ("instances: [{name: a, url: 'http://127.0.0.1:1', restart: {command: [kill, '{PID}']}}]",
-     "instances[0].restart.command: argument 1 has {PID}, which mlxwatch does not fill; its fields are "
-     "{name}, {pid}, {url}, {bundle}, {launcher_pid}, {pids} and {hosts}, in lower case (got ['kill', '{PID}'])"),
+     "instances[0].restart.command: argument 1 has {PID}, which mlxwatch does not fill: did you mean {pid}? "
+     + FIELDS + " (got ['kill', '{PID}'])"),
     ("instances: [{name: a, url: 'http://127.0.0.1:1', restart: {command: [restart, '--server={Name}']}}]",
-     "instances[0].restart.command: argument 1 has {Name}, which mlxwatch does not fill; its fields are "
-     "{name}, {pid}, {url}, {bundle}, {launcher_pid}, {pids} and {hosts}, in lower case "
-     "(got ['restart', '--server={Name}'])"),
+     "instances[0].restart.command: argument 1 has {Name}, which mlxwatch does not fill: did you mean {name}? "
+     + FIELDS + " (got ['restart', '--server={Name}'])"),
+    ("instances: [{name: a, url: 'http://127.0.0.1:1', restart: {command: [kill, '{launcherpid}']}}]",
+     "instances[0].restart.command: argument 1 has {launcherpid}, which mlxwatch does not fill: did you mean "
+     "{launcher_pid}? " + FIELDS + " (got ['kill', '{launcherpid}'])"),
+    ("instances: [{name: a, url: 'http://127.0.0.1:1', restart: {command: [kill, '{launcher_pid']}}]",
+     "instances[0].restart.command: argument 1 has {launcher_pid, which mlxwatch does not fill: did you mean "
+     "{launcher_pid}? " + FIELDS + " (got ['kill', '{launcher_pid'])"),
+    ("instances: [{name: a, url: 'http://127.0.0.1:1', restart: {command: [ssh, '{hots}']}}]",
+     "instances[0].restart.command: argument 1 has {hots}, which mlxwatch does not fill: did you mean "
+     "{hosts}? " + FIELDS + " (got ['ssh', '{hots}'])"),
     # the config's own directory: a log the daemon could never follow
     ("instances: [{name: a, url: 'http://127.0.0.1:1', log: .}]",
      "instances[0].log: is a directory; give the file the server writes its log to (got '.')"),
@@ -215,8 +225,10 @@ def test_bad_config_names_file_key_path_and_value(config_file, text, message):
 
 
 def test_a_restart_commands_own_braces_pass_as_written(config_file):
-    """The shell's ${VAR} (even ${PID}), awk's {print} and JSON are the command's, not fields."""
-    argv = ["sh", "-c", "launchctl kickstart -k gui/${UID}/x; kill ${PID} {pid}", "awk '{print}'", '{"a": {"b": 1}}']
+    """The shell's ${VAR} (even ${PID}) and brace expansion, awk's {print}, JSON and a word like
+    no field are the command's, not fields."""
+    argv = ["sh", "-c", "launchctl kickstart -k gui/${UID}/x; kill ${PID} {pid}; echo {pid,pids}", "awk '{print}'",
+            '{"a": {"b": 1}}', "{nope}"]
     cfg = load_config(config_file("instances: [{name: a, url: 'http://127.0.0.1:1', restart: {command: %s}}]"
                                   % json.dumps(argv)))
     assert list(cfg.instances[0].restart.argv) == argv
@@ -458,4 +470,20 @@ def test_off_written_bare_means_off(tmp_path, text, kernel, shim):
     assert (inst.kernel, inst.shim) == (kernel, shim)
     path.write_text(f"instances: [{{{A}, kernel: on}}]\n")
     with pytest.raises(ConfigError, match=r"instances\[0\]\.kernel: must be one of auto, off \(got True\)"):
+        load_config(path)
+
+
+@pytest.mark.parametrize("method", ["command: [/bin/echo]", "launchd: com.example.mlx", "systemd: mlx.service",
+                                    "signal: SIGTERM"])
+def test_restart_grace_is_set_for_every_method(config_file, method):
+    """Found by a new user: docs/distributed.md says a group's ranks still running `grace` after a
+    launchd, systemd or command restart are killed, but `grace` was an unknown key for all of
+    them but `signal`."""
+    cfg = load_config(config_file(f"instances: [{{name: a, url: 'http://127.0.0.1:1', restart: {{{method}, grace: 5s}}}}]"))
+    assert cfg.instances[0].restart.grace == 5.0
+
+
+def test_restart_none_takes_no_grace(config_file):
+    path = config_file("instances: [{name: a, url: 'http://127.0.0.1:1', restart: {none: true, grace: 5s}}]")
+    with pytest.raises(ConfigError, match=r"restart\.grace: unknown key"):
         load_config(path)
