@@ -15,6 +15,7 @@ five minutes and more for a cron job probing every five minutes.
 
 from __future__ import annotations
 
+import datetime
 import difflib
 import ipaddress
 import os
@@ -821,7 +822,8 @@ class _Section:
         except ValueNotShown as exc:
             raise self.error(key, str(exc)) from None
         except ValueError as exc:
-            raise self.error(key, f"{exc} (got {_show(value)})") from None
+            hint = ": YAML reads a bare on, off, yes or no as true or false" if isinstance(value, bool) else ""
+            raise self.error(key, f"{exc} (got {_show(value)}{hint})") from None
 
     def take_present(self, readers: dict[str, Callable[[Any], Any]]) -> dict[str, Any]:
         """The keys of ``readers`` that the file sets, read; the dataclass supplies the rest."""
@@ -879,6 +881,10 @@ def _repr_pieces(value: Any, depth: int) -> Iterator[str]:
         yield f"<a {value.bit_length()}-bit integer>"
     elif isinstance(value, (str, bytes)):
         yield repr(value if len(value) <= 1000 else value[:1000])
+    elif isinstance(value, bool) or value is None:  # as the YAML said it, not as Python spells it
+        yield {True: "true", False: "false", None: "null"}[value]
+    elif isinstance(value, (datetime.date, datetime.datetime)):
+        yield f"the date {value.isoformat()}"  # YAML reads a bare 2001-12-14 as a date
     else:
         yield repr(value)[:1000]
 

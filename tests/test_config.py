@@ -109,6 +109,15 @@ BAD = [
      " (got ['launchd', 'systemd'])"),
     ("instances: [{name: a, url: 'http://127.0.0.1:1', restart: {command: 'restart.sh now'}}]",
      "instances[0].restart.command: must be a non-empty list of strings (an argv, run without a shell) (got 'restart.sh now')"),
+    # YAML's own readings, said as YAML says them (found by a new user: "got datetime.date(2001,
+    # 12, 14)", "got None", "got True" for a bare `on`)
+    ("instances: [{name: a, url: 'http://127.0.0.1:1', probe: {interval: 2001-12-14}}]",
+     "instances[0].probe.interval: must be a duration such as 30, 30s, 5m or 1h (got the date 2001-12-14)"),
+    ("instances: [{name: a, url: 'http://127.0.0.1:1', kernel: null}]",
+     "instances[0].kernel: must be one of auto, off (got null)"),
+    ("instances: [{name: a, url: 'http://127.0.0.1:1', kernel: on}]",
+     "instances[0].kernel: must be one of auto, off "
+     "(got true: YAML reads a bare on, off, yes or no as true or false)"),
     # a field in the wrong case or misspelt: refused at load, not passed to the hook as written
     # at restart time (found by a new user: {launcherpid} and an unclosed {launcher_pid passed)
     ("instances: [{name: a, url: 'http://127.0.0.1:1', restart: {command: [kill, '{PID}']}}]",
@@ -136,7 +145,8 @@ BAD = [
     ("instances: [{name: a, url: 'http://127.0.0.1:1', restart: {launchd: x, budget: -1}}]",
      "instances[0].restart.budget: must be a positive whole number (got -1)"),
     ("instances: [{name: a, url: 'http://127.0.0.1:1', restart: {launchd: x, timeout: yes}}]",
-     "instances[0].restart.timeout: must be a duration such as 30, 30s, 5m or 1h (got True)"),
+     "instances[0].restart.timeout: must be a duration such as 30, 30s, 5m or 1h "
+     "(got true: YAML reads a bare on, off, yes or no as true or false)"),
     ("capture: {snapshots: 0}", "capture.snapshots: must be a positive whole number (got 0)"),
     ("capture: {max_bytes: lots}", "capture.max_bytes: must be a positive size such as 500MB or 2GB (got 'lots')"),
     ("notify: 'mail me'", "notify: must be a non-empty list of strings (an argv, run without a shell) (got 'mail me')"),
@@ -469,7 +479,8 @@ def test_off_written_bare_means_off(tmp_path, text, kernel, shim):
     inst = load_config(path).instances[0]
     assert (inst.kernel, inst.shim) == (kernel, shim)
     path.write_text(f"instances: [{{{A}, kernel: on}}]\n")
-    with pytest.raises(ConfigError, match=r"instances\[0\]\.kernel: must be one of auto, off \(got True\)"):
+    with pytest.raises(ConfigError, match=r"instances\[0\]\.kernel: must be one of auto, off \(got true: "
+                       r"YAML reads a bare on, off, yes or no as true or false\)"):
         load_config(path)
 
 

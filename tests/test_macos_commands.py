@@ -204,7 +204,8 @@ def test_restart_uid_is_read_for_launchd(config_file):
     (f"instances: [{{{A}, restart: {{launchd: x, uid: '501'}}}}]",
      "instances[0].restart.uid: must be a user id, a whole number such as 501 (`id -u`) (got '501')"),
     (f"instances: [{{{A}, restart: {{launchd: x, uid: true}}}}]",
-     "instances[0].restart.uid: must be a user id, a whole number such as 501 (`id -u`) (got True)"),
+     "instances[0].restart.uid: must be a user id, a whole number such as 501 (`id -u`) "
+     "(got true: YAML reads a bare on, off, yes or no as true or false)"),
     (f"instances: [{{{A}, restart: {{launchd: x, uid: 4294967296}}}}]",
      "instances[0].restart.uid: must be a user id from 0 to 2147483647 (got 4294967296)"),
     (f"instances: [{{{A}, restart: {{launchd: x, domain: system, uid: 501}}}}]",

@@ -54,7 +54,8 @@ BAD = [
     ("metrics: {listen: 0}", "metrics.listen: port must be 1 to 65535 (got 0)"),
     ("metrics: {listen: true}",
      "metrics.listen: must be PORT, HOST:PORT or [IPV6]:PORT with an IP address or localhost, such as "
-     "127.0.0.1:9464 (got True)"),
+     "127.0.0.1:9464 "
+     "(got true: YAML reads a bare on, off, yes or no as true or false)"),
     ("metrics: {textfile: /var/node/mlxwatch.txt}",
      "metrics.textfile: must end in .prom (node_exporter's textfile collector reads only *.prom files) "
      "(got '/var/node/mlxwatch.txt')"),
