@@ -410,6 +410,20 @@ def test_state_json_that_is_a_directory_is_one_line_exit_2(tmp_path):
         assert "state.json is a directory" in proc.stderr
 
 
+def test_a_lock_that_is_a_directory_is_named(tmp_path):
+    """Found by a new user: with daemon.lock a directory, `run` said `cannot use the state dir
+    DIR: Is a directory`, where the directory is fine and the lock is not."""
+    state = tmp_path / "state"
+    (state / "daemon.lock").mkdir(parents=True)
+    state.chmod(0o700)
+    path = tmp_path / "c.yaml"
+    path.write_text(f"state_dir: {state}\ninstances: [{{name: x, url: 'http://127.0.0.1:1'}}]\n")
+    proc = subprocess.run([sys.executable, "-m", "mlxwatch", "--config", str(path), "run"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert f"{state / 'daemon.lock'}: Is a directory" in proc.stderr, proc.stderr
+
+
 async def test_healthy_probes_do_no_lookup_and_no_state_write(tmp_path, standin):
     """Measured: a system-wide socket scan and a whole-file fsynced state write on every
     probe. Now the server is looked up and the state written on state changes only."""

@@ -107,8 +107,9 @@ class Daemon:
         check_runnable(self.config)
         try:
             self.lock.acquire()
-        except OSError as exc:
-            raise StateError(f"cannot use the state dir {self.state_dir}: {exc.strerror or exc}") from None
+        except OSError as exc:  # name the file: the dir may be fine and the lock a directory
+            where = exc.filename or self.state_dir
+            raise StateError(f"cannot use the state dir {self.state_dir}: {where}: {exc.strerror or exc}") from None
         try:
             usable_bundles_dir(self.config, self.state_dir)  # after the state dir: it may hold the bundles dir
             await self._run(stop, reload or asyncio.Event(), load_config)
@@ -121,7 +122,8 @@ class Daemon:
             self.state = StateFile(self.state_dir, self.journal.path)
             self.state.flush()  # a state dir we cannot write is a start-up error, not a silent one
         except OSError as exc:
-            raise StateError(f"cannot use the state dir {self.state_dir}: {exc.strerror or exc}") from None
+            where = exc.filename or self.state_dir
+            raise StateError(f"cannot use the state dir {self.state_dir}: {where}: {exc.strerror or exc}") from None
         self.journal.start()  # appends from here on: in order, fsynced, in the journal's own thread
         try:
             await self._watch(stop, reload, load_config)
