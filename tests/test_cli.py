@@ -220,6 +220,20 @@ def test_status_of_a_state_file_with_odd_numbers_is_json_and_no_internal_error(s
         assert data["state_problem"], data
 
 
+def test_status_shows_control_characters_from_the_state_file_as_question_marks(tmp_path, capsys):
+    """Found by a new user: an instance name or reason in state.json with a newline or an ANSI
+    escape sequence was printed raw, breaking the table (and driving the terminal)."""
+    (tmp_path / "state.json").write_text(json.dumps({"instances": {"evil\x1b[2J\nname": {
+        "state": "hung\x1b[31m", "last_probe": {"at": 1.0, "ok": False, "reason": "no\ntoken"}}}}))
+    buf = io.StringIO()
+    assert cli.run(["status", "--state-dir", str(tmp_path)], out=Console(file=buf, width=200)) == 1
+    shown = buf.getvalue()
+    assert "\x1b" not in shown and "evil?[2J?name" in shown and "hung?[31m" in shown, shown
+    assert cli.run(["status", "--state-dir", str(tmp_path), "--json"]) == 1
+    data = json.loads(capsys.readouterr().out)
+    assert data["instances"][0]["name"] == "evil?[2J?name"
+
+
 # --- stdout closed early (`| head`): no traceback, the shell's SIGPIPE code
 
 

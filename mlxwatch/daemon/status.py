@@ -51,7 +51,12 @@ def _count(value: Any) -> int | None:
 
 
 def _text(value: Any) -> str | None:
-    return value if isinstance(value, str) else None if value is None else str(value)
+    """A string to show, its control characters (a newline, an escape sequence from a damaged or
+    planted file) made visible as ``?``: they would break the table or drive the terminal."""
+    if value is None:
+        return None
+    text = value if isinstance(value, str) else str(value)
+    return text if text.isprintable() else "".join(c if c.isprintable() else "?" for c in text)
 
 
 def collect_status(config: Config, state_dir: Path, clock: Clock | None = None) -> dict[str, Any]:
@@ -76,7 +81,7 @@ def collect_status(config: Config, state_dir: Path, clock: Clock | None = None) 
         probe = _dict(s.get("last_probe"))
         stuck = _dict(s.get("stuck")) if running else {}  # a stopped daemon's watchers are not stuck, just gone
         instances.append({
-            "name": name,
+            "name": _text(name),
             "configured": name in configured,
             "state": "stuck" if stuck else _text(s.get("state")) or "never probed",
             "stuck": stuck and {"since": _number(stuck.get("since")), "state": _text(stuck.get("state"))} or None,
