@@ -109,6 +109,12 @@ def test_rank0_that_left_a_non_batched_generation_is_the_culprit():
     c = classify(_evidence("running", [[between], [single], [single]]))
     assert (c.kind, c.culprit_rank, c.confidence) == ("collective_wait", 0, "high"), c
     assert any("left a non-batched generation" in line for line in c.evidence), c.evidence
+    # measured in a full run: rank 0's first snapshot still inside the generation (it notices the
+    # disconnect at its next token), then waiting for the next request: still rank 0
+    ev = _evidence("running", [[single]] * 3)
+    ev.snapshots = [[ThreadStack("Thread-1 (_generate)", 1, False, False, single.frames)], [WAITING], [WAITING]]
+    c = classify(ev)
+    assert (c.kind, c.culprit_rank, c.confidence) == ("collective_wait", 0, "high"), c
     # rank 1 elsewhere in the model step but not in a non-batched generation: rank 1 went astray
     batched = ThreadStack("Thread-1 (_generate)", 1, False, False, single.frames[:2] + single.frames[3:])
     assert classify(_evidence("running", [[batched]] * 3)).culprit_rank == 1

@@ -333,13 +333,16 @@ def _left_single(first: RankEvidence, waiters: list[RankEvidence],
     """Rank 0 (``first``) waits for the next request while another rank is still inside a
     non-batched generation: rank 0 left it. mlx-lm does that when the client of such a request
     disconnects in distributed mode (``_serve_single`` raises NotImplementedError on rank 0
-    alone; measured on 0.31.3 and 0.32.2): the others go on with the generation's collectives."""
-    if first.rank != 0 or any(_in_single(g) for g in gens[first.rank]):
+    alone; measured on 0.31.3 and 0.32.2): the others go on with the generation's collectives.
+    Rank 0 notices the disconnect only at its next token, so an early snapshot may still show
+    it in the generation (measured): its latest snapshot decides."""
+    mine = gens[first.rank]
+    if first.rank != 0 or _in_single(mine[-1]):
         return None
     inside = [r for r in waiters if r is not first and all(_in_single(g) for g in gens[r.rank])]
     if not inside:
         return None
-    steady = len(gens[first.rank]) >= 2 and all(len(gens[r.rank]) >= 2 for r in inside)
+    steady = len(mine) >= 2 and not _in_single(mine[-2]) and all(len(gens[r.rank]) >= 2 for r in inside)
     names = ", ".join(f"rank {r.rank}" for r in inside)
     return (first, f"{first.where} left a non-batched generation ({SINGLE_GENERATION}) that {names} "
                    f"{'is' if len(inside) == 1 else 'are'} still in, and waits for the next request: mlx-lm "
