@@ -677,6 +677,8 @@ def _list(value: Any) -> list:
 # {launcher_pid}, {pids} (comma-separated, by rank) and {hosts} (likewise): an mlx.launch group's, else empty.
 HOOK_FIELDS = ("name", "pid", "url", "bundle", "launcher_pid", "pids", "hosts")
 HOOK_FIELD = re.compile(r"\{(" + "|".join(HOOK_FIELDS) + r")\}")
+_FIELD_LIST = ", ".join(f"{{{f}}}" for f in HOOK_FIELDS[:-1]) + f" and {{{HOOK_FIELDS[-1]}}}"
+_SQUEEZED_FIELDS = {f.replace("_", ""): f for f in HOOK_FIELDS}  # {launcherpid}: launcher_pid
 # a brace and a name, closed or not; never ${VAR}: the shell's
 _BRACED_NAME = re.compile(r"(?<!\$)\{([A-Za-z0-9_-]+)(\}|(?=\s|$))")
 
@@ -697,7 +699,7 @@ def _hook_argv(value: Any) -> tuple[str, ...]:
                 continue
             written = "{" + word + ("}" if closed else "")
             raise ValueError(f"argument {i} has {written}, which mlxwatch does not fill: did you mean {{{meant}}}? "
-                             "Its fields are {name}, {pid}, {url}, {bundle}, {launcher_pid}, {pids} and {hosts}")
+                             f"Its fields are {_FIELD_LIST}")
     return argv
 
 
@@ -706,9 +708,10 @@ def _near_field(word: str) -> str | None:
     plain = word.lower().replace("-", "_")
     if plain in HOOK_FIELDS:
         return plain
+    if plain.replace("_", "") in _SQUEEZED_FIELDS:
+        return _SQUEEZED_FIELDS[plain.replace("_", "")]
     close = difflib.get_close_matches(plain, HOOK_FIELDS, n=1, cutoff=0.85)
-    squeezed = {f.replace("_", ""): f for f in HOOK_FIELDS}
-    return squeezed.get(plain.replace("_", "")) or (close[0] if close else None)
+    return close[0] if close else None
 
 
 def _argv(value: Any) -> tuple[str, ...]:

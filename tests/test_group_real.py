@@ -94,6 +94,11 @@ def group_instance(group, method: RestartConfig) -> InstanceConfig:
     return InstanceConfig("group", group.url, group.log_path, restart=method)
 
 
+def restart_group(group, old, method: RestartConfig = RestartConfig("signal", grace=5.0)):
+    """The restart the daemon runs for the group ``old`` (found before the fault), by ``method``."""
+    return asyncio.run(restart(RestartContext(group_instance(group, method), old.rank(0).identity, None, group=old)))
+
+
 def test_signal_restart_ends_the_whole_group_with_rank1_stopped(lab_group):
     """Measured before: SIGTERM to rank 0 while rank 1 is SIGSTOPped: rank 0 exits, rank 1 stays
     stopped, mlx.launch spins for ever and the supervisor never starts the group again. Now the
@@ -101,8 +106,7 @@ def test_signal_restart_ends_the_whole_group_with_rank1_stopped(lab_group):
     loop's new group answers."""
     old = lab_group.group()
     os.kill(old.rank(1).pid, signal.SIGSTOP)
-    inst = group_instance(lab_group, RestartConfig("signal", grace=5.0))
-    outcome = asyncio.run(restart(RestartContext(inst, old.rank(0).identity, None, group=old)))
+    outcome = restart_group(lab_group, old)
     assert outcome.result == OK, outcome
     assert not old.launcher.alive()
     assert all(not r.identity.alive() for r in old.ranks)
@@ -118,8 +122,7 @@ def test_command_hook_gets_the_group(lab_group, tmp_path):
     write = "import sys; open(sys.argv[1], 'w').write(' '.join(sys.argv[2:]))"
     hook = RestartConfig("command", argv=(sys.executable, "-c", write,
                                           str(out), "{pid}", "{launcher_pid}", "{pids}", "{hosts}"), grace=1.0)
-    outcome = asyncio.run(restart(RestartContext(group_instance(lab_group, hook), old.rank(0).identity, None,
-                                                 group=old)))
+    outcome = restart_group(lab_group, old, hook)
     assert out.read_text().split() == [str(old.rank(0).pid), str(old.launcher.pid),
                                        f"{old.rank(0).pid},{old.rank(1).pid}", "127.0.0.1,127.0.0.1"]
     assert "killed ranks that outlived it" in outcome.detail
@@ -173,8 +176,7 @@ def test_hung_group_verdict_bundle_and_group_restart(lab_group, tmp_path, fault,
     assert list((bundle.path / "ranks" / "rank-1" / "stacks").glob("pyspy-*.json"))
     assert f"rank {culprit}" in (bundle.path / "summary.md").read_text().splitlines()[0]
     lab_group.set_fault("", rank=1)  # the new group starts healthy
-    inst = group_instance(lab_group, RestartConfig("signal", grace=5.0))
-    outcome = asyncio.run(restart(RestartContext(inst, old.rank(0).identity, None, group=old)))
+    outcome = restart_group(lab_group, old)
     assert outcome.result == OK and "all 2 ranks and the launcher gone" in outcome.detail
     assert not old.launcher.alive() and all(not r.identity.alive() for r in old.ranks)
     assert wait_for(lambda: (g := lab_group.group()) is not None and not g.same_group(old) and not g.missing(), 120)
@@ -198,8 +200,7 @@ def test_rank1_exits_group_ends_and_comes_back(lab_group, fault):
     assert judged.hung and judged.culprit_rank in (0, 1)  # rank 0 may already have gone with it
     if not wait_for(lambda: not old.launcher.alive() and not old.rank(0).identity.alive(), 20):
         left = _left(lab_group, old)
-        inst = group_instance(lab_group, RestartConfig("signal", grace=5.0))
-        outcome = asyncio.run(restart(RestartContext(inst, old.rank(0).identity, None, group=old)))
+        outcome = restart_group(lab_group, old)
         assert outcome.result == OK, (outcome, left)
     assert not old.launcher.alive() and all(not r.identity.alive() for r in old.ranks), _left(lab_group, old)
     assert wait_for(lambda: (g := lab_group.group()) is not None and not g.same_group(old) and not g.missing(), 120)

@@ -114,10 +114,10 @@ def _daemon_fields(daemon: dict) -> dict[str, Any]:
     file must not put a string PID or a non-JSON number into ``status --json``."""
     fields: dict[str, Any] = {}
     for key in ("started_at", "stopped_at", "last_tick", "updated_at"):
-        if _number(daemon.get(key)) is not None:
-            fields[key] = _number(daemon.get(key))
-    if _count(daemon.get("watcher_errors")) is not None:
-        fields["watcher_errors"] = _count(daemon.get("watcher_errors"))
+        if (number := _number(daemon.get(key))) is not None:
+            fields[key] = number
+    if (errors := _count(daemon.get("watcher_errors"))) is not None:
+        fields["watcher_errors"] = errors
     metrics = _dict(daemon.get("metrics"))
     if metrics:
         fields["metrics"] = {"serving": _text(metrics.get("serving")), "error": _text(metrics.get("error"))}

@@ -107,14 +107,19 @@ class Daemon:
         check_runnable(self.config)
         try:
             self.lock.acquire()
-        except OSError as exc:  # name the file: the dir may be fine and the lock a directory
-            where = exc.filename or self.state_dir
-            raise StateError(f"cannot use the state dir {self.state_dir}: {where}: {exc.strerror or exc}") from None
+        except OSError as exc:
+            raise self._unusable(exc) from None
         try:
             usable_bundles_dir(self.config, self.state_dir)  # after the state dir: it may hold the bundles dir
             await self._run(stop, reload or asyncio.Event(), load_config)
         finally:
             self.lock.release()
+
+    def _unusable(self, exc: OSError) -> StateError:
+        """The state dir cannot be used: named with the file that failed (the dir may be fine
+        and its lock a directory)."""
+        where = exc.filename or self.state_dir
+        return StateError(f"cannot use the state dir {self.state_dir}: {where}: {exc.strerror or exc}")
 
     async def _run(self, stop: asyncio.Event, reload: asyncio.Event, load_config) -> None:
         try:
@@ -122,8 +127,7 @@ class Daemon:
             self.state = StateFile(self.state_dir, self.journal.path)
             self.state.flush()  # a state dir we cannot write is a start-up error, not a silent one
         except OSError as exc:
-            where = exc.filename or self.state_dir
-            raise StateError(f"cannot use the state dir {self.state_dir}: {where}: {exc.strerror or exc}") from None
+            raise self._unusable(exc) from None
         self.journal.start()  # appends from here on: in order, fsynced, in the journal's own thread
         try:
             await self._watch(stop, reload, load_config)

@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-import math
 import logging
+import math
 import os
 import stat
 import time
