@@ -39,6 +39,7 @@ from mlxwatch.daemon.frontwatch import requests_evidence
 from mlxwatch.daemon.notify import Notifier
 from mlxwatch.errors import MlxwatchError
 from mlxwatch.evidence import Evidence, Stall, Window
+from mlxwatch.evidence.cadence import Cadence, Speed
 from mlxwatch.evidence.door import DoorSource
 from mlxwatch.evidence.group import GroupSource
 from mlxwatch.evidence.kernel import KernelSource
@@ -107,6 +108,7 @@ class InstanceWatcher:
     streams: ProbeStreams = field(init=False)  # failed probes' streams, read on
     group_source: GroupSource = field(init=False)  # the mlx.launch group the server is rank 0 of, if any
     sight: Sight = field(init=False)  # every evidence source, asked as one
+    cadence: Cadence = field(init=False)  # the server's own pace, learned (kept in the state file)
     identity: ProcessIdentity | None = None  # recorded when first seen healthy; proven before use
     incident: Incident | None = None
     failed_reports: list[CheckReport] = field(default_factory=list)
@@ -122,6 +124,7 @@ class InstanceWatcher:
     cut: bool = False  # the last probe's wait was ended early by the evidence (nothing flowed)
     kernel_sight: str | None = None  # "ok", or why the kernel's counters cannot be read (status shows it)
     saved_group: dict | None = None  # the group as the state file has it
+    pace_shown: dict | None = None  # what the server owes and by when, as the state file has it
     slow_said: bool = False  # this slow episode was journaled and notified (once, until healthy or a verdict)
     client: httpx.AsyncClient | None = None
     said: set[str] = field(default_factory=set)  # notes already logged once
@@ -158,7 +161,8 @@ class InstanceWatcher:
         if self.shared.kernel is not None and self.inst.kernel != "off":
             sources.append(KernelSource(self.shared.kernel, self.inst.port, lambda: self.inst.probe.quiet_window,
                                         server_pid=self._server_pid, clock=self.shared.clock.monotonic))
-        self.sight = Sight(sources)
+        self.cadence = Cadence(Speed.from_dict(saved.get("cadence")) if saved.get("url") == self.inst.url else Speed())
+        self.sight = Sight(sources, self.cadence)
 
     @property
     def name(self) -> str:
@@ -322,14 +326,17 @@ class InstanceWatcher:
         streams held. What a source reads now is dated ``end``: a window that starts there
         next does not count it again."""
         now = self.shared.clock.monotonic() if end is None else end
+        self.cadence.configure(self.inst.probe.quiet_window, self.inst.probe.grace_ceiling)
         evidence = await self.sight.look(Window(start, now, probe=probe, suspect=suspect))
         for note in evidence.notes:
             self._say(note)
         seen = evidence.detail.get("kernel")
         kernel = self.kernel_sight if seen is None else seen.get("unavailable", "ok")
         group = self.group_source.group.to_dict() if self.group_source.group is not None else None
-        if kernel != self.kernel_sight or group != self.saved_group:
-            self.kernel_sight = kernel
+        pace = self._pace_shown(evidence)
+        if kernel != self.kernel_sight or group != self.saved_group or pace != self.pace_shown \
+                or self.cadence.changed:
+            self.kernel_sight, self.pace_shown = kernel, pace
             self._save()  # status and the rank metrics read them from the state file
         self._hold_streams(evidence, now)
         return evidence
@@ -343,17 +350,28 @@ class InstanceWatcher:
         now = self.shared.clock.monotonic()
         if evidence.cut_after is not None and now - sent >= evidence.cut_after:
             return evidence.stall.reason if evidence.stall else "the front door delivered nothing meanwhile"
-        quiet = evidence.quiet_for(now, since=sent)
-        window = self.inst.probe.quiet_window
-        if quiet is not None and quiet >= window:
-            return f"nothing sent to any client for {quiet:.0f}s (probe.quiet_window {window:g}s)"
+        quiet = evidence.silent_past_pace(now, sent, self.inst.probe.quiet_window)
+        if quiet is not None:
+            return f"nothing sent to any client for {quiet:.0f}s ({_pace_text(evidence, self.inst.probe.quiet_window)})"
         return None
+
+    def _pace_shown(self, evidence: Evidence) -> dict | None:
+        """What the server owes and by when, as status shows it (None: nothing beyond the floor)."""
+        pace = evidence.pace
+        if pace is None or (pace.due is None and not pace.overdue):
+            return None
+        return pace.to_dict(self.shared.clock.monotonic(), self.shared.clock.wall())
 
     def _hold_streams(self, evidence: Evidence, now: float) -> None:
         """The failed probes' streams stay open while the server shows progress or delivery
-        (anything flowed within ``quiet_window``), up to ``grace_ceiling`` after the first
-        failure: closing one would cost its reply and leave the server a broken pipe."""
-        if evidence.last_flow is None or now - evidence.last_flow > self.inst.probe.quiet_window:
+        (anything flowed within its pace: ``quiet_window``, or longer while a sign is due), up to
+        ``grace_ceiling`` after the first failure: closing one would cost its reply and leave the
+        server a broken pipe."""
+        if evidence.last_flow is None:
+            return
+        if evidence.pace is not None and not evidence.pace.allows(now, evidence.last_flow):
+            return
+        if evidence.pace is None and now - evidence.last_flow > self.inst.probe.quiet_window:
             return
         p = self.inst.probe
         first = self.detect.first_failure_at if self.detect.first_failure_at is not None else now
@@ -378,9 +396,8 @@ class InstanceWatcher:
             now = self.shared.clock.monotonic()
             if evidence.delivered:
                 return list(evidence.delivered)
-            quiet = evidence.quiet_for(now, since=sent)
-            if (quiet is not None and quiet >= self.inst.probe.quiet_window) or \
-                    (evidence.cut_after is not None and now - sent >= evidence.cut_after):
+            quiet = evidence.silent_past_pace(now, sent, self.inst.probe.quiet_window)
+            if quiet is not None or (evidence.cut_after is not None and now - sent >= evidence.cut_after):
                 return []  # nothing flows anywhere: no late token is coming
             self.promise(self.inst.probe.timeout)  # a bounded step: each stream ends by its bound
             waiting = loop.create_task(self.stop.wait())
@@ -405,6 +422,8 @@ class InstanceWatcher:
         now = self.shared.clock.monotonic()
         self.shared.state.update(self.name, quiet=True, last_probe=_probe_summary(report, self.shared.clock.wall()))
         if report.healthy:
+            g = report.generation
+            self.cadence.probe_done(g.ttft, g.gaps, g.prompt_tokens)
             await self._healthy(report, now)
             return
         log.info("%s: probe failed: %s", self.name, _one_line(report.reason))
@@ -511,6 +530,8 @@ class InstanceWatcher:
             return
         found = await asyncio.to_thread(self._lookup)
         self.identity = found.identity
+        if found.identity is not None:
+            self.cadence.speed.take_cmdline(found.identity.cmdline)
         if found.identity is None:
             self._say(f"cannot prove which process serves {self.inst.url} ({found.detail}); it will not be "
                       "signalled or captured (set pid_file if the server's command line is not mlx-lm's)")
@@ -863,8 +884,13 @@ class InstanceWatcher:
             pid=self.identity.pid if self.identity else None,
             server=self.identity.to_dict() if self.identity else None,
             incident=self.incident.id if self.incident else None,
-            group=self._saved_group(), kernel_sight=self.kernel_sight, **fields,
+            group=self._saved_group(), kernel_sight=self.kernel_sight, **self._cadence_saved(), **fields,
         )
+
+    def _cadence_saved(self) -> dict[str, Any]:
+        """The learned speed (kept across daemon restarts) and what the server owes now."""
+        self.cadence.changed = False
+        return {"cadence": self.cadence.speed.to_dict(), "pace": self.pace_shown}
 
 
 async def _end(linger: asyncio.Task | None) -> None:
@@ -878,6 +904,14 @@ def _one_line(text: str, limit: int = 300) -> str:
     """A server's text (an HTML error page, say) in one log line: one line per event."""
     flat = " ".join(text.split())
     return flat if len(flat) <= limit else flat[: limit - 1] + "…"
+
+
+def _pace_text(evidence: Evidence, quiet_window: float) -> str:
+    """What the silence was held against: the server's pace, or the plain quiet window."""
+    pace = evidence.pace
+    if pace is None or pace.owes == "nothing":
+        return f"probe.quiet_window {quiet_window:g}s"
+    return f"past this server's pace: {pace.owes}, {pace.basis}"
 
 
 def _verdict_text(reports: list[CheckReport], stranger: str | None) -> str:

@@ -28,7 +28,10 @@ What each answer means to the policy:
   source that sees every client may the watcher end a probe's wait early because nothing flows
   anywhere (``probe.quiet_window``);
 - **hidden_work**: requests in flight that show nothing yet while the server works (a
-  non-streaming generation): the early end is withheld.
+  non-streaming generation): the early end is withheld;
+- **pace**: how long this server's silence may last now, from its own learned speed and what
+  it owes (``mlxwatch.evidence.cadence``): a prompt being read may be silent a chunk's time, an
+  idle server only ``probe.quiet_window``. ``Sight`` asks the cadence after the sources.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Hashable, Protocol, Sequence
 
+from mlxwatch.evidence.cadence import Pace
 from mlxwatch.probes import CheckReport
 
 
@@ -75,6 +79,7 @@ class Evidence:
     hidden_work: str | None = None  # requests in flight show nothing yet while the server works
     cut_after: float | None = None  # a probe's first-token wait may end this long after sending
     detail: dict[str, Any] = field(default_factory=dict, compare=False)  # per source, for bundles and status
+    pace: Pace | None = None  # the server's own pace (the cadence's judgement; None: quiet_window alone)
 
     def quiet_for(self, now: float, since: float) -> float | None:
         """How long nothing has flowed anywhere, counted from ``since`` at the earliest; None
@@ -83,6 +88,16 @@ class Evidence:
             return None
         last = since if self.last_flow is None else max(self.last_flow, since)
         return max(0.0, now - last)
+
+    def silent_past_pace(self, now: float, since: float, quiet_window: float) -> float | None:
+        """How long nothing has flowed anywhere (from ``since`` at the earliest), when that is
+        past this server's pace (``pace``; without one, ``quiet_window``); else None."""
+        quiet = self.quiet_for(now, since)
+        if quiet is None:
+            return None
+        if self.pace is not None:
+            return None if self.pace.allows(now, now - quiet) else quiet
+        return quiet if quiet >= quiet_window else None
 
 
 def combine(answers: Sequence[Evidence]) -> Evidence:

@@ -51,6 +51,8 @@ class _Conn:
     bytes_sent: int
     segments: int | None
     headed_at: float | None  # when its head was first seen sent
+    bytes_received: int = 0  # what the client sent: a request has arrived once this is above 0
+    token_at: float | None = None  # when tokens were last seen sent on it
 
 
 @dataclass(frozen=True)
@@ -119,14 +121,17 @@ class KernelSource:
         before = self.conns.get(c.key)
         segments = c.segments_out
         if before is None:
-            return _Conn(at, c.bytes_sent, segments, at if c.bytes_sent > 0 else None)
+            return _Conn(at, c.bytes_sent, segments, at if c.bytes_sent > 0 else None, c.bytes_received)
         grown = c.bytes_sent - before.bytes_sent
         if grown > 0:
             if before.headed_at is None:
                 before.headed_at = at  # its head (and maybe more, unknown how much): an admission
             else:
-                self.flows.append(_Flow(at, self._kind(grown, before.segments, segments), grown))
-        before.bytes_sent, before.segments = c.bytes_sent, segments
+                flow = _Flow(at, self._kind(grown, before.segments, segments), grown)
+                self.flows.append(flow)
+                if flow.kind == "tokens":
+                    before.token_at = at
+        before.bytes_sent, before.segments, before.bytes_received = c.bytes_sent, segments, c.bytes_received
         return before
 
     @staticmethod
@@ -156,6 +161,16 @@ class KernelSource:
         self.cpu = (real, used)
 
     # --- answering (no I/O)
+
+    def _pace_signs(self) -> dict:
+        """For the cadence: the requests owed a first token (when each arrived, its size, a
+        stream or not), and when the last keepalive and the last tokens were sent (monotonic)."""
+        owed = [{"arrived": c.headed_at if c.headed_at is not None else c.first_seen,
+                 "request_bytes": c.bytes_received, "streamed": c.headed_at is not None}
+                for c in self.conns.values() if c.token_at is None and c.bytes_received > 0]
+        last = {kind: next((f.at for f in reversed(self.flows) if f.kind == kind), None)
+                for kind in ("keepalive", "tokens")}
+        return {"owed": owed, "last_keepalive": last["keepalive"], "last_token": last["tokens"]}
 
     def answer(self, window: Window) -> Evidence:
         reading = self.last_reading
@@ -199,6 +214,7 @@ class KernelSource:
                                                              "waiting": len(waiting) if idle else 0})
         detail = {"kernel": {"connections": len(self.conns), "streams": len(streams), "waiting": len(waiting),
                              "last_flow_ago": None if last_flow is None else round(now - last_flow, 1),
-                             "cpu": None if self.cpu_busy is None else round(self.cpu_busy, 3)}}
+                             "cpu": None if self.cpu_busy is None else round(self.cpu_busy, 3),
+                             **self._pace_signs()}}
         return Evidence(delivered=delivered, progress=progress, stall=stall, last_flow=last_flow, sees_all=True,
                         hidden_work=hidden, detail=detail)

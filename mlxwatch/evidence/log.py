@@ -10,9 +10,14 @@ What buys nothing: CPU (a livelock burns CPU and delivers nothing), and ``POST .
 lines, which mlx-lm writes when it *admits* a request, not when it answers. Tokens streamed to
 clients leave no line here: the kernel source sees those.
 
-The log is read only while the instance is suspect or a probe waits (a healthy probe cycle reads
-no file); each advance is dated by the read that found it, so an answer's window is as sharp as
-the reads (``POLL``).
+The log is read every ``POLL`` s while the instance is suspect or a probe waits, every
+``POLL_HEALTHY`` s otherwise (what is new since the last read: one stat, usually nothing); each
+advance is dated by the read that found it, so an answer's window is as sharp as the reads.
+
+For the cadence (``mlxwatch.evidence.cadence``) the answer's ``detail["log"]`` says which prompts
+are being read (``open``: Y -> (X, when), X < Y), when a prompt last finished reading
+(``completed_at``), and the reading speed seen between two chunks of one prompt
+(``token_seconds``: seconds per prompt token, each sample given once).
 """
 
 from __future__ import annotations
@@ -29,7 +34,9 @@ from mlxwatch.serverlog.follow import LogFollower
 from mlxwatch.serverlog.markers import prompt_advances
 
 POLL = 1.0  # seconds between reads while a probe waits
+POLL_HEALTHY = 2.0  # ... otherwise: a chunk's time is measured from these reads
 KEPT = 1000
+OPEN_KEPT = 100  # prompts being read, at most (a prompt abandoned mid-read is never finished)
 
 
 @dataclass
@@ -87,6 +94,22 @@ class LogSource:
     advances: deque[tuple[float, int, int]] = field(default_factory=lambda: deque(maxlen=KEPT))
     read_at: float | None = None
     pending_notes: list[str] = field(default_factory=list)  # from priming: said with the next answer
+    reading: dict[int, tuple[int, float]] = field(default_factory=dict)  # prompt Y -> (X, when) while X < Y
+    completed_at: float | None = None  # a prompt last finished reading (X == Y)
+    token_seconds: list[float] = field(default_factory=list)  # speed samples not yet given
+
+    def _pace(self, at: float, advanced: list[tuple[int, int]]) -> None:
+        """Prompts being read and finished, and the time per token between two chunks of one."""
+        for x, y in advanced:
+            before = self.reading.pop(y, None)
+            if before is not None and x > before[0] and at > before[1]:
+                self.token_seconds.append((at - before[1]) / (x - before[0]))
+            if x < y:
+                self.reading[y] = (x, at)
+            else:
+                self.completed_at = at
+        while len(self.reading) > OPEN_KEPT:
+            self.reading.pop(next(iter(self.reading)))
 
     async def prime(self) -> None:
         self.read_at = self.clock()
@@ -100,12 +123,14 @@ class LogSource:
         if window.probe is not None:
             for k in window.probe.generation.keepalives:
                 self.tracker.probe_totals.add(k.total)
-        if self.tracker.follower is not None and (window.suspect or window.probe is not None):
-            if window.probe is not None or self.read_at is None or window.end - self.read_at >= POLL:
+        if self.tracker.follower is not None:
+            every = POLL if window.suspect or window.probe is not None else POLL_HEALTHY
+            if window.probe is not None or self.read_at is None or window.end - self.read_at >= every:
                 advanced, read_notes = await asyncio.to_thread(self.tracker.read)
                 self.read_at = window.end
                 notes += read_notes
                 self.advances.extend((window.end, x, y) for x, y in advanced)
+                self._pace(window.end, advanced)
         inside = [(x, y) for at, x, y in self.advances if window.start < at <= window.end]
         progress = []
         if inside:
@@ -115,4 +140,7 @@ class LogSource:
         if own:
             progress.append(own)
         last = self.advances[-1][0] if self.advances else None
-        return Evidence(progress=tuple(progress), notes=tuple(notes), last_flow=last)
+        samples, self.token_seconds = self.token_seconds, []
+        detail = {"log": {"followed": self.tracker.follower is not None, "open": dict(self.reading),
+                          "completed_at": self.completed_at, "token_seconds": samples}}
+        return Evidence(progress=tuple(progress), notes=tuple(notes), last_flow=last, detail=detail)

@@ -110,6 +110,7 @@ class GenerationProbeResult:
     gaps: list[float] = field(default_factory=list)  # between deliveries
     tokens: int = 0  # content chunks delivered
     completion_tokens: int | None = None  # the server's own count, when it sends usage
+    prompt_tokens: int | None = None  # ... and of the prompt it read (the cadence's reading speed)
     finish_reason: str | None = None
     keepalives: list[Keepalive] = field(default_factory=list)
     transcript: list[dict[str, Any]] = field(default_factory=list)
@@ -153,6 +154,7 @@ class GenerationProbeResult:
             "max_gap": self.max_gap,
             "tokens": self.tokens,
             "completion_tokens": self.completion_tokens,
+            "prompt_tokens": self.prompt_tokens,
             "finish_reason": self.finish_reason,
             "keepalives": [vars(k) for k in self.keepalives],
             "body_bytes": self.body_bytes,
@@ -513,6 +515,8 @@ def _handle_event(kind: str, text: str, run: _Run) -> None:
         raise _server_error(run, chunk.error)
     if chunk.completion_tokens is not None:
         res.completion_tokens = chunk.completion_tokens
+    if chunk.prompt_tokens is not None:
+        res.prompt_tokens = chunk.prompt_tokens
     for delivered, finish_reason in chunk.choices:
         if delivered:
             res.tokens += 1
@@ -535,6 +539,7 @@ class _Chunk:
 
     error: str | None = None  # the server's error, as JSON text
     completion_tokens: int | None = None
+    prompt_tokens: int | None = None
     choices: list[tuple[str, str | None]] = field(default_factory=list)  # (delivered text or "", finish_reason)
 
 
@@ -563,6 +568,8 @@ def _parse_chunk(text: str) -> _Chunk:
         if count is not None and (not isinstance(count, int) or isinstance(count, bool)):
             raise Malformed(f"usage.completion_tokens is {_kind(count)}, not an integer: {_brief(count)}")
         chunk.completion_tokens = count
+        prompt = usage.get("prompt_tokens")  # only a hint for the pace: a wrong type is ignored, not a failure
+        chunk.prompt_tokens = prompt if isinstance(prompt, int) and not isinstance(prompt, bool) and prompt > 0 else None
     choices = payload.get("choices")
     if choices is None:
         raise Malformed(f"chunk without a choices list: {text[:80]!r}")

@@ -1,0 +1,323 @@
+"""The server's own pace, learned: how long this server may stay silent before its silence means
+something (``Cadence.judge``), from what it owes its clients right now.
+
+A fixed quiet window restarts a big model reading a long prompt. mlx-lm reads a prompt in chunks
+of ``--prefill-step-size`` tokens (2,048 by default) and writes nothing to anyone between two
+chunks: about 25 s a chunk for a 70B dense model on a Max chip, up to a minute for the largest
+models (docs/deciding.md#patience). The server shows its own speed, so the patience is learned
+per server, and kept across daemon restarts (``Speed.to_dict``):
+
+- **a chunk's time**: the log's ``Prompt processing progress: X/Y`` lines, two chunks of one
+  prompt apart (the real thing), and the spacing of ``: keepalive`` writes on client streams;
+- **the reading speed, as a hint**: a healthy probe's time to first token for its known prompt
+  tokens. A probe's prompt is small, so on a real Mac its per-token time errs slow (the weights
+  are read once a step whatever the step's size); it is doubled, and stands only until a chunk
+  was seen;
+- **a decode step**: the gaps between a healthy probe's tokens;
+- **the command line**: ``--prefill-step-size`` and ``--max-tokens``.
+
+Each is smoothed as TCP smooths round trips (Jacobson/Karels, RFC 6298): a mean and a mean
+deviation, and the bound is the mean plus four deviations, never less than 1.5 means (reading
+slows as the context grows). Before anything is learned the prior is a minute a chunk (the
+largest models' pace), so a new daemon errs patient, never hasty.
+
+What the server owes decides which pace applies (``judge``), never longer than ``grace_ceiling``:
+
+- **a prompt being read** (announced ``X/Y`` with X < Y, or a request that got nothing yet and
+  arrived after the last sign): the next sign (a chunk logged, a keepalive, a token) is due
+  within one chunk's bound of the last one. Where no sign can show between chunks (no log
+  followed, a non-streamed request), the whole prompt's reading is allowed from its arrival;
+- **a non-streamed answer** (a request that got nothing, no stream): sent whole at its end, so
+  its silence is hidden work until its prompt's reading plus ``--max-tokens`` decode steps;
+- **streams decoding, or nothing**: ``probe.quiet_window`` (or a few decode steps, if longer): an
+  idle hang stays fast;
+- **a prompt that finished reading** (``N/N`` logged) owes its stream a token within a few steps:
+  when none reached any client since, the delivery is overdue, and prompt progress of other
+  requests no longer holds the verdict (the report's July 17 capture: progress lines went on
+  during the livelock).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+PRIOR_CHUNK = 60.0  # seconds a 2,048-token chunk, before anything is learned: the largest models' pace
+DEFAULT_CHUNK_TOKENS = 2048  # mlx-lm's --prefill-step-size default (0.31.3 and 0.32.x)
+DEFAULT_MAX_TOKENS = 512  # mlx-lm's --max-tokens default (0.31.3 and 0.32.x)
+PROBE_READ_FACTOR = 2.0  # a probe's small prompt hints at the reading speed: doubled, to err slow
+MIN_BOUND_FACTOR = 1.5  # a bound is never under 1.5 means: reading slows as the context grows
+K = 4.0  # deviations in a bound (RFC 6298's K)
+STEPS_OWED = 3  # decode steps a stream (or a prompt just read) may wait for its next token
+BYTES_PER_TOKEN = 3.0  # a request's bytes over this: a high guess of its prompt tokens (JSON, ~4 chars a token)
+MIN_GAP = 0.5  # seconds: gaps shorter than this between two signs are one reading, not a sample
+
+
+@dataclass
+class Estimate:
+    """A smoothed duration (Jacobson/Karels: gain 1/8 for the mean, 1/4 for the deviation)."""
+
+    mean: float
+    dev: float
+    samples: int = 1
+
+    @classmethod
+    def first(cls, sample: float) -> "Estimate":
+        return cls(sample, sample / 2)  # RFC 6298: RTTVAR = R/2 at the first measurement
+
+    def add(self, sample: float) -> None:
+        self.dev = 0.75 * self.dev + 0.25 * abs(self.mean - sample)
+        self.mean = 0.875 * self.mean + 0.125 * sample
+        self.samples += 1
+
+    def bound(self) -> float:
+        return max(self.mean + K * self.dev, MIN_BOUND_FACTOR * self.mean)
+
+    def to_dict(self) -> dict[str, float]:
+        return {"mean": round(self.mean, 4), "dev": round(self.dev, 4), "samples": self.samples}
+
+    @classmethod
+    def from_dict(cls, data: Any) -> "Estimate | None":
+        if not isinstance(data, dict):
+            return None
+        try:
+            mean, dev, n = float(data["mean"]), float(data["dev"]), int(data.get("samples", 1))
+        except (KeyError, TypeError, ValueError):
+            return None
+        if not (0 <= mean < 1e6 and 0 <= dev < 1e6) or n < 1:  # NaN fails both comparisons
+            return None
+        return cls(mean, dev, n)
+
+
+def learn(estimate: Estimate | None, sample: float) -> Estimate:
+    if estimate is None:
+        return Estimate.first(sample)
+    estimate.add(sample)
+    return estimate
+
+
+@dataclass
+class Speed:
+    """What this server showed of its pace: learned, saved in the state file, restored."""
+
+    chunk: Estimate | None = None  # seconds a full chunk takes (log, keepalives)
+    probe_read: Estimate | None = None  # seconds a prompt token took in healthy probes (a hint)
+    step: Estimate | None = None  # seconds a decode step takes (healthy probes' token gaps)
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS  # --prefill-step-size
+    max_tokens: int = DEFAULT_MAX_TOKENS  # --max-tokens
+
+    def chunk_time(self) -> tuple[float, str]:
+        """A full chunk's bound in seconds, and what it rests on."""
+        if self.chunk is not None:
+            return self.chunk.bound(), "learned from its chunks"
+        if self.probe_read is not None:
+            return self.probe_read.bound() * self.chunk_tokens * PROBE_READ_FACTOR, "from its probes' first tokens"
+        return PRIOR_CHUNK * self.chunk_tokens / DEFAULT_CHUNK_TOKENS, "the prior (nothing learned yet)"
+
+    def read_time(self, tokens: float) -> float:
+        """The bound for reading ``tokens`` prompt tokens, at this pace."""
+        return max(tokens, 1.0) / self.chunk_tokens * self.chunk_time()[0]
+
+    def step_time(self) -> float | None:
+        return self.step.bound() if self.step is not None else None
+
+    def to_dict(self) -> dict[str, Any]:
+        chunk, basis = self.chunk_time()
+        return {"chunk": self.chunk.to_dict() if self.chunk else None,
+                "probe_read": self.probe_read.to_dict() if self.probe_read else None,
+                "step": self.step.to_dict() if self.step else None,
+                "chunk_tokens": self.chunk_tokens, "max_tokens": self.max_tokens,
+                "chunk_bound": round(chunk, 1), "basis": basis}
+
+    @classmethod
+    def from_dict(cls, data: Any) -> "Speed":
+        """A saved speed; anything unreadable is not learned (the prior stands)."""
+        if not isinstance(data, dict):
+            return cls()
+        return cls(chunk=Estimate.from_dict(data.get("chunk")), probe_read=Estimate.from_dict(data.get("probe_read")),
+                   step=Estimate.from_dict(data.get("step")),
+                   chunk_tokens=_positive_int(data.get("chunk_tokens"), DEFAULT_CHUNK_TOKENS),
+                   max_tokens=_positive_int(data.get("max_tokens"), DEFAULT_MAX_TOKENS))
+
+    def take_cmdline(self, cmdline: Sequence[str]) -> None:
+        """``--prefill-step-size`` and ``--max-tokens`` from the server's command line."""
+        self.chunk_tokens = _flag(cmdline, "--prefill-step-size") or DEFAULT_CHUNK_TOKENS
+        self.max_tokens = _flag(cmdline, "--max-tokens") or DEFAULT_MAX_TOKENS
+
+
+@dataclass(frozen=True)
+class Owed:
+    """A request the kernel sees with nothing delivered to it yet."""
+
+    arrived: float  # monotonic
+    request_bytes: int  # what it sent: a hint of its prompt's size (0: unknown)
+    streamed: bool  # its head went out (a stream), or nothing did (a non-streamed answer, or queued)
+
+
+@dataclass(frozen=True)
+class Pace:
+    """What the server owes now and how long its silence may last: quiet for ``floor`` seconds
+    is always allowed, and longer while a sign is not yet ``due``."""
+
+    floor: float  # seconds of quiet always allowed (probe.quiet_window, or a few decode steps)
+    owes: str  # what the server is waiting to show, for people: "reading a 3,618-token prompt"
+    basis: str  # what the wait rests on: "~25 s a chunk, learned from its chunks"
+    due: float | None = None  # monotonic: the next sign is due by then (None: nothing owed beyond the floor)
+    hidden: str | None = None  # a non-streamed answer may be in the making: no early end meanwhile
+    overdue: str | None = None  # a delivery owed is overdue: progress elsewhere holds no verdict
+
+    def allows(self, now: float, quiet_since: float) -> bool:
+        """Is a silence that began at ``quiet_since`` still within this server's pace?"""
+        return now - quiet_since < self.floor or (self.due is not None and now < self.due)
+
+    def to_dict(self, now: float, wall: float) -> dict[str, Any]:
+        """For the state file and status: ``due`` as a wall time (``now`` monotonic, ``wall`` its wall)."""
+        return {"floor": round(self.floor, 1), "owes": self.owes, "basis": self.basis,
+                "due": None if self.due is None else round(wall + self.due - now, 1),
+                "hidden": self.hidden, "overdue": self.overdue}
+
+
+@dataclass
+class Cadence:
+    """One instance's pace: learns from healthy probes and the sources' answers, judges each look."""
+
+    speed: Speed = field(default_factory=Speed)
+    quiet_window: float = 8.0  # probe.quiet_window: the least patience
+    grace_ceiling: float = 600.0  # probe.grace_ceiling: the most
+    changed: bool = False  # the speed changed since the watcher last saved it
+    last_keepalive: float | None = None
+    last_token: float | None = None
+
+    def configure(self, quiet_window: float, grace_ceiling: float) -> None:
+        self.quiet_window, self.grace_ceiling = quiet_window, grace_ceiling
+
+    # --- learning
+
+    def probe_done(self, ttft: float | None, gaps: Sequence[float], prompt_tokens: int | None) -> None:
+        """A healthy probe: its first token's time over its prompt tokens, its tokens' gaps."""
+        if ttft is not None and prompt_tokens and prompt_tokens > 0:
+            self.speed.probe_read = learn(self.speed.probe_read, ttft / prompt_tokens)
+            self.changed = True
+        steps = [gap for gap in gaps if gap > 0]
+        if steps:  # the shortest gap: a step alone (a longer one may hold another prompt's chunk)
+            self.speed.step = learn(self.speed.step, min(steps))
+            self.changed = True
+
+    def chunk_seen(self, seconds: float) -> None:
+        """A full chunk's time, seen between two signs of one prompt's reading."""
+        if MIN_GAP <= seconds <= self.grace_ceiling:
+            self.speed.chunk = learn(self.speed.chunk, seconds)
+            self.changed = True
+
+    def _learn_from(self, detail: dict[str, Any]) -> None:
+        for per_token in (detail.get("log") or {}).get("token_seconds", ()):
+            self.chunk_seen(per_token * self.speed.chunk_tokens)
+        kernel = detail.get("kernel") or {}
+        keepalive, token = kernel.get("last_keepalive"), kernel.get("last_token")
+        if isinstance(keepalive, (int, float)) and keepalive != self.last_keepalive:
+            # Two keepalives with no token between: one chunk of a prompt being read.
+            if self.last_keepalive is not None and (token is None or token < self.last_keepalive):
+                self.chunk_seen(keepalive - self.last_keepalive)
+            self.last_keepalive = keepalive
+        if isinstance(token, (int, float)):
+            self.last_token = token
+
+    # --- judging
+
+    def judge(self, now: float, last_flow: float | None, detail: dict[str, Any]) -> Pace:
+        """The pace at monotonic ``now``, from the sources' details: the log's open prompts
+        (``detail["log"]``) and the kernel's requests owed a first token (``detail["kernel"]
+        ["owed"]``: ``Owed``'s fields). ``last_flow``: the last sign of any kind."""
+        self._learn_from(detail)
+        chunk, learned = self.speed.chunk_time()
+        basis = f"~{_secs(chunk / MIN_BOUND_FACTOR)} a chunk, {learned}"
+        floor = self.quiet_window
+        step = self.speed.step_time()
+        if step is not None:
+            floor = min(max(floor, STEPS_OWED * step), self.grace_ceiling)
+        log, kernel = detail.get("log") or {}, detail.get("kernel") or {}
+        owed = [Owed(**o) if isinstance(o, dict) else o for o in kernel.get("owed", ())]
+        logged = bool(log.get("followed"))
+        last_sign = last_flow if last_flow is not None else float("-inf")
+        dues: list[tuple[float, str]] = []
+
+        # Prompts the log announced and has not finished (X < Y): their next chunk is due.
+        for y, (x, at) in sorted((log.get("open") or {}).items()):
+            dues.append((max(at, last_sign) + self._wait(self.speed.read_time(min(self.speed.chunk_tokens, y - x))),
+                         f"reading a {y:,}-token prompt ({x:,} read)"))
+        # Streams that got nothing yet: their prompt's next chunk (with the log followed, only
+        # those that came after its last line: the log announces the others' chunks).
+        for o in owed:
+            if not o.streamed or (logged and o.arrived < last_sign):
+                continue
+            tokens = self._tokens(o)
+            dues.append((max(o.arrived, last_sign) + self._wait(self.speed.read_time(min(tokens, self.speed.chunk_tokens))),
+                         f"reading a prompt of ~{int(tokens):,} tokens" if o.request_bytes else "reading a new prompt"))
+        # Non-streamed answers: sent whole at their end, so silent until then.
+        hidden_reason = None
+        hidden = [o for o in owed if not o.streamed]
+        if hidden:
+            each = step if step is not None else self.speed.read_time(1) * PROBE_READ_FACTOR
+            end = max(o.arrived + self._wait(self.speed.read_time(self._tokens(o)) + self.speed.max_tokens * each)
+                      for o in hidden)
+            if end > now:
+                hidden_reason = (f"{len(hidden)} non-streamed answer(s) may be in the making "
+                                 f"(up to {_secs(end - now)} more at this server's pace)")
+                dues.append((end, f"{len(hidden)} non-streamed answer(s)"))
+
+        live = [(due, what) for due, what in dues if due > now]
+        overdue = self._overdue(now, log, kernel, floor, bool(live))
+        if live:
+            due, what = max(live)
+            return Pace(floor, what, basis, due, hidden=hidden_reason, overdue=overdue)
+        return Pace(floor, "a token on the open streams" if owed or kernel.get("streams") else "nothing",
+                    "probe.quiet_window" if floor == self.quiet_window else "a few decode steps",
+                    overdue=overdue)
+
+    def _wait(self, seconds: float) -> float:
+        return min(seconds, self.grace_ceiling)
+
+    def _tokens(self, o: Owed) -> float:
+        return o.request_bytes / BYTES_PER_TOKEN if o.request_bytes else float(self.speed.chunk_tokens)
+
+    def _overdue(self, now: float, log: dict[str, Any], kernel: dict[str, Any], floor: float,
+                 reading: bool) -> str | None:
+        """A prompt finished reading (``N/N``) and no token reached any client since, for longer
+        than a few steps (and a chunk while other prompts are read: a step follows each chunk):
+        the token it owes its stream is overdue."""
+        done = log.get("completed_at")
+        if not isinstance(done, (int, float)) or not kernel.get("streams"):
+            return None
+        if self.last_token is not None and self.last_token >= done:
+            return None
+        allowed = floor + (self.speed.chunk_time()[0] if reading else 0.0)
+        if now - done <= allowed:
+            return None
+        return (f"a prompt finished reading {now - done:.0f}s ago and no token reached any client since "
+                f"(allowed {_secs(allowed)})")
+
+
+def _secs(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds >= 10 else f"{seconds:.1f} s"
+
+
+def _flag(cmdline: Sequence[str], name: str) -> int | None:
+    """An integer flag's value (``--name N`` or ``--name=N``), if given and positive."""
+    args = list(cmdline)
+    for i, arg in enumerate(args):
+        value = None
+        if arg == name and i + 1 < len(args):
+            value = args[i + 1]
+        elif arg.startswith(name + "="):
+            value = arg.split("=", 1)[1]
+        if value is not None:
+            return _positive_int(value, None)
+    return None
+
+
+def _positive_int(value: Any, default: Any) -> Any:
+    try:
+        n = int(value)
+    except (TypeError, ValueError):
+        return default
+    return n if 0 < n < 10**9 else default

@@ -1,0 +1,191 @@
+"""Patience that fits the server (issue 33): the cadence learns a server's pace and judges its
+silences by it (docs/deciding.md#patience), alone and through the real watcher and policy."""
+
+from __future__ import annotations
+
+import json
+import time
+
+from mlxwatch.config import ProbeConfig
+from mlxwatch.evidence import Evidence, Stall, Window
+from mlxwatch.evidence.cadence import PRIOR_CHUNK, Cadence, Estimate, Speed
+from mlxwatch.evidence.sight import Sight
+from mlxwatch.host.connections import Connection
+from mlxwatch.host.sockets import Reading
+from mlxwatch.journal.incidents import Journal
+from test_delivery_units import StandIn, _events, _last_probe_ok, _run_until
+from test_sight_units import _daemon
+
+KIB16 = 16 * 1024  # the request of a ~3,600-token prompt (JSON, ~4.5 bytes a token)
+
+
+def _stream(arrived: float, request_bytes: int = KIB16) -> dict:
+    return {"arrived": arrived, "request_bytes": request_bytes, "streamed": True}
+
+
+def _learned(chunk: float, **kw) -> Cadence:
+    speed = Speed(chunk=Estimate(chunk, chunk / 20, 10), step=Estimate(0.05, 0.005, 10), **kw)
+    return Cadence(speed, quiet_window=8.0, grace_ceiling=600.0)
+
+
+def test_the_prior_is_a_minute_a_chunk_until_anything_is_learned():
+    speed = Speed()
+    chunk, basis = speed.chunk_time()
+    assert chunk == PRIOR_CHUNK and "prior" in basis
+    speed.chunk_tokens = 1024  # --prefill-step-size 1024: half the tokens, half the time
+    assert speed.chunk_time()[0] == PRIOR_CHUNK / 2
+
+
+def test_a_stream_reading_a_long_prompt_may_be_silent_a_chunk_not_the_quiet_window():
+    """Measured: 12 ms a token (25 s a 2,048-token chunk), one client streaming a 3,600-token
+    prompt: a verdict 22 s after the request. Learned at 25 s a chunk, 22 s of silence is
+    within its pace; the same silence from an idle server is not."""
+    cadence = _learned(25.0)
+    pace = cadence.judge(100.0 + 22.0, None, {"kernel": {"owed": [_stream(100.0)], "streams": 1}})
+    assert pace.allows(122.0, 100.0)
+    assert "reading a prompt of ~5,461 tokens" == pace.owes and "~25 s a chunk" in pace.basis
+    assert not pace.allows(100.0 + 60.0, 100.0)  # past 1.5 chunks with no sign: a stall
+    idle = cadence.judge(122.0, None, {"kernel": {"owed": [], "streams": 0}})
+    assert not idle.allows(122.0, 100.0) and idle.allows(107.0, 100.0)  # quiet_window alone
+
+
+def test_each_sign_of_reading_buys_the_next_chunk_and_a_hang_mid_read_is_called():
+    cadence = _learned(25.0)
+    owed = {"kernel": {"owed": [_stream(0.0)], "streams": 1}}
+    assert cadence.judge(70.0, 50.0, owed).allows(70.0, 50.0)  # a keepalive at 50 s: the next chunk due by ~87 s
+    assert not cadence.judge(95.0, 50.0, owed).allows(95.0, 50.0)  # nothing since: the read hung
+
+
+def test_a_prompt_the_log_announces_is_due_its_next_chunk_and_done_reading_owes_a_token():
+    """The report's shape: the prompt finished reading (N/N), then nothing reached anyone while
+    the loop stepped, and other prompts' progress went on (the July 17 capture). The token the
+    finished prompt owes its stream is overdue after a few steps and a chunk; progress then
+    holds no verdict."""
+    cadence = _learned(25.0)
+    log = {"followed": True, "open": {3600: (2048, 10.0)}, "completed_at": None}
+    reading = cadence.judge(30.0, 10.0, {"log": log, "kernel": {"owed": [], "streams": 1}})
+    assert reading.owes == "reading a 3,600-token prompt (2,048 read)" and reading.allows(30.0, 10.0)
+    done = {"followed": True, "open": {9000: (4096, 60.0)}, "completed_at": 40.0}
+    early = cadence.judge(50.0, 40.0, {"log": done, "kernel": {"owed": [], "streams": 1}})
+    assert early.overdue is None
+    late = cadence.judge(90.0, 60.0, {"log": done, "kernel": {"owed": [], "streams": 1}})
+    assert late.overdue and "finished reading 50s ago" in late.overdue
+
+
+def test_a_non_streamed_answer_is_hidden_work_until_its_reading_and_max_tokens_steps():
+    cadence = _learned(2.0)
+    owed = {"kernel": {"owed": [{"arrived": 0.0, "request_bytes": 3000, "streamed": False}], "streams": 0}}
+    pace = cadence.judge(10.0, None, owed)
+    assert pace.hidden and pace.due is not None
+    # 1,000 tokens at ~3 s a 2,048-token chunk, then 512 steps of ~0.07 s: about 38 s
+    assert 30.0 < pace.due < 50.0
+    assert cadence.judge(pace.due + 1, None, owed).hidden is None
+
+
+def test_speed_is_learned_from_probes_log_and_keepalives_and_kept_as_json():
+    cadence = Cadence()
+    cadence.probe_done(0.3, [0.05, 0.06, 0.2], prompt_tokens=25)
+    assert cadence.speed.probe_read is not None and cadence.speed.step is not None
+    assert cadence.speed.step.mean == 0.05  # the shortest gap: a step alone
+    assert "probes" in cadence.speed.chunk_time()[1]
+    cadence.judge(1.0, None, {"log": {"token_seconds": [25.0 / 2048]}})
+    assert cadence.speed.chunk is not None and abs(cadence.speed.chunk.mean - 25.0) < 1e-6
+    cadence.judge(2.0, None, {"kernel": {"last_keepalive": 100.0}})
+    cadence.judge(3.0, None, {"kernel": {"last_keepalive": 124.0}})  # two keepalives, no token between
+    assert cadence.speed.chunk.samples == 2
+    kept = Speed.from_dict(json.loads(json.dumps(cadence.speed.to_dict())))
+    assert kept.chunk is not None and kept.chunk.samples == 2 and kept.chunk_time() == cadence.speed.chunk_time()
+
+
+def test_a_damaged_saved_speed_is_the_prior_never_an_error():
+    for bad in (None, "x", {"chunk": {"mean": "NaN", "dev": 1}}, {"chunk": {"mean": float("nan"), "dev": 1}},
+                {"chunk": {"mean": -1, "dev": 1}}, {"chunk_tokens": "many"}, {"step": [1, 2]}):
+        speed = Speed.from_dict(bad)
+        assert speed.chunk is None and speed.step is None and speed.chunk_tokens == 2048
+
+
+def test_the_command_line_gives_the_chunk_and_max_tokens():
+    speed = Speed()
+    speed.take_cmdline(["mlx_lm.server", "--model", "m", "--prefill-step-size", "512", "--max-tokens=2000"])
+    assert (speed.chunk_tokens, speed.max_tokens) == (512, 2000)
+    speed.take_cmdline(["mlx_lm.server", "--prefill-step-size", "0"])
+    assert (speed.chunk_tokens, speed.max_tokens) == (2048, 512)
+
+
+class _Kernel:
+    """The kernel's stall as the kernel source reports it, with the detail the cadence reads."""
+
+    name = "kernel"
+
+    def __init__(self, since: float, owed: list[dict]) -> None:
+        self.since, self.owed = since, owed
+
+    async def look(self, window: Window) -> Evidence:
+        stall = Stall("kernel: 1 client stream(s) open, and no byte sent", key=("kernel", self.since),
+                      source="kernel", since=self.since, event="kernel_stall")
+        return Evidence(stall=stall, last_flow=self.since, sees_all=True,
+                        detail={"kernel": {"owed": self.owed, "streams": 1}})
+
+    async def prime(self) -> None:
+        return None
+
+
+async def test_sight_voids_a_kernel_stall_within_the_pace_and_keeps_one_past_it():
+    sight = Sight([_Kernel(100.0, [_stream(100.0)])], _learned(25.0))
+    within = await sight.look(Window(100.0, 120.0))
+    assert within.stall is None and any(p.startswith("pace: reading a prompt") for p in within.progress)
+    past = await sight.look(Window(100.0, 170.0))
+    assert past.stall is not None and not any(p.startswith("pace:") for p in past.progress)
+
+
+class _Reading:
+    """A client stream reading a long prompt: its head, then a keepalive (23 bytes, one segment)
+    every ``every`` seconds while ``reading``; nothing once it hangs."""
+
+    def __init__(self, every: float) -> None:
+        self.every, self.started, self.reading = every, None, True
+        self.sent, self.segments, self.last = 248, 1, 0.0
+
+    def __call__(self, ports) -> Reading:
+        now = time.monotonic()
+        if self.started is not None:
+            while self.reading and now - self.last >= self.every:
+                self.sent, self.segments, self.last = self.sent + 23, self.segments + 1, self.last + self.every
+        conns = (Connection(9, ("127.0.0.1", 40000), (0,), self.sent if self.started else 0,
+                            KIB16 if self.started else 0, self.segments),) if self.started else ()
+        return Reading(now, conns)
+
+    def start(self) -> None:
+        self.started = self.last = time.monotonic()
+
+
+async def test_a_long_prompt_read_in_silent_chunks_draws_no_verdict_and_a_hang_mid_read_does(tmp_path):
+    """Measured on main before this change (scaled down 8 times: quiet_window 1 s, a chunk
+    3 s): a stream reading a long prompt, with nothing but a keepalive between its chunks, drew
+    a kernel stall after the quiet window and a verdict. Now the server's learned pace (kept in
+    the state file from an earlier run) allows a chunk's silence; when the keepalives stop (the
+    read hung), the stall and the verdict come within about one chunk's bound."""
+    server, kernel = StandIn(), _Reading(every=3.0)
+    probe = ProbeConfig(interval=60.0, suspect_interval=1.0, first_token_timeout=30.0, timeout=60.0,
+                        quiet_window=1.0, endpoint_timeout=0.5, startup_timeout=30.0)
+    daemon, journal, state = _daemon(tmp_path, probe, server, kernel)
+    saved = {"url": "http://127.0.0.1:9", "cadence": Speed(chunk=Estimate(3.0, 0.2, 8)).to_dict()}
+    state.parent.mkdir(parents=True, exist_ok=True)
+    state.write_text(json.dumps({"instances": {"x": saved}}))
+    seen: dict[str, float] = {}
+
+    def run(j: Journal) -> bool:
+        now = time.monotonic()
+        if "from" not in seen and _last_probe_ok(state):
+            kernel.start()
+            server.delay, seen["from"] = None, now  # the probe queues behind the read
+        if "from" in seen and kernel.reading and now - seen["from"] > 13.0:
+            assert "kernel_stall" not in _events(j) and "verdict" not in _events(j), _events(j)
+            kernel.reading, seen["hung"] = False, now
+        return "verdict" in _events(j)
+
+    await _run_until(daemon, journal, run, timeout=60)
+    assert "hung" in seen, _events(journal)
+    assert time.monotonic() - seen["hung"] < 20.0
+    verdict = next(r for r in journal.records() if r["event"] == "verdict")
+    assert "past this server's pace" in verdict["failures"][-1] or "kernel" in verdict["failures"][-1]
