@@ -156,7 +156,7 @@ class _Reading:
         return Reading(now, conns)
 
     def start(self) -> None:
-        self.started = self.last = time.monotonic()
+        self.started = self.last = time.monotonic()  # type: ignore[assignment]
 
 
 async def test_a_long_prompt_read_in_silent_chunks_draws_no_verdict_and_a_hang_mid_read_does(tmp_path):
@@ -189,3 +189,51 @@ async def test_a_long_prompt_read_in_silent_chunks_draws_no_verdict_and_a_hang_m
     assert time.monotonic() - seen["hung"] < 20.0
     verdict = next(r for r in journal.records() if r["event"] == "verdict")
     assert "past this server's pace" in verdict["failures"][-1] or "kernel" in verdict["failures"][-1]
+
+
+async def test_a_bundle_that_finds_the_server_busy_is_looked_at_again_and_never_restarted(tmp_path):
+    """Measured: the bundle taken before the restart said ``busy``, the look-again ended its
+    probe on the 8 s quiet in the middle of a chunk, and the restart went ahead; the client's
+    answer was lost. Now the verdict is looked at again for a chunk of the server's pace: a sign
+    of work (a keepalive here) closes the incident as not hung, ``slow`` is said, nothing is
+    restarted."""
+    from mlxwatch.capture import Bundle
+    from mlxwatch.capture.classify import Classification
+    from mlxwatch.config import RestartConfig
+    from mlxwatch.daemon.supervisor import Daemon
+    from mlxwatch.host.process import ServerLookup
+    from mlxwatch.host.sockets import KernelCounters
+    from test_delivery_units import _config
+
+    server, kernel = StandIn(), _Reading(every=3.0)
+    restarted = tmp_path / "restarted"
+
+    async def busy(request):
+        kernel.reading, kernel.last = True, time.monotonic()  # mid-chunk: its next keepalive in 3 s
+        return Bundle(tmp_path / "bundle", Classification("busy", "low", ["process CPU busy"]), {})
+
+    probe = ProbeConfig(interval=60.0, suspect_interval=0.5, first_token_timeout=30.0, timeout=60.0,
+                        quiet_window=1.0, endpoint_timeout=0.5, startup_timeout=30.0)
+    cfg = _config(tmp_path, probe, RestartConfig("command", argv=(
+        "python3", "-c", f"open({str(restarted)!r}, 'w').write('x')"), backoff=0.1))
+    daemon = Daemon(cfg, cfg.state_dir, shared_overrides={
+        "make_client": server.client, "capture_fn": busy, "lookup_fn": lambda *a, **k: ServerLookup(),
+        "kernel": KernelCounters(kernel, max_age=0.0)})
+    journal = Journal(cfg.state_dir)
+    state = cfg.state_dir / "state.json"
+    saved = {"url": "http://127.0.0.1:9", "cadence": Speed(chunk=Estimate(3.0, 0.2, 8)).to_dict()}
+    state.parent.mkdir(parents=True, exist_ok=True)
+    state.write_text(json.dumps({"instances": {"x": saved}}))
+
+    def run(j: Journal) -> bool:
+        if _last_probe_ok(state) and server.delay is not None:
+            server.delay, kernel.reading = None, False
+            kernel.start()  # a stream open, and nothing on it: a verdict after its pace
+        return "closed" in _events(j) or "restarting" in _events(j)
+
+    await _run_until(daemon, journal, run, timeout=60)
+    events = _events(journal)
+    assert "closed" in events and "restarting" not in events, events
+    closed = next(r for r in journal.records() if r["event"] == "closed")
+    assert "found it busy" in closed["reason"], closed
+    assert "slow" in events and not restarted.exists()

@@ -580,6 +580,8 @@ class InstanceWatcher:
         self._change(Event.CAPTURING, self.detect.capturing())
         await self._end_linger()  # the capture makes its own probe
         await self._capture(inc, server, front_requests)
+        if inc.kind == "busy" and await self._works_on(inc):
+            return
         if self.inst.restart.method == "none":
             log.warning("%s: restart method is none: waiting for it to recover by itself", self.name)
             self._change(Event.AWAITING_RECOVERY, self.detect.awaiting_recovery())
@@ -606,6 +608,46 @@ class InstanceWatcher:
             if await self._restart(inc, server) and await self._await_recovery(inc):
                 return
             server, _ = await self._prove_server()
+
+    async def _works_on(self, inc: Incident) -> bool:
+        """The bundle found the server working (``busy``: tokens to other clients, a prompt
+        advancing, stacks in the forward pass): before anything is restarted, watch one chunk of
+        this server's pace (``probe.quiet_window`` at least, ``grace_ceiling`` at most) for a sign
+        of work. One came: the incident closes, ``slow`` is said, nothing is restarted (measured
+        before: a bundle said ``busy`` and the restart went ahead, losing a client's answer)."""
+        p = self.inst.probe
+        chunk, basis = self.cadence.speed.chunk_time()
+        wait = min(max(chunk, p.quiet_window), p.grace_ceiling)
+        since = self.shared.clock.monotonic()
+        log.warning("%s: the capture found it busy: watching %.0fs (a chunk at its pace, %s) for a sign of work "
+                    "before any restart", self.name, wait, basis)
+        self.promise(wait)
+        while not self.stop.is_set() and (now := self.shared.clock.monotonic()) < since + wait:
+            evidence = await self._look(since)
+            if evidence.delivered or (evidence.last_flow is not None and evidence.last_flow > since):
+                sign = (*evidence.delivered, *[p for p in evidence.progress if not p.startswith("pace:")],
+                        "work flowed to its clients")[0]
+                self._not_hung(inc, sign, now - since)
+                return True
+            await self._sleep(LOOK_EVERY)
+        return False
+
+    def _not_hung(self, inc: Incident, sign: str, after: float) -> None:
+        """A verdict the evidence took back: closed without a restart, and ``slow`` said."""
+        reason = f"not restarted: the capture found it busy, and {after:.0f}s later it showed work: {sign}"
+        log.warning("%s: %s", self.name, reason)
+        self.shared.journal.record(Event.CLOSED, inc, reason=reason)
+        self.incident = None
+        self._front_gate(Gate.OPEN, "the server works")
+        self.detect.recovered()
+        self.failed_reports.clear()
+        self.judged_at = None
+        self.slow_said = True
+        payload = {"instance": self.name, "url": self.inst.url, "state": policy.SLOW, "evidence": [sign],
+                   "reason": reason}
+        self.shared.journal.note(Event.SLOW, **payload)
+        self.shared.notifier.fire("slow", payload)
+        self._save(last_incident=_incident_summary(inc))
 
     async def _look_again(self, server: ProcessIdentity | None) -> lookagain.LookAgain:
         """Right before a restart: probe once more and prove the server's identity again
@@ -909,8 +951,10 @@ def _one_line(text: str, limit: int = 300) -> str:
 def _pace_text(evidence: Evidence, quiet_window: float) -> str:
     """What the silence was held against: the server's pace, or the plain quiet window."""
     pace = evidence.pace
-    if pace is None or pace.owes == "nothing":
-        return f"probe.quiet_window {quiet_window:g}s"
+    if pace is None or pace.due is None:
+        if pace is None or pace.floor <= quiet_window:
+            return f"probe.quiet_window {quiet_window:g}s"
+        return f"{pace.floor:.0f}s: a few decode steps at this server's pace"
     return f"past this server's pace: {pace.owes}, {pace.basis}"
 
 
