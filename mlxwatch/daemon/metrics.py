@@ -32,6 +32,8 @@ other label comes from a fixed list, so no URL, path, prompt or message can reac
 ``mlxwatch_front_first_token_seconds{server}``              histogram  front door: request received -> its first token
 ``mlxwatch_front_tokens_per_second{server}``                histogram  front door: a request's rate, first to last token
 ``mlxwatch_rank_up{server,rank,host}``                     gauge      an mlx.launch group's rank: 1 running, else 0
+``mlxwatch_patience_seconds{server}``                      gauge      the silence allowed now, at the server's own pace
+``mlxwatch_chunk_seconds{server}``                         gauge      the learned bound for one prompt chunk's reading
 ``mlxwatch_build_info{version,python}``                     gauge      1
 ``mlxwatch_config_last_reload_successful``                  gauge      0 after a refused SIGHUP reload, else 1
 ``mlxwatch_config_last_reload_success_timestamp_seconds``   gauge      the last good load (start or reload)
@@ -70,7 +72,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import platform
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -196,6 +200,7 @@ class Metrics:
         r.register(_BudgetCollector(self))
         r.register(_ShimCollector(self))
         r.register(_GroupCollector(self))
+        r.register(_PaceCollector(self))
         self.reload_ok.set(1)  # the config the daemon started with loaded, or it would not be running
         self.reload_time.set(self.clock.wall())
         self.running.set(1)
@@ -433,6 +438,46 @@ def group_ranks(group: Any) -> list[tuple[int, str, str]]:
         if isinstance(r, dict) and isinstance(r.get("rank"), int) and not isinstance(r.get("rank"), bool):
             found.append((r["rank"], str(r.get("host") or "?"), str(r.get("state") or "unknown")))
     return found
+
+
+class _PaceCollector:
+    """Each instance's pace (docs/deciding.md#patience), as the watcher last saved it: the
+    silence allowed now (``probe.quiet_window``, or longer while a sign it owes is not yet due)
+    and the learned bound for one prompt chunk. Read at scrape time (the due time is a clock's)."""
+
+    PATIENCE = "mlxwatch_patience_seconds", "The silence allowed now, from the server's own pace and what it owes"
+    CHUNK = "mlxwatch_chunk_seconds", "The learned bound for reading one prompt chunk (--prefill-step-size tokens)"
+
+    def __init__(self, metrics: Metrics) -> None:
+        self.metrics = metrics
+
+    def describe(self) -> list[GaugeMetricFamily]:
+        return [GaugeMetricFamily(*self.PATIENCE, labels=["server"]), GaugeMetricFamily(*self.CHUNK, labels=["server"])]
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        patience, chunk = self.describe()
+        instances = self.metrics.state.data.get("instances", {}) if self.metrics.state is not None else {}
+        now = time.time()
+        for inst in self.metrics.config_fn().instances:
+            saved = instances.get(inst.name) if isinstance(instances, dict) else None
+            saved = saved if isinstance(saved, dict) else {}
+            pace, cadence = saved.get("pace"), saved.get("cadence")
+            allowed = inst.probe.quiet_window
+            if isinstance(pace, dict):
+                floor, due = _finite(pace.get("floor")), _finite(pace.get("due"))
+                allowed = max(floor if floor is not None else allowed, due - now if due is not None else 0.0)
+            patience.add_metric([inst.name], allowed)
+            bound = _finite(cadence.get("chunk_bound")) if isinstance(cadence, dict) else None
+            if bound is not None:
+                chunk.add_metric([inst.name], bound)
+        yield patience
+        yield chunk
+
+
+def _finite(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return None
+    return float(value)
 
 
 class _BudgetCollector:

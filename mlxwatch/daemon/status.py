@@ -50,6 +50,26 @@ def _count(value: Any) -> int | None:
     return int(number) if number is not None and number >= 0 and number == int(number) else None
 
 
+def _pace_status(value: Any) -> dict | None:
+    """What the server owes now and by when (the watcher's cadence), as the state file has it."""
+    pace = _dict(value)
+    if not pace:
+        return None
+    return {"owes": _text(pace.get("owes")), "basis": _text(pace.get("basis")), "due": _number(pace.get("due")),
+            "floor": _number(pace.get("floor")), "hidden": _text(pace.get("hidden")),
+            "overdue": _text(pace.get("overdue"))}
+
+
+def _cadence_status(value: Any) -> dict | None:
+    """The server's learned pace: a chunk's bound and what it rests on, a decode step."""
+    cadence = _dict(value)
+    if not cadence:
+        return None
+    step = _dict(cadence.get("step"))
+    return {"chunk_bound": _number(cadence.get("chunk_bound")), "basis": _text(cadence.get("basis")),
+            "chunk_tokens": _count(cadence.get("chunk_tokens")), "step": _number(step.get("mean"))}
+
+
 def _text(value: Any) -> str | None:
     """A string to show, its control characters (a newline, an escape sequence from a damaged or
     planted file) made visible as ``?``: they would break the table or drive the terminal."""
@@ -100,6 +120,8 @@ def collect_status(config: Config, state_dir: Path, clock: Clock | None = None) 
             "front": _front_status(s) if running else None,
             "kernel_sight": _text(s.get("kernel_sight")),
             "group": group_status(s.get("group")),
+            "pace": _pace_status(s.get("pace")),
+            "cadence": _cadence_status(s.get("cadence")),
         })
     return {"state_dir": str(state_dir), "state_problem": problem,
             "config": str(config.path) if config.path else None,

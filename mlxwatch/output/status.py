@@ -132,6 +132,8 @@ def status_lines(status: dict[str, Any], width: int = 80) -> list[Text]:
             lines.append(Text(f"  last probe: {p['reason']}"))
         if i.get("kernel_sight") not in (None, "ok"):
             lines.append(Text(f"  no kernel sight ({i['kernel_sight']}): the probe alone judges"))
+        if i.get("pace"):
+            lines.append(Text(f"  {pace_line(i['pace'])}", style="red" if i["pace"].get("overdue") else ""))
         if i.get("group"):
             lines += group_lines(i["group"])
         if i.get("shim"):
@@ -228,3 +230,13 @@ class StatusWatch:
     def __exit__(self, *exc: object) -> None:
         if self.live is not None:
             self.live.stop()
+
+
+def pace_line(pace: dict) -> str:
+    """What the server owes and by when: "waiting for: reading a 3,618-token prompt (~25 s a
+    chunk, learned from its chunks); next sign due by 23:04:10"."""
+    if pace.get("overdue"):
+        return f"overdue: {pace['overdue']}"
+    due = pace.get("due")
+    when = f"; next sign due by {time.strftime('%H:%M:%S', time.localtime(due))}" if due else ""
+    return f"waiting for: {pace.get('owes')} ({pace.get('basis')}){when}"
