@@ -36,6 +36,7 @@ from mlxwatch.capture import macos, pyspy
 from mlxwatch.config import Config, InstanceConfig, default_bundles_dir
 from mlxwatch.durations import format_duration
 from mlxwatch.errors import StateError
+from mlxwatch.evidence.cadence import MIN_BOUND_FACTOR, Speed
 from mlxwatch.host import launchctl
 from mlxwatch.host.commands import CommandResult, Runner, run_command
 from mlxwatch.host.group import RUNNING, Group, find_group
@@ -110,11 +111,14 @@ async def diagnose(config: Config | None, config_path: Path, config_error: str |
     else:
         found.append(Finding("config", OK, f"{config_path}: valid, {len(config.instances)} instance(s)"))
     found.append(writable("state dir", state_dir))
+    saved: dict[str, Any] = {}
     if found[-1].status == OK:
         try:
             from mlxwatch.journal.state import load_state
 
-            _, problem = load_state(state_dir)
+            state, problem = load_state(state_dir)
+            instances = state.get("instances")
+            saved = instances if isinstance(instances, dict) else {}
             if problem:
                 found.append(Finding("state file", WARN, f"{state_dir / 'state.json'} {problem}",
                                      "the daemon rebuilds it from the journal at its next start"))
@@ -132,8 +136,8 @@ async def diagnose(config: Config | None, config_path: Path, config_error: str |
         return found
     instances = [i for i in config.instances if only is None or i.name == only]
     per_instance = await asyncio.gather(*(check_instance(i, config, exe, env) for i in instances))
-    for findings in per_instance:
-        found += findings
+    for inst, findings in zip(instances, per_instance, strict=True):
+        found += [*findings, pace_finding(inst, saved.get(inst.name))]
     return found
 
 
@@ -256,6 +260,20 @@ async def check_instance(inst: InstanceConfig, config: Config, exe: str | None, 
     out.append(log_finding(inst, server, found.log, env))
     out.append(await restart_finding(inst, server, env))
     return out
+
+
+def pace_finding(inst: InstanceConfig, saved: Any) -> Finding:
+    """The pace the daemon learned for this server (docs/deciding.md#patience), from the state
+    file: what a silence is held against."""
+    cadence = saved.get("cadence") if isinstance(saved, dict) and saved.get("url") == inst.url else None
+    speed = Speed.from_dict(cadence)
+    chunk, basis = speed.chunk_time()
+    step = f", a decode step ~{speed.step.mean:.2f} s" if speed.step is not None else ""
+    message = (f"~{chunk / MIN_BOUND_FACTOR:.0f} s a {speed.chunk_tokens:,}-token prompt chunk ({basis}){step}; "
+               f"a silence may last up to {chunk:.0f} s while a prompt is read, "
+               f"probe.quiet_window ({inst.probe.quiet_window:g} s) otherwise")
+    return Finding("pace", OK if speed.chunk is not None or speed.probe_read is not None else SKIP, message,
+                   instance=inst.name)
 
 
 async def kernel_finding(inst: InstanceConfig, env: Env) -> Finding:

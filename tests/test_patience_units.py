@@ -237,3 +237,31 @@ async def test_a_bundle_that_finds_the_server_busy_is_looked_at_again_and_never_
     closed = next(r for r in journal.records() if r["event"] == "closed")
     assert "found it busy" in closed["reason"], closed
     assert "slow" in events and not restarted.exists()
+
+
+def test_doctor_prints_the_learned_pace_and_the_prior_before_anything_is_learned():
+    from mlxwatch.config import InstanceConfig
+    from mlxwatch.doctor import pace_finding
+
+    inst = InstanceConfig("big", "http://127.0.0.1:9")
+    prior = pace_finding(inst, None)
+    assert prior.status == "skip" and "the prior (nothing learned yet)" in prior.message
+    learned = {"url": inst.url, "cadence": Speed(chunk=Estimate(25.0, 1.0, 6), step=Estimate(0.08, 0.01, 9)).to_dict()}
+    found = pace_finding(inst, learned)
+    assert found.status == "ok" and "learned from its chunks" in found.message and "decode step ~0.08 s" in found.message
+    assert pace_finding(InstanceConfig("big", "http://127.0.0.1:10"), learned).status == "skip"  # another server's
+
+
+def test_status_says_what_the_server_owes_and_by_when():
+    from mlxwatch.daemon.status import _pace_status
+    from mlxwatch.output.status import pace_line
+
+    due = time.mktime((2026, 12, 7, 23, 4, 10, 0, 0, -1))
+    saved = {"owes": "reading a 3,618-token prompt (2,048 read)", "basis": "~25 s a chunk, learned from its chunks",
+             "due": due, "floor": 8.0, "hidden": None, "overdue": None}
+    line = pace_line(_pace_status(saved))
+    assert line == ("waiting for: reading a 3,618-token prompt (2,048 read) (~25 s a chunk, learned from its "
+                    "chunks); next sign due by 23:04:10")
+    assert pace_line(_pace_status({**saved, "overdue": "a prompt finished reading 40s ago"})).startswith("overdue:")
+    assert _pace_status({"owes": "x\x1b[31m", "due": float("nan")}) == {
+        "owes": "x?[31m", "basis": None, "due": None, "floor": None, "hidden": None, "overdue": None}
