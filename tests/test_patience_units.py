@@ -188,7 +188,7 @@ async def test_a_long_prompt_read_in_silent_chunks_draws_no_verdict_and_a_hang_m
     assert "hung" in seen, _events(journal)
     assert time.monotonic() - seen["hung"] < 20.0
     verdict = next(r for r in journal.records() if r["event"] == "verdict")
-    assert "past this server's pace" in verdict["failures"][-1] or "kernel" in verdict["failures"][-1]
+    assert "nothing sent to any client" in verdict["failures"][-1]
 
 
 async def test_a_bundle_that_finds_the_server_busy_is_looked_at_again_and_never_restarted(tmp_path):

@@ -35,19 +35,16 @@ import httpx
 from mlxwatch.capture import Bundle, CaptureRequest, capture_bundle, capture_probe_timeouts
 from mlxwatch.clock import Clock, Stamp
 from mlxwatch.config import CaptureConfig, InstanceConfig
-from mlxwatch.daemon.frontwatch import requests_evidence
+from mlxwatch.daemon.frontwatch import FrontWatch
 from mlxwatch.daemon.notify import Notifier
 from mlxwatch.errors import MlxwatchError
-from mlxwatch.evidence import Evidence, Stall, Window
+from mlxwatch.evidence import Evidence, Seeing, Stall, Window, sources
 from mlxwatch.evidence.cadence import Cadence, Speed
-from mlxwatch.evidence.door import DoorSource
 from mlxwatch.evidence.group import GroupSource
-from mlxwatch.evidence.kernel import KernelSource
-from mlxwatch.evidence.log import LogSource, ProgressTracker
+from mlxwatch.evidence.log import LogSource
 from mlxwatch.evidence.probes import ProbeStreams
-from mlxwatch.evidence.shim import ShimSource
 from mlxwatch.evidence.sight import Sight
-from mlxwatch.front.door import FrontDoor, Gate
+from mlxwatch.front.door import FrontDoor
 from mlxwatch.host.group import Group, find_group, refresh
 from mlxwatch.host.sockets import KernelCounters
 from mlxwatch.host.process import ProcessIdentity, ServerLookup, lookup_instance, lookup_server
@@ -107,6 +104,8 @@ class InstanceWatcher:
     log_source: LogSource = field(init=False)
     streams: ProbeStreams = field(init=False)  # failed probes' streams, read on
     group_source: GroupSource = field(init=False)  # the mlx.launch group the server is rank 0 of, if any
+    front: FrontWatch = field(init=False)  # what a verdict means for the front door's clients
+    sources: sources.Sources = field(init=False)  # every evidence source (mlxwatch.evidence.sources)
     sight: Sight = field(init=False)  # every evidence source, asked as one
     cadence: Cadence = field(init=False)  # the server's own pace, learned (kept in the state file)
     identity: ProcessIdentity | None = None  # recorded when first seen healthy; proven before use
@@ -147,22 +146,14 @@ class InstanceWatcher:
                 self.identity = ProcessIdentity.from_dict(server)  # proven again (alive) before any use
             except (KeyError, TypeError, ValueError, IndexError):
                 self.identity = None
-        self.log_source = LogSource(ProgressTracker(self.inst.log, writer_pid=self._server_pid), self.shared.clock.monotonic)
-        self.streams = ProbeStreams()
-        self.group_source = GroupSource(identity=lambda: self.identity)
-        sources: list = [
-            self.streams, self.log_source, self.group_source,
-            ShimSource(identity=lambda: self.identity, mode=lambda: self.inst.shim,
-                       stall_timeout=lambda: self.inst.probe.stall_timeout, clock=self.shared.clock.monotonic),
-            DoorSource(door=lambda: self.door if self.inst.front is not None else None,
-                       stall_timeout=lambda: self.inst.front.stall_timeout if self.inst.front else 0.0,
-                       first_token_timeout=lambda: self.inst.probe.first_token_timeout),
-        ]
-        if self.shared.kernel is not None and self.inst.kernel != "off":
-            sources.append(KernelSource(self.shared.kernel, self.inst.port, lambda: self.inst.probe.quiet_window,
-                                        server_pid=self._server_pid, clock=self.shared.clock.monotonic))
+        self.front = FrontWatch(self.name, lambda: self.door if self.inst.front is not None else None,
+                                lambda: self.inst.front, self.shared.journal, self.shared.clock.monotonic)
+        self.sources = sources.build(Seeing(inst=lambda: self.inst, identity=lambda: self.identity,
+                                            door=lambda: self.door, kernel=self.shared.kernel,
+                                            clock=self.shared.clock.monotonic))
+        self.streams, self.log_source, self.group_source = self.sources.streams, self.sources.log, self.sources.group
         self.cadence = Cadence(Speed.from_dict(saved.get("cadence")) if saved.get("url") == self.inst.url else Speed())
-        self.sight = Sight(sources, self.cadence)
+        self.sight = Sight(self.sources.all, self.cadence)
 
     @property
     def name(self) -> str:
@@ -177,11 +168,8 @@ class InstanceWatcher:
         launchd is looked up by its label too, and without a configured ``log`` follows the job's
         StandardErrorPath that launchd names."""
         found = lookup_instance(self.inst, self.shared.lookup_fn)
-        if self.inst.log is None and found.log is not None and found.log != self.log_source.tracker.log:
+        if self.inst.log is None and found.log is not None and self.log_source.follow(found.log):
             log.info("%s: following %s (the launchd job's log)", self.name, found.log)
-            tracker = ProgressTracker(found.log, writer_pid=self._server_pid)
-            tracker.prime()
-            self.log_source.tracker = tracker
         return found
 
     @property
@@ -253,7 +241,7 @@ class InstanceWatcher:
         if self.incident is not None and self.detect.state != policy.GAVE_UP:
             self.shared.journal.record(Event.CLOSED, self.incident, reason="watcher error mid-incident; watching again")
             self.incident = None
-            self._front_gate(Gate.OPEN, "incident closed")
+            self.front.open("incident closed")
         if self.detect.state not in (policy.GAVE_UP, policy.STARTING):
             self.detect.watching_again()
             self.seen_healthy = False
@@ -575,7 +563,7 @@ class InstanceWatcher:
             log.warning("%s: %s: not the server; it is not captured, signalled or passed to a hook", self.name, stranger)
         self._change(Event.VERDICT)  # the policy's failure() made it hung
         self.shared.notifier.fire("verdict", inc.to_dict())
-        front_requests = self._front_at_verdict()
+        front_requests = self.front.at_verdict(self.shared.capture, restarting=self.inst.restart.method != "none")
 
         self._change(Event.CAPTURING, self.detect.capturing())
         await self._end_linger()  # the capture makes its own probe
@@ -638,7 +626,7 @@ class InstanceWatcher:
         log.warning("%s: %s", self.name, reason)
         self.shared.journal.record(Event.CLOSED, inc, reason=reason)
         self.incident = None
-        self._front_gate(Gate.OPEN, "the server works")
+        self.front.open("the server works")
         self.detect.recovered()
         self.failed_reports.clear()
         self.judged_at = None
@@ -774,7 +762,7 @@ class InstanceWatcher:
         began = self.incident_began if self.incident_began is not None else now
         inc.seconds_to_recovery = round(now - began, 3)
         log.warning("%s: recovered (%s) %.1fs after the first failed probe", self.name, how, inc.seconds_to_recovery)
-        self._front_gate(Gate.OPEN, "recovered")
+        self.front.open("recovered")
         self.shared.journal.record(Event.RECOVERED, inc, how=how)
         self.shared.notifier.fire("recovered", inc.to_dict())
         self.incident = None
@@ -801,7 +789,7 @@ class InstanceWatcher:
         self.shared.journal.record(Event.GAVE_UP, inc)
         self.shared.notifier.fire("gave_up", inc.to_dict())
         self.detect.gave_up()
-        self._front_gate(Gate.OPEN, "gave up: requests reach the server again, and fail on their own")
+        self.front.open("gave up: requests reach the server again, and fail on their own")
         self._save(last_incident=_incident_summary(inc))  # kept open: a later good probe records recovery
 
     def _resume(self, why: str) -> None:
@@ -825,7 +813,7 @@ class InstanceWatcher:
         loop = asyncio.get_running_loop()
         end = loop.time() + seconds
         while not self.stop.is_set() and (left := end - loop.time()) > 0:
-            self._door_failed_alone()
+            self.front.failed_alone()
             suspect = self.detect.state != policy.HEALTHY or bool(self.streams.tasks())
             if self.incident is None and self.detect.state in (policy.HEALTHY, *policy.PROBING_SOON):
                 evidence = await self._look(self.shared.clock.monotonic() - self.inst.probe.quiet_window,
@@ -848,41 +836,6 @@ class InstanceWatcher:
             self.detect.suspect()
             self._save()
         return True
-
-    # --- front door (instances[].front): the door told what the verdict means for its clients.
-    # Without a door every method here is a no-op. (What it delivers is evidence: evidence.door.)
-
-    def _door_failed_alone(self) -> None:
-        """Requests the door failed alone (no token for request_stall_timeout while others got
-        theirs) are said and journaled."""
-        if self.door is None or self.inst.front is None:
-            return
-        for req in self.door.take_stalled_requests():
-            log.warning("%s: front door: request %s (%s %s) got no token for %gs while others did; it failed loudly",
-                        self.name, req.id, req.method, req.path, self.inst.front.request_stall_timeout)
-            self.shared.journal.note(Event.FRONT_REQUEST_STALLED, instance=self.name, request=req.id, path=req.path,
-                                     tokens=req.tokens, timeout=self.inst.front.request_stall_timeout)
-
-    def _front_at_verdict(self) -> list[dict] | None:
-        """The verdict, for the door's clients: the requests in flight are kept as evidence, then
-        each ends with an explicit error (never an empty success); when a restart follows, new
-        requests get 503 + Retry-After (or are held up to ``front.hold``) until it is verified."""
-        if self.door is None:
-            return None
-        view = self.door.view()
-        cap = self.shared.capture
-        evidence = requests_evidence(view, self.shared.clock.monotonic(), bodies=cap.requests == "bodies", redact=cap.redact)
-        failed = self.door.fail_in_flight("the server is hung (mlxwatch verdict); retry later")
-        if failed:  # no line about no request: most verdicts come with nobody waiting
-            log.warning("%s: front door: %d request(s) in flight failed loudly", self.name, failed)
-        if self.inst.restart.method != "none":
-            self._front_gate(Gate.RESTARTING, "a restart follows the verdict")
-        return evidence
-
-    def _front_gate(self, gate: Gate, why: str) -> None:
-        if self.door is not None:
-            log.info("%s: front door: %s (%s)", self.name, getattr(gate, "value", gate), why)
-            self.door.set_gate(gate)
 
     # --- bookkeeping
 

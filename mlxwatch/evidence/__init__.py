@@ -37,9 +37,13 @@ What each answer means to the policy:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Hashable, Protocol, Sequence
+from typing import Any, Callable, Hashable, Protocol, Sequence
 
+from mlxwatch.config import InstanceConfig
 from mlxwatch.evidence.cadence import Pace
+from mlxwatch.front.door import FrontDoor
+from mlxwatch.host.process import ProcessIdentity
+from mlxwatch.host.sockets import KernelCounters
 from mlxwatch.probes import CheckReport
 
 
@@ -119,6 +123,23 @@ def combine(answers: Sequence[Evidence]) -> Evidence:
         cut_after=min(cuts) if cuts else None,
         detail=detail,
     )
+
+
+@dataclass(frozen=True)
+class Seeing:
+    """What one instance's sources may look at, each read when used (a reload changes the
+    instance's settings, a restart its server, the daemon swaps its front door): every source
+    module's ``build`` takes this alone (``mlxwatch.evidence.sources``)."""
+
+    inst: Callable[[], InstanceConfig]
+    identity: Callable[[], ProcessIdentity | None]  # the proven server, if any
+    door: Callable[[], FrontDoor | None]  # the instance's front door, if it has one
+    kernel: KernelCounters | None  # kernel sight, one for the daemon (None: off)
+    clock: Callable[[], float]  # monotonic
+
+    def server_pid(self) -> int | None:
+        ident = self.identity()
+        return ident.pid if ident is not None else None
 
 
 class Source(Protocol):

@@ -26,7 +26,9 @@ What the server owes decides which pace applies (``judge``), never longer than `
 - **a prompt being read** (announced ``X/Y`` with X < Y, or a request that got nothing yet and
   arrived after the last sign): the next sign (a chunk logged, a keepalive, a token) is due
   within one chunk's bound of the last one. Where no sign can show between chunks (no log
-  followed, a non-streamed request), the whole prompt's reading is allowed from its arrival;
+  followed, a non-streamed request), the whole prompt's reading is allowed from its arrival. A
+  chunk that runs late while the server computes (its process's CPU, or on a Mac the GPU:
+  ``mlxwatch.evidence.gpu``) gets one more chunk's time, no more: a livelock computes too;
 - **a non-streamed answer** (a request that got nothing, no stream): sent whole at its end, so
   its silence is hidden work until its prompt's reading plus ``--max-tokens`` decode steps;
 - **streams decoding, or nothing**: ``probe.quiet_window`` (or a few decode steps, if longer): an
@@ -51,6 +53,7 @@ K = 4.0  # deviations in a bound (RFC 6298's K)
 STEPS_OWED = 3  # decode steps a stream (or a prompt just read) may wait for its next token
 BYTES_PER_TOKEN = 3.0  # a request's bytes over this: a high guess of its prompt tokens (JSON, ~4 chars a token)
 MIN_GAP = 0.5  # seconds: gaps shorter than this between two signs are one reading, not a sample
+BUSY = 0.10  # of a core (the process) or of the GPU: the server computes
 
 
 @dataclass
@@ -266,6 +269,13 @@ class Cadence:
                 dues.append((end, f"{len(hidden)} non-streamed answer(s)"))
 
         live = [(due, what) for due, what in dues if due > now]
+        busy = _busy(detail)
+        if not live and dues and busy:
+            # A chunk running late on a server that computes (its process, or on a Mac its GPU):
+            # one more chunk's time, no more (a livelock computes too).
+            due, what = max(dues)
+            if due + chunk > now:
+                live = [(due + chunk, f"{what}, running late while {busy}")]
         overdue = self._overdue(now, log, kernel, floor, bool(live))
         if live:
             due, what = max(live)
@@ -295,6 +305,17 @@ class Cadence:
             return None
         return (f"a prompt finished reading {now - done:.0f}s ago and no token reached any client since "
                 f"(allowed {_secs(allowed)})")
+
+
+def _busy(detail: dict[str, Any]) -> str | None:
+    """Does the server compute now (its process's CPU, or the GPU on a Mac)? What says so."""
+    cpu = (detail.get("kernel") or {}).get("cpu")
+    gpu = (detail.get("gpu") or {}).get("busy")
+    if isinstance(gpu, (int, float)) and gpu >= BUSY:
+        return f"the GPU is {gpu:.0%} busy"
+    if isinstance(cpu, (int, float)) and cpu >= BUSY:
+        return f"the process uses {cpu:.0%} of a core"
+    return None
 
 
 def _secs(seconds: float) -> str:

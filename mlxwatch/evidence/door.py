@@ -22,7 +22,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
-from mlxwatch.evidence import Evidence, Stall, Window
+from mlxwatch.evidence import Evidence, Seeing, Stall, Window
 from mlxwatch.front.delivery import DeliveryView
 from mlxwatch.front.door import FrontDoor, Gate
 
@@ -81,3 +81,16 @@ class DoorSource:
         witness = door.gate != Gate.OPEN and not tokens
         return Evidence(delivered=delivered, stall=stall, last_flow=view.last_token_mono,
                         cut_after=min(self.stall_timeout(), self.first_token_timeout()) if witness else None)
+
+
+def build(seeing: Seeing) -> DoorSource:
+    """The front door's ledger, while the instance has a door (``instances[].front``)."""
+    def door() -> FrontDoor | None:  # read at each look: a reload may add or drop the door
+        return seeing.door() if seeing.inst().front is not None else None
+
+    def stall_timeout() -> float:
+        front = seeing.inst().front
+        return front.stall_timeout if front is not None else 0.0
+
+    return DoorSource(door=door, stall_timeout=stall_timeout,
+                      first_token_timeout=lambda: seeing.inst().probe.first_token_timeout)

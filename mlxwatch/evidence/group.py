@@ -21,7 +21,7 @@ from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 from typing import Callable
 
-from mlxwatch.evidence import Evidence, Stall, Window
+from mlxwatch.evidence import Evidence, Seeing, Stall, Window
 from mlxwatch.host.group import GONE, STOPPED, ZOMBIE, Group, Rank, find_group, refresh
 from mlxwatch.host.process import ProcessIdentity
 
@@ -95,3 +95,8 @@ class GroupSource:
         stall = Stall(reason, episode, source=self.name, cut_after=0.0, event="group_stall",
                       journal={"reason": reason, "culprit_rank": judged.culprit_rank, "group": self.group.to_dict()})
         return Evidence(stall=stall, seen=(reason,), detail=detail)
+
+
+def build(seeing: Seeing) -> GroupSource:
+    """The mlx.launch group whose rank 0 the proven server is, if any."""
+    return GroupSource(identity=seeing.identity)

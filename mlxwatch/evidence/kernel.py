@@ -33,7 +33,7 @@ from typing import Callable
 
 import psutil
 
-from mlxwatch.evidence import Evidence, Stall, Window
+from mlxwatch.evidence import Evidence, Seeing, Stall, Window
 from mlxwatch.host.sockets import Connection, KernelCounters, Reading
 
 KEEPALIVE_BYTES = 64  # mean bytes per segment at or below which a write is a keepalive comment
@@ -218,3 +218,12 @@ class KernelSource:
                              **self._pace_signs()}}
         return Evidence(delivered=delivered, progress=progress, stall=stall, last_flow=last_flow, sees_all=True,
                         hidden_work=hidden, detail=detail)
+
+
+def build(seeing: Seeing) -> KernelSource | None:
+    """Kernel sight for the instance's port, where the daemon reads the kernel's counters and
+    the instance does not turn it off (``instances[].kernel``)."""
+    if seeing.kernel is None or seeing.inst().kernel == "off":
+        return None
+    return KernelSource(seeing.kernel, seeing.inst().port, lambda: seeing.inst().probe.quiet_window,
+                        server_pid=seeing.server_pid, clock=seeing.clock)

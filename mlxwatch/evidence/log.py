@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from mlxwatch.evidence import Evidence, Window
+from mlxwatch.evidence import Evidence, Seeing, Window
 from mlxwatch.probes import CheckReport
 from mlxwatch.serverlog.follow import LogFollower
 from mlxwatch.serverlog.markers import prompt_advances
@@ -111,6 +111,16 @@ class LogSource:
         while len(self.reading) > OPEN_KEPT:
             self.reading.pop(next(iter(self.reading)))
 
+    def follow(self, log: Path) -> bool:
+        """Follow ``log`` from its end from now on (a launchd job's log, named later); False
+        when it is followed already. Blocking I/O: call it from a thread."""
+        if log == self.tracker.log:
+            return False
+        tracker = ProgressTracker(log, writer_pid=self.tracker.writer_pid)
+        tracker.prime()
+        self.tracker = tracker
+        return True
+
     async def prime(self) -> None:
         self.read_at = self.clock()
         note = await asyncio.to_thread(self.tracker.prime)
@@ -144,3 +154,8 @@ class LogSource:
         detail = {"log": {"followed": self.tracker.follower is not None, "open": dict(self.reading),
                           "completed_at": self.completed_at, "token_seconds": samples}}
         return Evidence(progress=tuple(progress), notes=tuple(notes), last_flow=last, detail=detail)
+
+
+def build(seeing: Seeing) -> LogSource:
+    """The instance's log (``instances[].log``; a launchd job's may be followed later)."""
+    return LogSource(ProgressTracker(seeing.inst().log, writer_pid=seeing.server_pid), seeing.clock)

@@ -12,7 +12,7 @@ import asyncio
 from collections import deque
 from dataclasses import dataclass, field
 
-from mlxwatch.evidence import Evidence, Window
+from mlxwatch.evidence import Evidence, Seeing, Window
 from mlxwatch.probes import CheckReport
 
 
@@ -83,3 +83,8 @@ class ProbeStreams:
             if not task.done():
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
+
+
+def build(seeing: Seeing) -> ProbeStreams:
+    """The failed probes' streams, read on (the watcher hands them over)."""
+    return ProbeStreams()

@@ -21,7 +21,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
-from mlxwatch.evidence import Evidence, Stall, Window
+from mlxwatch.evidence import Evidence, Seeing, Stall, Window
 from mlxwatch.host.process import ProcessIdentity
 from mlxwatch.shim import heartbeat
 from mlxwatch.shim.watch import POLL, ShimWatch
@@ -85,3 +85,9 @@ class ShimSource:
                                journal={"pid": hb.pid, "reason": judged.stall, "evidence": judged.evidence,
                                         "heartbeat": hb.summary()})
         return ()
+
+
+def build(seeing: Seeing) -> ShimSource:
+    """The launch shim's heartbeat, read when the server has one (``instances[].shim``)."""
+    return ShimSource(identity=seeing.identity, mode=lambda: seeing.inst().shim,
+                      stall_timeout=lambda: seeing.inst().probe.stall_timeout, clock=seeing.clock)
