@@ -239,7 +239,7 @@ class Cadence:
         if step is not None:
             floor = min(max(floor, STEPS_OWED * step), self.grace_ceiling)
         log, kernel = detail.get("log") or {}, detail.get("kernel") or {}
-        owed = [Owed(**o) if isinstance(o, dict) else o for o in kernel.get("owed", ())]
+        owed = [o for o in map(_owed, kernel.get("owed") or ()) if o is not None]
         logged = bool(log.get("followed"))
         last_sign = last_flow if last_flow is not None else float("-inf")
         dues: list[tuple[float, str]] = []
@@ -305,6 +305,16 @@ class Cadence:
             return None
         return (f"a prompt finished reading {now - done:.0f}s ago and no token reached any client since "
                 f"(allowed {_secs(allowed)})")
+
+
+def _owed(item: Any) -> Owed | None:
+    """A request owed a first token, from a source's detail (anything else is skipped)."""
+    if isinstance(item, Owed):
+        return item
+    if not isinstance(item, dict) or not isinstance(item.get("arrived"), (int, float)):
+        return None
+    size = item.get("request_bytes")
+    return Owed(float(item["arrived"]), size if isinstance(size, int) and size > 0 else 0, bool(item.get("streamed")))
 
 
 def _busy(detail: dict[str, Any]) -> str | None:
