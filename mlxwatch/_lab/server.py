@@ -98,6 +98,7 @@ class LabServer(LabFiles):
     pid: int = 0
     create_time: float = 0.0
     started: float | None = None  # host.process.start_stamp: what proves it is still our process
+    start_fault: str = ""  # the fault file's text at every (re)launch: e.g. "prefill 12", slow from its start
     _popen: subprocess.Popen | None = field(default=None, repr=False, compare=False)
 
     @property
@@ -143,10 +144,10 @@ class LabServer(LabFiles):
         }
 
     def launch(self, ready_timeout: float = 120.0) -> None:
-        """Start the server process (fault cleared) and wait until it generates (``ready_timeout``
-        0: do not wait). If it never does, or the wait is interrupted, the process is ended
-        before the exception goes on."""
-        self.set_fault("")
+        """Start the server process (fault reset to ``start_fault``) and wait until it generates
+        (``ready_timeout`` 0: do not wait). If it never does, or the wait is interrupted, the
+        process is ended before the exception goes on."""
+        self.set_fault(self.start_fault)
         (self.workdir / "hf-cache").mkdir(exist_ok=True)
         with open(self.log_path, "ab") as log:
             proc = subprocess.Popen(
