@@ -36,7 +36,7 @@ from mlxwatch.capture import macos, pyspy
 from mlxwatch.config import Config, InstanceConfig, default_bundles_dir
 from mlxwatch.durations import format_duration
 from mlxwatch.errors import StateError
-from mlxwatch.evidence.cadence import MIN_BOUND_FACTOR, Speed
+from mlxwatch.evidence.cadence import Speed
 from mlxwatch.host import launchctl
 from mlxwatch.host.commands import CommandResult, Runner, run_command
 from mlxwatch.host.group import RUNNING, Group, find_group
@@ -269,7 +269,7 @@ def pace_finding(inst: InstanceConfig, saved: Any) -> Finding:
     speed = Speed.from_dict(cadence)
     chunk, basis = speed.chunk_time()
     step = f", a decode step ~{speed.step.mean:.2f} s" if speed.step is not None else ""
-    message = (f"~{chunk / MIN_BOUND_FACTOR:.0f} s a {speed.chunk_tokens:,}-token prompt chunk ({basis}){step}; "
+    message = (f"~{speed.chunk_typical():.0f} s a {speed.chunk_tokens:,}-token prompt chunk ({basis}){step}; "
                f"a silence may last up to {chunk:.0f} s while a prompt is read, "
                f"probe.quiet_window ({inst.probe.quiet_window:g} s) otherwise")
     return Finding("pace", OK if speed.chunk is not None or speed.probe_read is not None else SKIP, message,

@@ -117,6 +117,14 @@ class Speed:
             return self.probe_read.bound() * self.chunk_tokens * PROBE_READ_FACTOR, "from its probes' first tokens"
         return PRIOR_CHUNK * self.chunk_tokens / DEFAULT_CHUNK_TOKENS, "the prior (nothing learned yet)"
 
+    def chunk_typical(self) -> float:
+        """A chunk's usual time (the estimate's mean), for people; ``chunk_time`` is its bound."""
+        if self.chunk is not None:
+            return self.chunk.mean
+        if self.probe_read is not None:
+            return self.probe_read.mean * self.chunk_tokens * PROBE_READ_FACTOR
+        return PRIOR_CHUNK * self.chunk_tokens / DEFAULT_CHUNK_TOKENS
+
     def read_time(self, tokens: float) -> float:
         """The bound for reading ``tokens`` prompt tokens, at this pace."""
         return max(tokens, 1.0) / self.chunk_tokens * self.chunk_time()[0]
@@ -233,7 +241,7 @@ class Cadence:
         ["owed"]``: ``Owed``'s fields). ``last_flow``: the last sign of any kind."""
         self._learn_from(detail)
         chunk, learned = self.speed.chunk_time()
-        basis = f"~{_secs(chunk / MIN_BOUND_FACTOR)} a chunk, {learned}"
+        basis = f"~{_secs(self.speed.chunk_typical())} a chunk, {learned}"
         floor = self.quiet_window
         step = self.speed.step_time()
         if step is not None:
