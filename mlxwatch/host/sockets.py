@@ -24,6 +24,7 @@ import os
 import socket
 import sys
 import threading
+from concurrent.futures import ThreadPoolExecutor
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Collection
@@ -135,6 +136,26 @@ class KernelCounters:
     ports: set[int] = field(default_factory=set)  # every port any instance asked about
     _last: Reading | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    # new dumps run here, one at a time (they are serialised by the lock anyway), never on the
+    # daemon's default pool: its few workers also resolve every probe's address
+    executor: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(1, "kernel-sight"), repr=False)
+
+    def fresh(self, port: int, max_age: float | None = None) -> Reading | None:
+        """The counters for ``port`` if a dump at most ``max_age`` s old holds them, without
+        waiting: no I/O, no thread (None: a new dump is needed, or another thread is making one).
+        With many instances most looks are served so, off the daemon's thread pool, whose
+        workers also resolve the probes' addresses (measured: 100 instances @ 5 s reading through
+        threads put the p99 gap between probes at 156 % of the interval)."""
+        if not self._lock.acquire(blocking=False):
+            return None
+        try:
+            last = self._last
+            if last is None or port not in self.ports or \
+                    self.clock() - last.at > (self.max_age if max_age is None else max_age):
+                return None
+            return Reading(last.at, last.on(port), last.error)
+        finally:
+            self._lock.release()
 
     def read(self, port: int, max_age: float | None = None) -> Reading:
         """The counters for ``port`` from a dump at most ``max_age`` s old (default
@@ -148,7 +169,8 @@ class KernelCounters:
         return Reading(last.at, last.on(port), last.error)
 
     def close(self) -> None:
-        """Let go of the reader's netlink socket (the daemon's stop)."""
+        """Let go of the reader's netlink socket and the dumping thread (the daemon's stop)."""
+        self.executor.shutdown(wait=False, cancel_futures=True)
         with self._lock:
             close = getattr(self.reader, "close", None)
             if close is not None:
