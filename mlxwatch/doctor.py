@@ -286,7 +286,7 @@ async def kernel_finding(inst: InstanceConfig, env: Env) -> Finding:
                        "without it a hang is called by the probe's deadlines alone (minutes at the defaults); "
                        "see docs/deciding.md#kernel-sight", inst.name)
     return Finding("kernel", OK, f"reads the bytes sent on port {inst.port}'s "
-                   f"{len(reading.connections)} client connection(s) now", instance=inst.name)
+                   f"{sum(not c.closed for c in reading.connections)} client connection(s) now", instance=inst.name)
 
 
 async def group_findings(inst: InstanceConfig, server: ProcessIdentity, env: Env) -> list[Finding]:

@@ -26,8 +26,17 @@ from mlxwatch.serverlog.markers import prompt_advances
 PORT = 8080
 
 
-def conn(client_port: int, sent: int, segments: int | None, received: int = 300, own: bool = False) -> Connection:
-    return Connection(PORT, ("127.0.0.1", client_port), (client_port,), sent, received, segments, None, own)
+def conn(client_port: int, sent: int, segments: int | None, received: int = 300, own: bool = False,
+         unsent: int = 0) -> Connection:
+    return Connection(PORT, ("127.0.0.1", client_port), (client_port,), sent, received, segments, None, own,
+                      unsent=unsent)
+
+
+def closed(client_port: int, sent: int | None = None, received: int = 300) -> Connection:
+    """What is left of a connection the server closed first: on Linux a TIME_WAIT remnant with no
+    counts (``sent`` None), on macOS nettop's TimeWait row with them."""
+    return Connection(PORT, ("127.0.0.1", client_port), (client_port,), sent or 0, received if sent else 0,
+                      closed=True, counted=sent is not None)
 
 
 class Readings:
@@ -151,6 +160,93 @@ def test_requests_waiting_for_their_head_hide_work_only_while_the_server_works()
             p.kill()
             p.wait()
     assert BUSY_CPU < 0.5
+
+
+def test_an_answer_sent_whole_is_a_delivery_and_owes_nothing_until_the_next_request():
+    """Measured with the official openai SDK (non-streaming) on a slow server: the answer's head
+    and body left at its end, and the first growth of a connection was always taken for a
+    head, so no answer was ever counted (1-2 false verdicts per 10 minutes). A pooled
+    keep-alive connection then sat 'owed' for ever."""
+    waiting, whole = conn(5000, 0, 0), conn(5000, 248 + 650, 2)
+    got = looks(source([waiting], [whole]), 1.0, 2.0)
+    assert got.delivered == ("kernel: 1 answer(s) to clients completed in the last 2s (a non-streamed answer goes "
+                             "out whole at its end)",)
+    assert got.last_flow == 2.0 and got.detail["kernel"]["streams"] == 0
+    src = source([waiting], [whole], [whole], [conn(5000, 898, 2, received=600)])
+    assert looks(src, 1.0, 2.0, 30.0).stall is None  # answered: idle on its keep-alive connection, owed nothing
+    assert looks(src, 32.0, 34.0).detail["kernel"]["waiting_request_bytes"] == [300]  # its next request waits
+
+
+def test_a_head_with_keepalives_behind_it_is_still_only_a_head():
+    """A livelock admits requests and may write keepalives: never a delivery, however the
+    readings fall (the head, 248 bytes, and four 23-byte keepalives in one reading)."""
+    got = looks(source([conn(5000, 0, 0)], [conn(5000, 248 + 4 * 23, 5)]), 1.0, 2.0)
+    assert got.delivered == () and got.detail["kernel"]["streams"] == 1
+    assert looks(source([conn(5000, 0, None)], [conn(5000, 248 + 10 * 23, None)]), 1.0, 2.0).delivered == ()
+
+
+def test_a_request_the_server_answered_and_closed_between_two_readings_is_a_delivery():
+    """mlx-lm closes the connection after every answer: on Linux what is left is the server end's
+    TIME_WAIT remnant, with no byte counts. A waiting request whose connection the server closed
+    was answered; one whose client gave up leaves no remnant on the server's side."""
+    waiting = [conn(5000, 0, 0)]
+    got = looks(source(waiting, [closed(5000)]), 1.0, 2.0)
+    assert got.delivered and "1 answer(s) to clients completed" in got.delivered[0] and got.last_flow == 2.0
+    assert looks(source(waiting, []), 1.0, 2.0).delivered == ()  # the client closed first
+    assert looks(source([], [closed(5000)]), 1.0, 2.0).delivered == ()  # opened and closed unseen: not inferred
+    # a stream whose head went out, then ended by the server: its end was delivered
+    assert looks(source([conn(5000, 248, 1)], [conn(5000, 248, 1)], [closed(5000)]), 1.0, 2.0, 3.0).delivered
+    # macOS keeps the counts: a head-sized error and a close is no answer, a whole one is
+    assert looks(source(waiting, [closed(5000, sent=230)]), 1.0, 2.0).delivered == ()
+    assert looks(source(waiting, [closed(5000, sent=900)]), 1.0, 2.0).delivered
+
+
+def test_a_server_process_that_died_answered_nothing_by_closing():
+    """A dying process closes every connection (a FIN, a TIME_WAIT remnant): no answer."""
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    assert looks(source([conn(5000, 0, 0)], [closed(5000)], pid=gone.pid), 1.0, 2.0).delivered == ()
+
+
+def test_a_connection_that_never_sent_a_byte_is_no_waiting_request():
+    """Measured: 5 connections that never sent a byte made a healthy, idle server draw a false
+    stall alert, and under a livelock (CPU busy) they were hidden work: the early end was
+    withheld and the verdict took 160 s instead of 31 s."""
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    idle = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        silent = [conn(5000 + i, 0, 0, received=0) for i in range(5)]
+        got = looks(source(silent, quiet=1.0, pid=idle.pid), 0.0, 2.0, 4.0, real_gap=0.3)
+        assert got.stall is None and got.detail["kernel"]["waiting"] == 0
+        got = looks(source(silent, pid=busy.pid), 0.0, 2.0, 4.0, real_gap=0.5)
+        assert got.hidden_work is None and got.quiet_for(4.0, since=0.0) == 4.0
+    finally:
+        for p in (busy, idle):
+            p.kill()
+            p.wait()
+
+
+def test_a_client_that_reads_slowly_is_owed_nothing_the_server_wrote():
+    """Measured: a client reading slowly drew a false stall alert while the probe was healthy.
+    The server's writes wait in the socket's send queue (``unsent``): they count as written, and
+    a stream whose client leaves them unread is owed nothing."""
+    src = source([conn(5000, 248, 1)], [conn(5000, 248, 1, unsent=4000)], [conn(5000, 248, 1, unsent=4000)],
+                 quiet=8.0)
+    got = looks(src, 1.0, 2.0, 20.0)
+    assert got.stall is None and got.last_flow == 2.0
+    assert got.detail["kernel"]["slow_readers"] == 1
+
+
+def test_the_detail_has_each_waiting_requests_size_and_each_streams_age():
+    """For the cadence: how big each waiting request is (a prompt-length hint) and how long ago
+    each open stream's head went out."""
+    src = source([conn(5000, 0, 0, received=4000), conn(5001, 0, 0, received=0), conn(5002, 0, 0)],
+                 [conn(5000, 0, 0, received=4000), conn(5001, 0, 0, received=0), conn(5002, 248, 1)])
+    got = looks(src, 1.0, 3.0)
+    kernel = got.detail["kernel"]
+    assert kernel["waiting_request_bytes"] == [4000] and kernel["stream_heads_ago"] == [0.0]
+    assert {"connections", "streams", "waiting", "last_flow_ago", "cpu"} <= set(kernel)
+    assert src.answer(Window(0.0, 7.5)).detail["kernel"]["stream_heads_ago"] == [4.5]
 
 
 def test_sight_unavailable_is_a_note_and_no_claim_to_see_everyone():

@@ -5,14 +5,12 @@ cadence's use of it."""
 from __future__ import annotations
 
 import asyncio
-from pathlib import Path
 
 from mlxwatch.evidence import Window
 from mlxwatch.evidence.cadence import Cadence, Estimate, Speed
 from mlxwatch.evidence.gpu import GpuSource, build
 from mlxwatch.host.gpu import GpuReading, ioreg_argv, parse_ioreg
-
-DATA = Path(__file__).parent / "data"
+from test_macos_parsers import recorded
 
 
 def test_the_command_is_ioregs_documented_synopsis():
@@ -30,7 +28,7 @@ def test_the_command_is_ioregs_documented_synopsis():
 
 
 def test_the_parser_reads_a_real_m4_max_line():
-    reading = parse_ioreg((DATA / "ioreg-lmstudiobench-m4max.txt").read_text())
+    reading = parse_ioreg(recorded("ioreg-lmstudiobench-m4max.txt"))
     assert reading == GpuReading(busy=0.16, in_use_bytes=2363801600)
 
 

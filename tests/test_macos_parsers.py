@@ -388,6 +388,22 @@ def test_nettop_lists_tcp_connections_that_can_still_send_and_nothing_else():
     assert len(both) == 32
 
 
+def test_nettop_time_wait_rows_keep_their_counts_and_are_closed_connections():
+    """A connection that closed first from its local end stays listed in TimeWait with its
+    byte counts (the fixture's `tcp4 127.0.0.1:62345<->127.0.0.1:10808,lo0,TimeWait,2484,1396`,
+    the client end of a connection to 10808): a server end left so by a server that answered
+    and closed is read as closed, with what it carried (kernel sight counts that answer). The
+    FinWait1 row (`198.18.0.1:65364<->17.248.214.67:443,utun8,FinWait1,0,1771`) is one too:
+    its local end sent its FIN."""
+    from mlxwatch.host import nettop
+
+    [c] = nettop.parse(recorded(NETTOP_CSV), {62345})
+    assert c.closed and c.counted and (c.client, c.bytes_sent, c.bytes_received) == (("127.0.0.1", 10808), 1396, 2484)
+    [fin] = nettop.parse(recorded(NETTOP_CSV), {65364})
+    assert fin.closed and fin.bytes_sent == 1771
+    assert not any(c.closed for c in nettop.parse(recorded(NETTOP_CSV), {10808, 52122}))  # all Established
+
+
 def test_nettop_keys_are_stable_and_own_client_ends_are_marked():
     """The same connection has the same key in another reading (it is the 4-tuple: nettop
     shows no socket id); a server end whose client end is one of ours is `own`."""

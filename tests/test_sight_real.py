@@ -13,6 +13,7 @@ Measured on main before kernel sight (docs/deciding.md, "Kernel sight"):
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import subprocess
@@ -147,6 +148,45 @@ async def _slow_server_is_not_restarted(server: LabServer, tmp_path: Path, step:
     finally:
         for proc in clients.values():
             end(proc)
+
+
+@pytest.mark.timeout(300)
+async def test_answers_the_openai_sdk_gets_without_streaming_are_deliveries(lab):
+    """Measured on main with the official openai SDK, not streaming, against a slow server whose
+    process idles while it works (`slow 4`): 1-2 false verdicts per 10 minutes, because an
+    answer sent whole (head and body at its end, then the connection closed by mlx-lm's HTTP/1.0
+    server) was never counted: its first bytes were taken for a head, and the close for nothing.
+    Here three such clients ask twice each from a server at 1 s a step, kernel sight read every
+    0.5 s as the daemon reads it while a probe waits: each request is seen waiting with its
+    size, and each answer the SDK got is one delivery, the moment it went out."""
+    from mlxwatch.evidence import Window
+    from mlxwatch.evidence.kernel import KernelSource
+    from mlxwatch.host.sockets import KernelCounters
+
+    counters = KernelCounters(max_age=0.0)
+    source = KernelSource(counters, lab.port, lambda: 8.0, server_pid=lambda: lab.pid)
+    lab.set_fault("slow", 1.0)
+    clients = app(lab.url, "--openai", "--parallel", "3", "--count", "6", "--max-tokens", "4", "--timeout", "120")
+    waiting: list[list[int]] = []
+    try:
+        start = time.monotonic()
+        while clients.poll() is None and time.monotonic() - start < 200:
+            await asyncio.to_thread(source.sample)
+            waiting.append(source.answer(Window(start, time.monotonic())).detail["kernel"]["waiting_request_bytes"])
+            await asyncio.sleep(0.5)
+        await asyncio.sleep(1.0)
+        await asyncio.to_thread(source.sample)
+        seen = source.answer(Window(start, time.monotonic()))
+        got = results(clients)
+    finally:
+        lab.set_fault("")
+        end(clients)
+        counters.close()
+    assert len(got) == 6 and not any(r["error"] for r in got), got
+    assert max(len(w) for w in waiting) >= 2 and all(b > 100 for w in waiting for b in w), waiting
+    answers = [line for line in seen.delivered if "answer(s) to clients completed" in line]
+    assert answers and answers[0].startswith("kernel: 6 answer(s)"), seen.delivered
+    assert not any("bytes of tokens" in line for line in seen.delivered), seen.delivered
 
 
 @pytest.mark.timeout(600)

@@ -10,16 +10,26 @@ from mlxwatch.daemon.supervisor import Daemon
 from mlxwatch.host.process import ServerLookup
 from mlxwatch.host.sockets import KernelCounters
 from mlxwatch.journal.incidents import Journal
-from lab.evidence import KernelShows
+from lab.evidence import KernelAnswers, KernelShows
+from mlxwatch.config import RestartConfig
+from mlxwatch.restart.methods import OK, RestartOutcome
 from test_delivery_units import StandIn, _capture_nothing, _config, _events, _last_probe_ok, _run_until
 
 
-def _daemon(tmp_path, probe: ProbeConfig, server: StandIn, kernel: KernelShows):
-    cfg = _config(tmp_path, probe)
+def _daemon(tmp_path, probe: ProbeConfig, server: StandIn, kernel, restart_cfg: RestartConfig = RestartConfig(),
+            **overrides):
+    cfg = _config(tmp_path, probe, restart_cfg)
     daemon = Daemon(cfg, cfg.state_dir, shared_overrides={
         "make_client": server.client, "capture_fn": _capture_nothing, "lookup_fn": lambda *a, **k: ServerLookup(),
-        "kernel": KernelCounters(kernel, max_age=0.0)})
+        "kernel": KernelCounters(kernel, max_age=0.0), **overrides})
     return daemon, Journal(cfg.state_dir), cfg.state_dir / "state.json"
+
+
+async def _restarted(ctx) -> RestartOutcome:
+    return RestartOutcome(OK, "restarted (a stand-in)")
+
+
+RESTART = RestartConfig("command", argv=("true",), backoff=0.0)
 
 
 async def test_nothing_flowing_anywhere_ends_a_probes_wait_after_the_quiet_window(tmp_path):
@@ -126,3 +136,64 @@ async def test_client_streams_left_without_a_byte_are_a_stall_and_the_next_probe
     stall = next(r for r in journal.records() if r["event"] == "kernel_stall")
     assert "1 client stream(s) open, and no byte sent to any client" in stall["reason"]
     assert next(r for r in journal.records() if r["event"] == "verdict")["failures"].__len__() == 1
+
+
+async def test_the_look_again_counts_an_answer_that_lands_while_its_probe_waits(tmp_path):
+    """Measured with the openai SDK not streaming: the look-again's probe was sent, the clients
+    got their 3 answers 1.3-5.4 s later, and the look-again logged "nothing sent to any client
+    for 18s" and restarted anyway. An answer sent whole while it waits is a delivery: nothing
+    is restarted (the incident closes as recovered)."""
+    server, kernel = StandIn(), KernelAnswers()
+    probe = ProbeConfig(interval=1.0, suspect_interval=0.4, first_token_timeout=30.0, timeout=60.0,
+                        quiet_window=3.0, endpoint_timeout=0.5, startup_timeout=30.0)
+    restarts: list[object] = []
+
+    async def restart(ctx) -> RestartOutcome:
+        restarts.append(ctx)
+        return await _restarted(ctx)
+
+    daemon, journal, state = _daemon(tmp_path, probe, server, kernel, RESTART, restart_fn=restart)
+    seen: dict[str, float] = {}
+
+    def phases(j: Journal) -> bool:
+        if "from" not in seen and _last_probe_ok(state):
+            server.delay, seen["from"] = None, time.monotonic()
+        events = _events(j)
+        if "captured" in events and "answer_at" not in seen:
+            seen["answer_at"] = time.monotonic() + 1.3  # the look-again's probe is on its way by then
+        if "answer_at" in seen and "answered" not in seen and time.monotonic() >= seen["answer_at"]:
+            kernel.answer()
+            seen["answered"] = 1
+        return "recovered" in events or "restart" in events
+
+    await _run_until(daemon, journal, phases, timeout=60)
+    events = _events(journal)
+    assert "restart" not in events and not restarts, events
+    recovered = next(r for r in journal.records() if r["event"] == "recovered")
+    assert "answers again" in recovered["how"], recovered
+
+
+async def test_recovery_is_verified_by_answers_to_clients_while_the_probe_still_fails(tmp_path):
+    """Measured: `not_recovered` ("not healthy 600s after the restart") while 6 requests were
+    answered, then a second restart killed 3 more. Answers to clients after the restart verify
+    it, as a probe's would."""
+    server, kernel = StandIn(), KernelAnswers()
+    probe = ProbeConfig(interval=1.0, suspect_interval=0.4, first_token_timeout=30.0, timeout=60.0,
+                        quiet_window=1.0, endpoint_timeout=0.5, startup_timeout=8.0)
+    daemon, journal, state = _daemon(tmp_path, probe, server, kernel, RESTART, restart_fn=_restarted)
+    seen: dict[str, float] = {}
+
+    def phases(j: Journal) -> bool:
+        if "from" not in seen and _last_probe_ok(state):
+            server.delay, seen["from"] = None, time.monotonic()
+        events = _events(j)
+        if "restart" in events and time.monotonic() - seen.get("answered", 0.0) > 1.0:
+            kernel.answer()  # the restarted server answers its clients, slowly for the probe
+            seen["answered"] = time.monotonic()
+        return "recovered" in events or "not_recovered" in events
+
+    await _run_until(daemon, journal, phases, timeout=60)
+    events = _events(journal)
+    assert "recovered" in events and "not_recovered" not in events, events
+    recovered = next(r for r in journal.records() if r["event"] == "recovered")
+    assert "answer(s) to clients completed" in recovered["how"], recovered

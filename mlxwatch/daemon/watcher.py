@@ -50,7 +50,7 @@ from mlxwatch.host.sockets import KernelCounters
 from mlxwatch.host.process import ProcessIdentity, ServerLookup, lookup_instance, lookup_server
 from mlxwatch.journal.incidents import Event, Incident, Journal
 from mlxwatch.journal.state import StateFile, take_resume
-from mlxwatch.probes import CheckReport, make_client, run_check
+from mlxwatch.probes import PROBE_PROMPT, CheckReport, make_client, run_check
 from mlxwatch.restart import lookagain
 from mlxwatch.restart.flapguard import FlapGuard
 from mlxwatch.restart.methods import (
@@ -378,12 +378,12 @@ class InstanceWatcher:
             if lines := self.streams.count(self.shared.clock.monotonic()):
                 return lines
             tasks = self.streams.tasks()
-            if not tasks:
-                return []
-            evidence = await self._look(sent)
+            evidence = await self._look(sent)  # first: an answer to a client counts, open streams or not
             now = self.shared.clock.monotonic()
             if evidence.delivered:
                 return list(evidence.delivered)
+            if not tasks:
+                return []
             quiet = evidence.silent_past_pace(now, sent, self.inst.probe.quiet_window)
             if quiet is not None or (evidence.cut_after is not None and now - sent >= evidence.cut_after):
                 return []  # nothing flows anywhere: no late token is coming
@@ -411,7 +411,7 @@ class InstanceWatcher:
         self.shared.state.update(self.name, quiet=True, last_probe=_probe_summary(report, self.shared.clock.wall()))
         if report.healthy:
             g = report.generation
-            self.cadence.probe_done(g.ttft, g.gaps, g.prompt_tokens)
+            self.cadence.probe_done(g.ttft, g.gaps, g.prompt_tokens, prompt_bytes=len(PROBE_PROMPT))
             await self._healthy(report, now)
             return
         log.info("%s: probe failed: %s", self.name, _one_line(report.reason))
@@ -643,12 +643,14 @@ class InstanceWatcher:
         report = await self.probe()
         self.shared.state.update(self.name, quiet=True, last_probe=_probe_summary(report, self.shared.clock.wall()))
         answered = report.healthy
-        if not answered and not self.cut:  # a token within `timeout` of sending is a delivery:
+        if not answered:  # a token within `timeout` of sending is a delivery:
             # wait for it before acting. Not when the evidence ended the probe's wait: nothing
             # flowed to anyone (with a front door, its clients' requests were failed at the
             # verdict and it delivered nothing since), so waiting would only hold every client
-            # at 503 for up to `timeout`.
-            late = await self._await_late_delivery()
+            # at 503 for up to `timeout`. Then what was delivered while the probe waited still
+            # counts (measured: answers sent whole 1.3-5.4 s after the probe, and a restart).
+            late = await self._await_late_delivery() if not self.cut else \
+                list((await self._look(self.probe_sent or self.shared.clock.monotonic())).delivered)
             if self.stop.is_set():
                 return lookagain.LookAgain()
             for line in late:
@@ -735,9 +737,13 @@ class InstanceWatcher:
         return True
 
     async def _await_recovery(self, inc: Incident) -> bool:
+        """Probe until healthy or ``startup_timeout``. A delivery to anyone since the restart (a
+        late token on a probe's stream, an answer to a client) verifies it too: measured,
+        `not_recovered` while a slow server answered 6 requests, and a second restart."""
         self._change(Event.RECOVERING, self.detect.recovering())
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.inst.probe.startup_timeout
+        restarted = self.shared.clock.monotonic()
         while not self.stop.is_set() and loop.time() < deadline:
             self.promise(min(RECOVERY_PROBE_EVERY, self.inst.probe.interval))
             report = await self.probe()
@@ -746,6 +752,9 @@ class InstanceWatcher:
                 await self._recovered(self.shared.clock.monotonic(), "recovery verified by a probe")
                 return True
             self.streams.count(self.shared.clock.monotonic())  # lets go of the failed probes' streams that ended
+            if delivered := (await self._look(restarted)).delivered:
+                await self._recovered(self.shared.clock.monotonic(), f"recovery verified by a delivery: {delivered[0]}")
+                return True
             await self._sleep(min(RECOVERY_PROBE_EVERY, self.inst.probe.interval))
         if not self.stop.is_set():
             log.error("%s: not healthy %.0fs after the restart", self.name, self.inst.probe.startup_timeout)

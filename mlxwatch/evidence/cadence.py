@@ -204,10 +204,13 @@ class Cadence:
 
     # --- learning
 
-    def probe_done(self, ttft: float | None, gaps: Sequence[float], prompt_tokens: int | None) -> None:
-        """A healthy probe: its first token's time over its prompt tokens, its tokens' gaps."""
-        if ttft is not None and prompt_tokens and prompt_tokens > 0:
-            self.speed.probe_read = learn(self.speed.probe_read, ttft / prompt_tokens)
+    def probe_done(self, ttft: float | None, gaps: Sequence[float], prompt_tokens: int | None,
+                   prompt_bytes: int = 0) -> None:
+        """A healthy probe: its first token's time over its prompt tokens (the server's count;
+        without one, a low guess from the prompt's bytes, which errs slow), its tokens' gaps."""
+        tokens = prompt_tokens if prompt_tokens and prompt_tokens > 0 else prompt_bytes / (2 * BYTES_PER_TOKEN)
+        if ttft is not None and tokens >= 1:
+            self.speed.probe_read = learn(self.speed.probe_read, ttft / tokens)
             self.changed = True
         steps = [gap for gap in gaps if gap > 0]
         if steps:  # the shortest gap: a step alone (a longer one may hold another prompt's chunk)

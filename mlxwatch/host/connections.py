@@ -20,6 +20,15 @@ class Connection:
     segments_out: int | None = None  # data segments sent (Linux): tells keepalive-sized writes from tokens
     idle_send: float | None = None  # seconds since the server last sent data (None: not known)
     own: bool = False  # the client end is this process (a probe of ours, the front door)
+    unsent: int = 0  # bytes the server wrote that wait in its send queue, not yet sent: a client that reads slowly (Linux)
+    closed: bool = False  # the server sent its FIN: it has finished writing to this client
+    counted: bool = True  # its byte counts are known (False: a Linux TIME_WAIT remnant keeps none)
+    bytes_written: int | None = None  # bytes the server wrote, acknowledged or queued (Linux; no retransmission counted twice)
+
+    @property
+    def written(self) -> int:
+        """Bytes the server wrote to this client: sent, or waiting in the send queue."""
+        return self.bytes_written if self.bytes_written is not None else self.bytes_sent + self.unsent
 
 
 @dataclass(frozen=True)

@@ -40,9 +40,13 @@ TIMEOUT = 5.0  # seconds for one run; one sample usually takes well under a seco
 # The columns asked for: exactly the set of the real output the parser is tested on (time and
 # interface are not used, but leaving them out would make a header shape no one has seen).
 COLUMNS = ("time", "interface", "state", "bytes_in", "bytes_out")
-# States in which the server end can no longer send (seen in real output); any other state
-# with byte counts is listed, as Linux lists established and closing connections.
-_NOT_SENDING = frozenset({"Listen", "Closed", "TimeWait"})
+# States of a server end that are no client connection (seen in real output; Closed rows have no
+# counts). Any other state with byte counts is listed.
+_NOT_LISTED = frozenset({"Listen", "Closed"})
+# States in which the server sent its FIN: it has finished writing to that client (as Linux's
+# reader says, ``Connection.closed``). Their rows keep their byte counts (real output:
+# ``127.0.0.1:62345<->127.0.0.1:10808,lo0,TimeWait,2484,1396``; FinWait1 rows too).
+_CLOSED = frozenset({"FinWait1", "FinWait2", "Closing", "TimeWait"})
 
 OwnEnds = AbstractSet[tuple[str, int, int]]  # (client address, client port, server port) of our sockets
 
@@ -105,7 +109,7 @@ def parse(text: str, ports: Collection[int], own: OwnEnds | Callable[[], OwnEnds
         local, sep, remote = pair.partition("<->")
         address, port = _endpoint(local)
         client, client_port = _endpoint(remote)
-        if not sep or port not in wanted or client_port is None or fields[state_at] in _NOT_SENDING:
+        if not sep or port not in wanted or client_port is None or fields[state_at] in _NOT_LISTED:
             continue
         raw_in, raw_out = fields[in_at], fields[out_at]
         if not raw_in and not raw_out:
@@ -117,13 +121,13 @@ def parse(text: str, ports: Collection[int], own: OwnEnds | Callable[[], OwnEnds
             port=port, client=(client, client_port),
             # nettop shows no socket id: the 4-tuple is one connection's while it lives.
             key=("nettop", proto, address, port, client, client_port),
-            bytes_sent=int(raw_out), bytes_received=int(raw_in),
+            bytes_sent=int(raw_out), bytes_received=int(raw_in), closed=fields[state_at] in _CLOSED,
         ))
     if not found:
         return ()
     ends = own() if callable(own) else own
     return tuple(
-        Connection(c.port, c.client, c.key, c.bytes_sent, c.bytes_received,
+        Connection(c.port, c.client, c.key, c.bytes_sent, c.bytes_received, closed=c.closed,
                    own=(_plain(c.client[0]), c.client[1], c.port) in ends)
         for c in found
     )

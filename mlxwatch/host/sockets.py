@@ -6,8 +6,10 @@ bytes it sent and when it last did. That is "bytes left the server for a client,
 every client, with no change to the server or its clients:
 
 - **Linux**: sock_diag over netlink (``NETLINK_SOCK_DIAG``, what ``ss -tin`` prints) through
-  pyroute2's ``DiagSocket``: ``tcpi_bytes_sent``, ``tcpi_data_segs_out`` and
-  ``tcpi_last_data_sent`` per socket. Any user may dump every socket's TCP info; one dump serves
+  pyroute2's ``DiagSocket``: ``tcpi_bytes_sent``, ``tcpi_bytes_received``,
+  ``tcpi_data_segs_out``, ``tcpi_notsent_bytes`` (written by the server, not yet taken by a
+  slow client) and ``tcpi_last_data_sent`` per socket, and the TIME_WAIT remnant of each
+  connection the server closed first (no counts). Any user may dump every socket's TCP info; one dump serves
   every instance (``KernelCounters`` caches it for ``MAX_AGE``), so the cost does not grow with
   the number of instances watched, only with the number of sockets on the machine.
 - **macOS**: ``nettop`` in logging mode lists each TCP connection of a process with its bytes in
@@ -33,11 +35,15 @@ from mlxwatch.host.connections import Connection, Reader, Reading  # defined the
 from mlxwatch.host.nettop import NettopReader
 
 MAX_AGE = 0.5  # seconds a dump serves every instance that asks for it
-# TCP states of a connection a client still reads: established, and closing from the server's
-# side. Not CLOSE_WAIT or LAST_ACK: the client closed its end, nothing is owed to it (a probe the
-# daemon gave up on, or a killed daemon's: counted as open streams, they made false stalls).
-_STATES = ("ESTABLISHED", "FIN_WAIT1", "FIN_WAIT2", "CLOSING")
-_STATE_NUMBERS = {"ESTABLISHED": 1, "FIN_WAIT1": 4, "FIN_WAIT2": 5, "CLOSING": 11}
+# TCP states of a server's client connection: established, and closed from the server's side
+# (it sent its FIN: it has finished writing to that client: ``Connection.closed``), up to the
+# TIME_WAIT remnant the server end leaves for a minute (measured on loopback: it keeps the
+# socket's cookie and the client's address but no INET_DIAG_INFO; a socket the server's process
+# no longer holds has inode 0, so the key is the cookie). Not CLOSE_WAIT or LAST_ACK: the client
+# closed its end, nothing is owed to it (a probe the daemon gave up on, or a killed daemon's:
+# counted as open streams, they made false stalls), and it leaves no remnant on the server's side.
+_STATES = ("ESTABLISHED", "FIN_WAIT1", "FIN_WAIT2", "CLOSING", "TIME_WAIT")
+_STATE_NUMBERS = {"ESTABLISHED": 1, "FIN_WAIT1": 4, "FIN_WAIT2": 5, "TIME_WAIT": 6, "CLOSING": 11}
 _INET_DIAG_INFO = 2
 
 
@@ -89,23 +95,28 @@ class LinuxReader:
             sport, dport = m["idiag_sport"], m["idiag_dport"]
             if sport in wanted:
                 servers.append(m)
-            if dport in wanted:  # a client end on this machine: whose is it?
+            if dport in wanted and m["idiag_inode"]:  # a client end on this machine: whose is it?
                 client_ends[(m["idiag_src"], sport)] = m["idiag_inode"]
         own = _own_socket_inodes() if client_ends else set()
         out = []
         for m in servers:
-            info = m.get_attr("INET_DIAG_INFO")
-            if not info:
-                continue
+            info = m.get_attr("INET_DIAG_INFO") or {}
             client = (m["idiag_dst"], m["idiag_dport"])
-            last = info.get("tcpi_last_data_sent")
+            last, acked = info.get("tcpi_last_data_sent"), info.get("tcpi_bytes_acked")
+            closed = m["idiag_state"] != _STATE_NUMBERS["ESTABLISHED"]
             out.append(Connection(
-                port=m["idiag_sport"], client=client, key=(m["idiag_inode"], m["idiag_cookie"]),
+                port=m["idiag_sport"], client=client, key=("sock", m["idiag_cookie"]),
                 bytes_sent=int(info.get("tcpi_bytes_sent") or 0),
                 bytes_received=int(info.get("tcpi_bytes_received") or 0),
                 segments_out=info.get("tcpi_data_segs_out"),
                 idle_send=None if last is None else last / 1000.0,
                 own=client_ends.get(client) in own,
+                unsent=int(info.get("tcpi_notsent_bytes") or 0),
+                closed=closed, counted=bool(info),
+                # acknowledged + queued (idiag_wqueue: write_seq - snd_una), less a FIN's one
+                # sequence number: tcpi_bytes_sent counts every retransmission again (measured: a
+                # client that stopped reading made it 47,616 bytes more than was written)
+                bytes_written=None if acked is None else int(acked) + int(m["idiag_wqueue"] or 0) - closed,
             ))
         return Reading(at, tuple(out))
 

@@ -5,6 +5,7 @@ daemon's own connections out). Prints one JSON line per finished request; runs u
 
     python -m lab.app URL --words 900 --max-tokens 24 --parallel 2 --count 2
     python -m lab.app URL --every 2 --timeout 60          # a request every 2 s, each in a thread
+    python -m lab.app URL --openai --parallel 3 --count 6  # the openai SDK, not streaming
 """
 
 from __future__ import annotations
@@ -27,6 +28,22 @@ def one(url: str, args: argparse.Namespace, i: int, lock: threading.Lock) -> Non
     if args.text_token is not None:  # every token this one: text the server writes as it comes
         body["logit_bias"] = {str(args.text_token): 100.0}
     started, tokens, finish, error = time.monotonic(), 0, None, None
+    if args.openai:  # the official SDK, not streaming: the answer comes whole at its end
+        import openai
+
+        try:
+            client = openai.OpenAI(base_url=f"{url}/v1", api_key="k", max_retries=0, timeout=args.timeout,
+                                   http_client=httpx.Client(trust_env=False))
+            extra = {k: body[k] for k in ("seed", "logit_bias") if k in body}
+            got = client.chat.completions.create(model="default_model", messages=body["messages"],
+                                                 max_tokens=args.max_tokens, temperature=0.0, **extra)
+            tokens, finish = got.usage.completion_tokens if got.usage else 0, got.choices[0].finish_reason
+        except openai.OpenAIError as exc:
+            error = f"{type(exc).__name__}: {exc}"
+        with lock:
+            print(json.dumps({"i": i, "tokens": tokens, "finish": finish, "error": error,
+                              "seconds": round(time.monotonic() - started, 2)}), flush=True)
+        return
     try:
         with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, trust_env=False,
                           timeout=httpx.Timeout(args.timeout)) as r:
@@ -57,6 +74,8 @@ def main() -> None:
     ap.add_argument("--text-token", type=int, default=None,
                     help="a token id to bias every token to: the tiny model's random tokens are mostly not text, "
                          "and the server writes nothing for a token without text")
+    ap.add_argument("--openai", action="store_true",
+                    help="ask through the official openai SDK without streaming (the answer comes whole)")
     args = ap.parse_args()
     lock, threads, i = threading.Lock(), [], 0
     while args.count == 0 or i < args.count:

@@ -29,6 +29,28 @@ class KernelShows:
         return Reading(time.monotonic(), conns)
 
 
+class KernelAnswers:
+    """A kernel reader with one client's request always waiting on ``port`` (someone else's: a
+    non-streaming client such as the openai SDK's). ``answer()`` has the server answer it as
+    mlx-lm does: at the next reading the connection is closed by the server (its TIME_WAIT
+    remnant, no counts) and the client's next request waits on a new one."""
+
+    def __init__(self, port: int = 9) -> None:
+        self.port, self.client_port, self.closing = port, 41000, False
+
+    def answer(self) -> None:
+        self.closing = True
+
+    def __call__(self, ports) -> Reading:
+        conns = []
+        if self.closing:
+            conns.append(Connection(self.port, ("127.0.0.1", self.client_port), (self.client_port,), 0, 0,
+                                    closed=True, counted=False))
+            self.client_port, self.closing = self.client_port + 1, False
+        conns.append(Connection(self.port, ("127.0.0.1", self.client_port), (self.client_port,), 0, 400))
+        return Reading(time.monotonic(), tuple(conns))
+
+
 class LogLooks:
     """A log source asked once per failed probe, each window following the last."""
 
