@@ -265,3 +265,27 @@ def test_status_says_what_the_server_owes_and_by_when():
     assert pace_line(_pace_status({**saved, "overdue": "a prompt finished reading 40s ago"})).startswith("overdue:")
     assert _pace_status({"owes": "x\x1b[31m", "due": float("nan")}) == {
         "owes": "x?[31m", "basis": None, "due": None, "floor": None, "hidden": None, "overdue": None}
+
+
+async def test_the_verdict_record_says_what_the_silence_was_held_against(tmp_path):
+    """status and the journal say what the daemon waited for: the verdict carries the learned
+    pace and what the server owed at the last look."""
+    server, kernel = StandIn(), _Reading(every=3.0)
+    probe = ProbeConfig(interval=60.0, suspect_interval=1.0, first_token_timeout=30.0, timeout=60.0,
+                        quiet_window=1.0, endpoint_timeout=0.5, startup_timeout=30.0)
+    daemon, journal, state = _daemon(tmp_path, probe, server, kernel)
+    saved = {"url": "http://127.0.0.1:9", "cadence": Speed(chunk=Estimate(2.0, 0.1, 8)).to_dict()}
+    state.parent.mkdir(parents=True, exist_ok=True)
+    state.write_text(json.dumps({"instances": {"x": saved}}))
+
+    def run(j: Journal) -> bool:
+        if server.delay is not None and _last_probe_ok(state):
+            kernel.reading = False
+            kernel.start()
+            server.delay = None
+        return "verdict" in _events(j)
+
+    await _run_until(daemon, journal, run, timeout=60)
+    verdict = next(r for r in journal.records() if r["event"] == "verdict")
+    assert verdict["pace"]["learned"]["basis"] == "learned from its chunks"  # kept from the earlier run
+    assert "owed" in verdict["pace"]

@@ -343,6 +343,12 @@ class InstanceWatcher:
             return f"nothing sent to any client for {quiet:.0f}s ({_pace_text(evidence, self.inst.probe.quiet_window)})"
         return None
 
+    def _pace_record(self) -> dict:
+        """For the journal: this server's learned pace and what it owed at the last look."""
+        pace = self.sight.pace
+        shown = pace.to_dict(self.shared.clock.monotonic(), self.shared.clock.wall()) if pace is not None else None
+        return {"learned": self.cadence.speed.to_dict(), "owed": shown}
+
     def _pace_shown(self, evidence: Evidence) -> dict | None:
         """What the server owes and by when, as status shows it (None: nothing beyond the floor)."""
         pace = evidence.pace
@@ -561,7 +567,8 @@ class InstanceWatcher:
                     inc.id, _one_line(self.failed_reports[-1].reason))
         if stranger:
             log.warning("%s: %s: not the server; it is not captured, signalled or passed to a hook", self.name, stranger)
-        self._change(Event.VERDICT)  # the policy's failure() made it hung
+        # the policy's failure() made it hung; the pace says what the silence was held against
+        self._change(Event.VERDICT, pace=self._pace_record())
         self.shared.notifier.fire("verdict", inc.to_dict())
         front_requests = self.front.at_verdict(self.shared.capture, restarting=self.inst.restart.method != "none")
 
