@@ -289,3 +289,16 @@ async def test_the_verdict_record_says_what_the_silence_was_held_against(tmp_pat
     verdict = next(r for r in journal.records() if r["event"] == "verdict")
     assert verdict["pace"]["learned"]["basis"] == "learned from its chunks"  # kept from the earlier run
     assert "owed" in verdict["pace"]
+
+
+def test_requests_that_keep_arriving_at_a_hung_server_do_not_keep_its_pace_ahead():
+    """Measured (bench/sight_detection, a livelock with an app sending a small streamed request
+    every 2 s): each new request got its own prompt's reading from its arrival, so the next
+    sign was always due later, and no verdict came in 4 minutes. The reading is anchored at the
+    first request owed and the last sign since."""
+    cadence = _learned(25.0)
+    owed = [_stream(100.0 + 2 * i, request_bytes=300) for i in range(30)]  # 60 s of arrivals, ~100 tokens each
+    pace = cadence.judge(160.0, 90.0, {"kernel": {"owed": owed, "streams": 30}})
+    assert not pace.allows(160.0, 100.0)  # 30 small prompts are not a minute of reading
+    early = cadence.judge(107.0, 90.0, {"kernel": {"owed": owed[:5], "streams": 5}})
+    assert early.owes == "reading 5 new prompt(s)" and early.allows(107.0, 100.0)

@@ -259,21 +259,27 @@ class Cadence:
         for y, (x, at) in sorted((log.get("open") or {}).items()):
             dues.append((max(at, last_sign) + self._wait(self.speed.read_time(min(self.speed.chunk_tokens, y - x))),
                          f"reading a {y:,}-token prompt ({x:,} read)"))
-        # Streams that got nothing yet: their prompt's next chunk (with the log followed, only
-        # those that came after its last line: the log announces the others' chunks).
-        for o in owed:
-            if not o.streamed or (logged and o.arrived < last_sign):
-                continue
-            tokens = self._tokens(o)
-            dues.append((max(o.arrived, last_sign) + self._wait(self.speed.read_time(min(tokens, self.speed.chunk_tokens))),
-                         f"reading a prompt of ~{int(tokens):,} tokens" if o.request_bytes else "reading a new prompt"))
-        # Non-streamed answers: sent whole at their end, so silent until then.
+        # Streams that got nothing yet: their prompts' next chunk (with the log followed, only
+        # those that came after its last line: the log announces the others' chunks). Anchored
+        # at the first of them, or the last sign since: requests that keep arriving at a hung
+        # server must not keep its pace ahead of them (measured: an app streaming every 2 s
+        # kept a livelock from any verdict for 4 minutes).
+        reading = [o for o in owed if o.streamed and not (logged and o.arrived < last_sign)]
+        if reading:
+            total = sum(self._tokens(o) for o in reading)
+            tokens = min(float(self.speed.chunk_tokens), total)  # the next chunk's worth
+            first = min(o.arrived for o in reading)
+            what = (f"reading a prompt of ~{int(total):,} tokens" if len(reading) == 1 and reading[0].request_bytes
+                    else f"reading {len(reading)} new prompt(s)")
+            dues.append((max(first, last_sign) + self._wait(self.speed.read_time(tokens)), what))
+        # Non-streamed answers: sent whole at their end, so silent until then; likewise anchored
+        # at the first of them.
         hidden_reason = None
         hidden = [o for o in owed if not o.streamed]
         if hidden:
             each = step if step is not None else self.speed.read_time(1) * PROBE_READ_FACTOR
-            end = max(o.arrived + self._wait(self.speed.read_time(self._tokens(o)) + self.speed.max_tokens * each)
-                      for o in hidden)
+            tokens = sum(self._tokens(o) for o in hidden)
+            end = min(o.arrived for o in hidden) + self._wait(self.speed.read_time(tokens) + self.speed.max_tokens * each)
             if end > now:
                 hidden_reason = (f"{len(hidden)} non-streamed answer(s) may be in the making "
                                  f"(up to {_secs(end - now)} more at this server's pace)")
