@@ -32,7 +32,8 @@ streaming code. Faults (the file's first word; empty or missing file = healthy):
       report, after the prefill. It lasts while the file says so.
 
     Each prints ``mlxwatch lab: prefill hang|livelock begins at UNIX_TIME`` to the server's log
-    when it begins (the onset a benchmark times from).
+    when it begins (the onset a benchmark times from). Both are the batch loop's only: a
+    request served alone pays the cost and never hangs.
 
 Both mlx-lm 0.31.3 and 0.32.x read a chunk a prompt a step in ``BatchGenerator._next`` and
 count the tokens it read (0.32: ``_counters.prompt_tokens``; 0.31.3: ``_prompt_tokens_counter``),

@@ -8,6 +8,8 @@ load (``launch(load_delay=)``)::
 
     server = LabServer.start(sys.executable, tmp_path / "lab", shim=())
     server.set_fault("spin")   # the next batch step livelocks
+    big = LabServer.start(sys.executable, tmp_path / "big", start_fault="prefill 12",
+                          extra_args=("--prefill-step-size", "512"))  # a big model's speed, from its start
     server.relaunch()          # stop our PID, clear the fault, start again on the same port
     server.stop()
 
