@@ -122,6 +122,7 @@ class InstanceWatcher:
     cut: bool = False  # the last probe's wait was ended early by the evidence (nothing flowed)
     kernel_sight: str | None = None  # "ok", or why the kernel's counters cannot be read (status shows it)
     saved_group: dict | None = None  # the group as the state file has it
+    saved_kernel: dict | None = None  # what kernel sight saw, as the state file has it (status shows it)
     slow_said: bool = False  # this slow episode was journaled and notified (once, until healthy or a verdict)
     client: httpx.AsyncClient | None = None
     said: set[str] = field(default_factory=set)  # notes already logged once
@@ -331,6 +332,8 @@ class InstanceWatcher:
         if kernel != self.kernel_sight or group != self.saved_group:
             self.kernel_sight = kernel
             self._save()  # status and the rank metrics read them from the state file
+        if seen is not None and "unavailable" not in seen:
+            self._save_kernel(seen)
         self._hold_streams(evidence, now)
         return evidence
 
@@ -863,6 +866,16 @@ class InstanceWatcher:
     def _saved_group(self) -> dict | None:
         self.saved_group = self.group_source.group.to_dict() if self.group_source.group is not None else None
         return self.saved_group
+
+    def _save_kernel(self, seen: dict) -> None:
+        """What kernel sight sees, for ``status``: it rides on the state file's next write, and
+        changes only when a count changes or something flows (the last flow as a wall time)."""
+        ago = seen.get("last_flow_ago")
+        kept = {k: seen.get(k) for k in ("connections", "streams", "waiting", "slow_readers")}
+        kept["last_flow_at"] = None if ago is None else round(self.shared.clock.wall() - ago)
+        if kept != self.saved_kernel:
+            self.saved_kernel = kept
+            self.shared.state.update(self.name, quiet=True, kernel=kept)
 
     def _save(self, **fields: Any) -> None:
         now = self.shared.clock.monotonic()
