@@ -208,6 +208,23 @@ def test_a_server_process_that_died_answered_nothing_by_closing():
     assert looks(source([conn(5000, 0, 0)], [closed(5000)], pid=gone.pid), 1.0, 2.0).delivered == ()
 
 
+def test_connections_a_restart_closed_are_no_answers():
+    """A restart kills the server: the kernel closes its connections as if it had answered them
+    (FIN, then TIME_WAIT). Read as answers, they would verify a restart that did not work. The
+    connections seen before the server's PID changed are the old server's; the new one's count."""
+    pid = {"now": os.getpid()}
+    src = KernelSource(KernelCounters(Readings([conn(5000, 0, 0)], [conn(5000, 0, 0)], [closed(5000), conn(5001, 0, 0)],
+                                               [closed(5001)]), max_age=0.0),
+                       PORT, lambda: 8.0, server_pid=lambda: pid["now"], clock=lambda: 0.0)
+    src.sample(1.0)
+    pid["now"] = None  # restarted: the watcher forgets the old server until the new one answers
+    src.sample(2.0)
+    src.sample(3.0)
+    assert src.answer(Window(0.0, 3.0)).delivered == ()
+    src.sample(4.0)
+    assert src.answer(Window(3.0, 4.0)).delivered  # the new server's answer
+
+
 def test_a_connection_that_never_sent_a_byte_is_no_waiting_request():
     """Measured: 5 connections that never sent a byte made a healthy, idle server draw a false
     stall alert, and under a livelock (CPU busy) they were hidden work: the early end was

@@ -197,3 +197,47 @@ async def test_recovery_is_verified_by_answers_to_clients_while_the_probe_still_
     assert "recovered" in events and "not_recovered" not in events, events
     recovered = next(r for r in journal.records() if r["event"] == "recovered")
     assert "answer(s) to clients completed" in recovered["how"], recovered
+
+
+async def test_status_shows_what_kernel_sight_sees(tmp_path):
+    """Measured (issue 33): the text status never mentioned kernel sight, and `status --json`
+    said only "kernel_sight": "ok". Now both say what it sees per instance: client streams,
+    requests waiting for an answer, and when a byte last went to any client."""
+    from mlxwatch.daemon.status import collect_status
+    from mlxwatch.output.status import status_lines
+
+    server, kernel = StandIn(), KernelShows(streams=2, flowing=True)
+    probe = ProbeConfig(interval=0.5, suspect_interval=0.3, first_token_timeout=5.0, timeout=10.0,
+                        endpoint_timeout=0.5, startup_timeout=30.0)
+    daemon, journal, state = _daemon(tmp_path, probe, server, kernel)
+    seen: dict[str, float] = {}
+
+    def watched(j: Journal) -> bool:
+        if "from" not in seen and _last_probe_ok(state):
+            seen["from"] = time.monotonic()
+        return "from" in seen and time.monotonic() - seen["from"] > 3.0
+
+    await _run_until(daemon, journal, watched, timeout=40)
+    status = collect_status(_config(tmp_path, probe), tmp_path / "state")
+    [inst] = status["instances"]
+    assert inst["kernel_sight"] == "ok"
+    kernel_seen = inst["kernel"]
+    assert (kernel_seen["streams"], kernel_seen["waiting"]) == (2, 0), kernel_seen
+    assert time.time() - kernel_seen["last_flow_at"] < 30, kernel_seen
+    lines = [t.plain for t in status_lines(status, 200)]
+    assert any(line.startswith("  kernel sight: 2 client stream(s), 0 request(s) waiting, last byte to a client ")
+               for line in lines), lines
+
+
+def test_the_startup_line_says_a_stall_kernel_sight_saw_makes_one_probe_decide():
+    """Found by a user (issue 33): the startup line said "2 failed probes in a row make a
+    verdict", then the log said "HUNG after 1 failed probe(s)" (a stall kernel sight saw was
+    the first failure). The line now says so; with kernel sight off, it does not."""
+    from mlxwatch.config import InstanceConfig
+    from mlxwatch.output.daemon import watch_plan
+
+    seeing, blind = InstanceConfig("lab", "http://127.0.0.1:9"), InstanceConfig("lab", "http://127.0.0.1:9", kernel="off")
+    line = watch_plan([(seeing, ServerLookup())], time.time())[0]
+    assert line.endswith("2 failed probes in a row make a verdict; after a stall kernel sight saw, the one probe "
+                         "that confirms it decides"), line
+    assert watch_plan([(blind, ServerLookup())], time.time())[0].endswith("2 failed probes in a row make a verdict")

@@ -119,6 +119,7 @@ def collect_status(config: Config, state_dir: Path, clock: Clock | None = None) 
             "shim": _shim_status(s),
             "front": _front_status(s) if running else None,
             "kernel_sight": _text(s.get("kernel_sight")),
+            "kernel": _kernel_status(s),
             "group": group_status(s.get("group")),
             "pace": _pace_status(s.get("pace")),
             "cadence": _cadence_status(s.get("cadence")),
@@ -148,6 +149,16 @@ def _daemon_fields(daemon: dict) -> dict[str, Any]:
         fields["last_reload"] = {"at": _number(reload.get("at")), "ok": reload.get("ok") is True,
                                  "message": _text(reload.get("message"))}
     return fields
+
+
+def _kernel_status(s: dict) -> dict | None:
+    """What kernel sight saw at the watcher's last look (client streams, requests waiting for an
+    answer, slow readers, the last byte to any client as a wall time), when it can see."""
+    kernel = _dict(s.get("kernel"))
+    if not kernel or s.get("kernel_sight") != "ok":
+        return None
+    return {**{k: _count(kernel.get(k)) for k in ("connections", "streams", "waiting", "slow_readers")},
+            "last_flow_at": _number(kernel.get("last_flow_at"))}
 
 
 def _shim_status(s: dict) -> dict | None:

@@ -124,6 +124,7 @@ class InstanceWatcher:
     kernel_sight: str | None = None  # "ok", or why the kernel's counters cannot be read (status shows it)
     saved_group: dict | None = None  # the group as the state file has it
     pace_shown: dict | None = None  # what the server owes and by when, as the state file has it
+    saved_kernel: dict | None = None  # what kernel sight saw, as the state file has it (status shows it)
     slow_said: bool = False  # this slow episode was journaled and notified (once, until healthy or a verdict)
     client: httpx.AsyncClient | None = None
     said: set[str] = field(default_factory=set)  # notes already logged once
@@ -322,10 +323,14 @@ class InstanceWatcher:
         kernel = self.kernel_sight if seen is None else seen.get("unavailable", "ok")
         group = self.group_source.group.to_dict() if self.group_source.group is not None else None
         pace = self._pace_shown(evidence)
-        if kernel != self.kernel_sight or group != self.saved_group or pace != self.pace_shown \
-                or self.cadence.changed:
+        if kernel != self.kernel_sight or group != self.saved_group or _owes(pace) != _owes(self.pace_shown):
             self.kernel_sight, self.pace_shown = kernel, pace
             self._save()  # status and the rank metrics read them from the state file
+        elif pace != self.pace_shown or self.cadence.changed:  # a due time moved, or learning: with the next write
+            self.pace_shown = pace
+            self.shared.state.update(self.name, quiet=True, **self._cadence_saved())
+        if seen is not None and "unavailable" not in seen:
+            self._save_kernel(seen)
         self._hold_streams(evidence, now)
         return evidence
 
@@ -887,6 +892,16 @@ class InstanceWatcher:
         self.saved_group = self.group_source.group.to_dict() if self.group_source.group is not None else None
         return self.saved_group
 
+    def _save_kernel(self, seen: dict) -> None:
+        """What kernel sight sees, for ``status``: it rides on the state file's next write, and
+        changes only when a count changes or something flows (the last flow as a wall time)."""
+        ago = seen.get("last_flow_ago")
+        kept = {k: seen.get(k) for k in ("connections", "streams", "waiting", "slow_readers")}
+        kept["last_flow_at"] = None if ago is None else round(self.shared.clock.wall() - ago)
+        if kept != self.saved_kernel:
+            self.saved_kernel = kept
+            self.shared.state.update(self.name, quiet=True, kernel=kept)
+
     def _save(self, **fields: Any) -> None:
         now = self.shared.clock.monotonic()
         self.shared.state.update(
@@ -915,6 +930,11 @@ def _one_line(text: str, limit: int = 300) -> str:
     """A server's text (an HTML error page, say) in one log line: one line per event."""
     flat = " ".join(text.split())
     return flat if len(flat) <= limit else flat[: limit - 1] + "…"
+
+
+def _owes(pace: dict | None) -> tuple | None:
+    """What a shown pace says the server owes, without its due time (which moves every look)."""
+    return None if pace is None else (pace.get("owes"), pace.get("overdue"), pace.get("hidden") is not None)
 
 
 def _pace_text(evidence: Evidence, quiet_window: float) -> str:

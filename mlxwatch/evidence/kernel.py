@@ -24,8 +24,8 @@ A connection is read the way HTTP runs on it, reading by reading (measured on th
   leaves a TIME_WAIT remnant, which a client that gives up does not leave. A request that was
   waiting, or a stream, whose connection the server closed was **answered**: a delivery (its last
   bytes are unseen on Linux, whose remnant keeps no counts; nettop's keeps them and they are read
-  as any growth). Not while the server process is gone: a process that dies closes every
-  connection;
+  as any growth). Not when the server process is gone, or another one serves since the last
+  reading: a process that dies (a crash, a restart) closes every connection;
 - bytes the server wrote that wait in a connection's send queue (``Connection.unsent``) count as
   written: a client that reads slowly is owed nothing by the server, which wrote.
 
@@ -81,6 +81,7 @@ class _Conn:
     unsent: int = 0  # written, not yet taken by the client: it reads slowly
     headed_at: float | None = None  # when the answer's first bytes were seen
     token_at: float | None = None  # when tokens were last seen written to it (its prompt was read)
+    old_server: bool = False  # seen before the server's PID changed (a restart): its close is no answer
 
 
 @dataclass(frozen=True)
@@ -106,6 +107,7 @@ class KernelSource:
     cpu: tuple[float, float] | None = None  # (time.monotonic(), the server's CPU seconds) at the last reading
     cpu_busy: float | None = None  # share of a core used between the last two readings
     server_gone: bool = False  # the server's process was gone at the last reading
+    server_seen: int | None = None  # the server's PID at the last reading
 
     def due(self, now: float, suspect: bool) -> bool:
         """Time for a new reading? Quickly while a probe waits or the instance is suspect, at a
@@ -146,6 +148,11 @@ class KernelSource:
             return
         at = reading.at
         self._measure_cpu(at)  # first: whether the server still runs says what a close means
+        pid = self.server_pid()
+        if self.server_seen is not None and pid != self.server_seen:  # restarted: its connections were its own
+            for old in self.conns.values():
+                old.old_server = True
+        self.server_seen = pid
         seen: dict[tuple, _Conn] = {}
         for c in reading.connections:
             if c.own:
@@ -194,8 +201,8 @@ class KernelSource:
     def _closed(self, conn: _Conn, remnant: Connection, at: float) -> None:
         """The server closed ``conn`` (``remnant``: what is left, with its counts or none): it
         finished writing to that client."""
-        if self.server_gone:
-            return  # a process that died closed every connection: no answer
+        if self.server_gone or conn.old_server:
+            return  # a process that died (a crash, a restart) closed every connection: no answer
         if remnant.counted:  # its last bytes are known (nettop): read as any growth
             self._grow(conn, remnant.written - conn.written, remnant.segments_out, at)
         elif conn.phase in (WAITING, STREAM):  # its last bytes are unseen (Linux): an answer ended

@@ -33,7 +33,10 @@ def watch_plan(found: list[tuple[InstanceConfig, ServerLookup]], now: float,
         lines.append(f"{inst.name}: watching {inst.url}{log}: first probe within "
                      f"{human_duration(min(p.interval, FIRST_PROBE_SPREAD))}, then every {human_duration(p.interval)} "
                      f"(first token within {human_duration(p.first_token_timeout)}); "
-                     f"{p.failures} failed probes in a row make a verdict")
+                     f"{p.failures} failed probes in a row make a verdict"
+                     # as the log says it then: "HUNG after 1 failed probe(s)"
+                     + ("; after a stall kernel sight saw, the one probe that confirms it decides"
+                        if inst.kernel != "off" and p.failures > 1 else ""))
         proc = lookup.identity or lookup.loading
         if proc is None:
             lines.append(f"{inst.name}: no server process found ({lookup.detail}): a failed probe counts at once")

@@ -55,6 +55,16 @@ def shim_line(summary: dict[str, Any]) -> str:
     return "shim: " + ", ".join(parts)
 
 
+def kernel_line(kernel: dict[str, Any]) -> str:
+    """One line from the status's ``kernel``: what kernel sight saw the server send its clients."""
+    parts = [f"{kernel.get('streams') or 0} client stream(s)", f"{kernel.get('waiting') or 0} request(s) waiting"]
+    if kernel.get("slow_readers"):
+        parts.append(f"{kernel['slow_readers']} client(s) reading slowly")
+    flow = kernel.get("last_flow_at")
+    parts.append(f"last byte to a client {_ago(flow)}" if flow else "no byte to a client seen yet")
+    return "kernel sight: " + ", ".join(parts)
+
+
 def front_line(front: dict[str, Any]) -> str:
     """One line from the status's ``front``: where the door listens, its gate, its requests."""
     if front.get("error"):
@@ -132,6 +142,8 @@ def status_lines(status: dict[str, Any], width: int = 80) -> list[Text]:
             lines.append(Text(f"  last probe: {p['reason']}"))
         if i.get("kernel_sight") not in (None, "ok"):
             lines.append(Text(f"  no kernel sight ({i['kernel_sight']}): the probe alone judges"))
+        elif i.get("kernel"):
+            lines.append(Text(f"  {kernel_line(i['kernel'])}"))
         if i.get("pace"):
             lines.append(Text(f"  {pace_line(i['pace'])}", style="red" if i["pace"].get("overdue") else ""))
         if i.get("group"):
