@@ -73,19 +73,26 @@ def test_a_prompt_the_log_announces_is_due_its_next_chunk_and_done_reading_owes_
 
 
 def test_a_non_streamed_answer_is_hidden_work_until_its_reading_and_max_tokens_steps():
+    """While the server computes: its prompt's reading and --max-tokens decode steps. While it
+    idles (a blocked server takes nothing up): the reading and a few steps."""
     cadence = _learned(2.0)
-    owed = {"kernel": {"owed": [{"arrived": 0.0, "request_bytes": 3000, "streamed": False}], "streams": 0}}
+    owed = {"kernel": {"owed": [{"arrived": 0.0, "request_bytes": 3000, "streamed": False}], "streams": 0,
+                       "cpu": 0.9}}
     pace = cadence.judge(10.0, None, owed)
     assert pace.hidden and pace.due is not None
     # 1,000 tokens at ~3 s a 2,048-token chunk, then 512 steps of ~0.07 s: about 38 s
     assert 30.0 < pace.due < 50.0
     assert cadence.judge(pace.due + 1, None, owed).hidden is None
+    idle = {"kernel": {**owed["kernel"], "cpu": 0.0}}
+    assert cadence.judge(1.0, None, idle).hidden and cadence.judge(3.0, None, idle).hidden is None
 
 
 def test_speed_is_learned_from_probes_log_and_keepalives_and_kept_as_json():
     cadence = Cadence()
     cadence.probe_done(0.3, [0.05, 0.06, 0.2], prompt_tokens=25)
-    assert cadence.speed.probe_read is not None and cadence.speed.step is not None
+    assert cadence.speed.probe_read == 0.3 / 25 and cadence.speed.step is not None
+    cadence.probe_done(3.0, [0.05], prompt_tokens=25)  # queued behind a long prompt: no news of the speed
+    assert cadence.speed.probe_read == 0.3 / 25 * 1.02
     assert cadence.speed.step.mean == 0.05  # the shortest gap: a step alone
     assert "probes" in cadence.speed.chunk_time()[1]
     cadence.judge(1.0, None, {"log": {"token_seconds": [25.0 / 2048]}})

@@ -9,10 +9,10 @@ per server, and kept across daemon restarts (``Speed.to_dict``):
 
 - **a chunk's time**: the log's ``Prompt processing progress: X/Y`` lines, two chunks of one
   prompt apart (the real thing), and the spacing of ``: keepalive`` writes on client streams;
-- **the reading speed, as a hint**: a healthy probe's time to first token for its known prompt
-  tokens. A probe's prompt is small, so on a real Mac its per-token time errs slow (the weights
-  are read once a step whatever the step's size); it is doubled, and stands only until a chunk
-  was seen;
+- **the reading speed, as a hint**: the least time to first token per prompt token of the
+  healthy probes lately. A probe's prompt is small, so on a real Mac its per-token time errs slow
+  (the weights are read once a step whatever the step's size); it is doubled, and stands only
+  until a chunk was seen;
 - **a decode step**: the gaps between a healthy probe's tokens;
 - **the command line**: ``--prefill-step-size`` and ``--max-tokens``.
 
@@ -30,7 +30,8 @@ What the server owes decides which pace applies (``judge``), never longer than `
   chunk that runs late while the server computes (its process's CPU, or on a Mac the GPU:
   ``mlxwatch.evidence.gpu``) gets one more chunk's time, no more: a livelock computes too;
 - **a non-streamed answer** (a request that got nothing, no stream): sent whole at its end, so
-  its silence is hidden work until its prompt's reading plus ``--max-tokens`` decode steps;
+  its silence is hidden work until its prompt's reading plus, while the server computes,
+  ``--max-tokens`` decode steps (a few steps while it idles: a blocked server takes nothing up);
 - **streams decoding, or nothing**: ``probe.quiet_window`` (or a few decode steps, if longer): an
   idle hang stays fast;
 - **a prompt that finished reading** (``N/N`` logged) owes its stream a token within a few steps:
@@ -48,6 +49,7 @@ PRIOR_CHUNK = 60.0  # seconds a 2,048-token chunk, before anything is learned: t
 DEFAULT_CHUNK_TOKENS = 2048  # mlx-lm's --prefill-step-size default (0.31.3 and 0.32.x)
 DEFAULT_MAX_TOKENS = 512  # mlx-lm's --max-tokens default (0.31.3 and 0.32.x)
 PROBE_READ_FACTOR = 2.0  # a probe's small prompt hints at the reading speed: doubled, to err slow
+PROBE_READ_DRIFT = 1.02  # the least time a probe's token took rises this much a probe it is not met
 MIN_BOUND_FACTOR = 1.5  # a bound is never under 1.5 means: reading slows as the context grows
 K = 4.0  # deviations in a bound (RFC 6298's K)
 STEPS_OWED = 3  # decode steps a stream (or a prompt just read) may wait for its next token
@@ -104,7 +106,7 @@ class Speed:
     """What this server showed of its pace: learned, saved in the state file, restored."""
 
     chunk: Estimate | None = None  # seconds a full chunk takes (log, keepalives)
-    probe_read: Estimate | None = None  # seconds a prompt token took in healthy probes (a hint)
+    probe_read: float | None = None  # seconds a prompt token took in healthy probes, the least lately (a hint)
     step: Estimate | None = None  # seconds a decode step takes (healthy probes' token gaps)
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS  # --prefill-step-size
     max_tokens: int = DEFAULT_MAX_TOKENS  # --max-tokens
@@ -114,7 +116,8 @@ class Speed:
         if self.chunk is not None:
             return self.chunk.bound(), "learned from its chunks"
         if self.probe_read is not None:
-            return self.probe_read.bound() * self.chunk_tokens * PROBE_READ_FACTOR, "from its probes' first tokens"
+            read = self.probe_read * self.chunk_tokens * PROBE_READ_FACTOR
+            return MIN_BOUND_FACTOR * read, "from its probes' first tokens"
         return PRIOR_CHUNK * self.chunk_tokens / DEFAULT_CHUNK_TOKENS, "the prior (nothing learned yet)"
 
     def chunk_typical(self) -> float:
@@ -122,7 +125,7 @@ class Speed:
         if self.chunk is not None:
             return self.chunk.mean
         if self.probe_read is not None:
-            return self.probe_read.mean * self.chunk_tokens * PROBE_READ_FACTOR
+            return self.probe_read * self.chunk_tokens * PROBE_READ_FACTOR
         return PRIOR_CHUNK * self.chunk_tokens / DEFAULT_CHUNK_TOKENS
 
     def read_time(self, tokens: float) -> float:
@@ -135,7 +138,7 @@ class Speed:
     def to_dict(self) -> dict[str, Any]:
         chunk, basis = self.chunk_time()
         return {"chunk": self.chunk.to_dict() if self.chunk else None,
-                "probe_read": self.probe_read.to_dict() if self.probe_read else None,
+                "probe_read": None if self.probe_read is None else round(self.probe_read, 6),
                 "step": self.step.to_dict() if self.step else None,
                 "chunk_tokens": self.chunk_tokens, "max_tokens": self.max_tokens,
                 "chunk_bound": round(chunk, 1), "basis": basis}
@@ -145,7 +148,9 @@ class Speed:
         """A saved speed; anything unreadable is not learned (the prior stands)."""
         if not isinstance(data, dict):
             return cls()
-        return cls(chunk=Estimate.from_dict(data.get("chunk")), probe_read=Estimate.from_dict(data.get("probe_read")),
+        read = data.get("probe_read")
+        read = float(read) if isinstance(read, (int, float)) and not isinstance(read, bool) and 0 < read < 1e3 else None
+        return cls(chunk=Estimate.from_dict(data.get("chunk")), probe_read=read,
                    step=Estimate.from_dict(data.get("step")),
                    chunk_tokens=_positive_int(data.get("chunk_tokens"), DEFAULT_CHUNK_TOKENS),
                    max_tokens=_positive_int(data.get("max_tokens"), DEFAULT_MAX_TOKENS))
@@ -210,7 +215,13 @@ class Cadence:
         without one, a low guess from the prompt's bytes, which errs slow), its tokens' gaps."""
         tokens = prompt_tokens if prompt_tokens and prompt_tokens > 0 else prompt_bytes / (2 * BYTES_PER_TOKEN)
         if ttft is not None and tokens >= 1:
-            self.speed.probe_read = learn(self.speed.probe_read, ttft / tokens)
+            # The least time a token took lately: a probe queued behind other work, or one that
+            # paid the server's fixed cost of a step, says nothing of a chunk's reading
+            # (measured: their mean made the lab's tiny model read a chunk in ~51 s under load).
+            # It drifts up 2 % a probe, so a server that became slower is learned too.
+            sample = ttft / tokens
+            last = self.speed.probe_read
+            self.speed.probe_read = sample if last is None else min(sample, last * PROBE_READ_DRIFT)
             self.changed = True
         steps = [gap for gap in gaps if gap > 0]
         if steps:  # the shortest gap: a step alone (a longer one may hold another prompt's chunk)
@@ -272,21 +283,25 @@ class Cadence:
             what = (f"reading a prompt of ~{int(total):,} tokens" if len(reading) == 1 and reading[0].request_bytes
                     else f"reading {len(reading)} new prompt(s)")
             dues.append((max(first, last_sign) + self._wait(self.speed.read_time(tokens)), what))
-        # Non-streamed answers: sent whole at their end, so silent until then; likewise anchored
-        # at the first of them.
+        # Requests that got nothing at all: non-streamed answers, sent whole at their end, or
+        # requests the server has not taken up yet (a streamed one gets its head when it is).
+        # Their prompts' reading is owed, anchored at the first of them; the answers' decode
+        # steps (--max-tokens of them) only while the server computes: a blocked server idles
+        # and takes nothing up, and its waiting requests must not hide that for minutes.
         hidden_reason = None
         hidden = [o for o in owed if not o.streamed]
+        busy = _busy(detail)
         if hidden:
             each = step if step is not None else self.speed.read_time(1) * PROBE_READ_FACTOR
+            steps = self.speed.max_tokens if busy else STEPS_OWED
             tokens = sum(self._tokens(o) for o in hidden)
-            end = min(o.arrived for o in hidden) + self._wait(self.speed.read_time(tokens) + self.speed.max_tokens * each)
+            end = min(o.arrived for o in hidden) + self._wait(self.speed.read_time(tokens) + steps * each)
             if end > now:
                 hidden_reason = (f"{len(hidden)} non-streamed answer(s) may be in the making "
                                  f"(up to {_secs(end - now)} more at this server's pace)")
                 dues.append((end, f"{len(hidden)} non-streamed answer(s)"))
 
         live = [(due, what) for due, what in dues if due > now]
-        busy = _busy(detail)
         if not live and dues and busy:
             # A chunk running late on a server that computes (its process, or on a Mac its GPU):
             # one more chunk's time, no more (a livelock computes too).
