@@ -66,6 +66,22 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(f"{where + ': ' if where else ''}{message} (see `{self.prog} --help`)")
 
 
+class _OneWay(argparse.BooleanOptionalAction):
+    """``--redact`` or ``--no-redact``, not both: with both, argparse let the last one win, and
+    ``bundle export X --redact --no-redact`` wrote an unredacted archive, exit 0 (found by a new
+    user). Giving the same form twice is harmless and allowed."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        seen = f"_given_{self.dest}"
+        earlier = getattr(namespace, seen, None)
+        value = not (option_string or "").startswith("--no-")
+        if earlier is not None and earlier[1] != value:
+            parser.error(f"{earlier[0]} and {option_string} contradict each other: give one of them")
+        setattr(namespace, seen, (option_string, value))
+        super().__call__(parser, namespace, values, option_string)
+
+
 def _leaf(sub: Any, name: str, help: str, description: str | None = None) -> argparse.ArgumentParser:
     """A subcommand that takes ``--config`` after its name too (``mlxwatch run --config X``).
     SUPPRESS: given here it wins; not given, the top-level ``--config`` stays."""
@@ -139,7 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
     show.add_argument("--json", action="store_true", help="print the manifest as JSON instead")
     export = _leaf(bundle_sub, "export", "write a bundle as a .tar.gz (never overwrites)")
     export.add_argument("bundle", metavar="BUNDLE", help="bundle directory or bundle name")
-    export.add_argument("--redact", action=argparse.BooleanOptionalAction, default=True,
+    export.add_argument("--redact", action=_OneWay, default=True,
                         help="remove secrets, message contents, environment values and home paths, for a public "
                              "issue (the default); --no-redact exports the bundle as captured (keep it private)")
     export.add_argument("--out", metavar="DIR|FILE.tar.gz",
