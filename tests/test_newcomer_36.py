@@ -43,3 +43,31 @@ def test_config_init_with_out_and_print_is_refused(tmp_path, capsys):
     one_line_error(capsys, code, argv, 2, "--out and --print")
     assert not (tmp_path / "c.yaml").exists()
 
+
+# --- a typo'd key is named
+
+
+def test_a_typod_required_key_is_named(tmp_path, capsys):
+    """Measured: `urll:` with no `url:` was reported only as "url: is required"."""
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("instances:\n  - name: lab\n    urll: http://127.0.0.1:8080\n")
+    argv = ["config", "validate", str(cfg)]
+    line = one_line_error(capsys, cli.run(argv, out=Console(file=io.StringIO())), argv, 2, "instances[0].urll")
+    assert "did you mean url?" in line and "instances[0].url is required" in line
+
+
+def test_a_typod_optional_key_says_what_it_was_meant_to_be(tmp_path, capsys):
+    """`intervall:` was "unknown key" without the key it was meant to be."""
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("instances:\n  - name: lab\n    url: http://127.0.0.1:8080\n    probe: {intervall: 5s}\n"
+                   "  - name: two\n    url: http://127.0.0.1:8081\n    kernal: auto\n")
+    argv = ["config", "validate", str(cfg)]
+    line = one_line_error(capsys, cli.run(argv, out=Console(file=io.StringIO())), argv, 2, "probe.intervall")
+    assert "unknown key" in line and "did you mean interval?" in line
+    cfg.write_text("instances:\n  - name: two\n    url: http://127.0.0.1:8081\n    kernal: auto\n")
+    line = one_line_error(capsys, cli.run(argv, out=Console(file=io.StringIO())), argv, 2, "instances[0].kernal")
+    assert "did you mean kernel?" in line
+    cfg.write_text("instances:\n  - name: two\n    url: http://127.0.0.1:8081\n    zebra: 1\n")
+    line = one_line_error(capsys, cli.run(argv, out=Console(file=io.StringIO())), argv, 2, "instances[0].zebra")
+    assert "did you mean" not in line  # nothing close: no guess
+
