@@ -191,6 +191,18 @@ def resolve_config_path(explicit: str | os.PathLike[str] | None) -> Path:
     return DEFAULT_CONFIG_PATH.expanduser()
 
 
+def missing_config_hint(path: Path) -> str:
+    """What to do about a config file that does not exist: every command says it in these words
+    (`run` did; `config validate`, `check --instance` and `launchd plist` said only "file not
+    found"). ``config init`` writes to the default path by itself; elsewhere it needs ``--out``."""
+    try:
+        default = resolve_config_path(None)
+    except ConfigError:
+        default = None
+    init = "mlxwatch config init" if path == default else f"mlxwatch config init --out {_display(str(path))}"
+    return f"write one with `{init}` (finds running mlx-lm servers) or see `mlxwatch config example`"
+
+
 def default_state_dir() -> Path:
     """Where the journal and state live when the config does not say."""
     if sys.platform == "darwin":
@@ -254,7 +266,7 @@ def _read_bounded(path: Path, file: str) -> bytes:
         flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOCTTY", 0) | getattr(os, "O_CLOEXEC", 0)
         fd = os.open(path, flags)
     except FileNotFoundError:
-        raise ConfigError(file, "", "file not found") from None
+        raise ConfigError(file, "", f"file not found: {missing_config_hint(path)}") from None
     except OSError as exc:
         raise ConfigError(file, "", f"cannot read: {exc.strerror or exc}") from None
     except ValueError as exc:  # a NUL in the path

@@ -71,3 +71,28 @@ def test_a_typod_optional_key_says_what_it_was_meant_to_be(tmp_path, capsys):
     line = one_line_error(capsys, cli.run(argv, out=Console(file=io.StringIO())), argv, 2, "instances[0].zebra")
     assert "did you mean" not in line  # nothing close: no guess
 
+
+# --- a missing config: every command gives `run`'s hint
+
+
+@pytest.mark.parametrize("argv", [
+    ["config", "validate", "{missing}"],
+    ["check", "--config", "{missing}", "--instance", "lab"],
+    ["launchd", "plist", "--config", "{missing}"],
+    ["run", "--config", "{missing}"],
+])
+def test_a_missing_config_says_how_to_write_one(argv, tmp_path, capsys):
+    """Measured: `config validate`, `check --instance` and `launchd plist` said only "file not
+    found", where `run` said to run `mlxwatch config init`."""
+    missing = tmp_path / "nope.yaml"
+    argv = [a.replace("{missing}", str(missing)) for a in argv]
+    line = one_line_error(capsys, cli.run(argv, out=Console(file=io.StringIO())), argv, 2, str(missing))
+    assert f"`mlxwatch config init --out {missing}`" in line and "mlxwatch config example" in line
+
+
+@pytest.mark.parametrize("argv", [["config", "validate"], ["check", "--instance", "lab"], ["launchd", "plist"],
+                                  ["run"]])
+def test_the_default_config_missing_says_config_init(argv, tmp_path, capsys):
+    """At the default path, `config init` writes there by itself: the hint says just that."""
+    line = one_line_error(capsys, cli.run(argv, out=Console(file=io.StringIO())), argv, 2, "config.yaml")
+    assert "`mlxwatch config init`" in line and "mlxwatch config example" in line
