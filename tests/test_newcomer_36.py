@@ -6,7 +6,12 @@ indented past 80 columns, and a non-mlx server on an instance's port taken for a
 from __future__ import annotations
 
 import io
+import os
+import shutil
+import subprocess
+import sys
 import tarfile
+from pathlib import Path
 
 import pytest
 from rich.console import Console
@@ -96,3 +101,52 @@ def test_the_default_config_missing_says_config_init(argv, tmp_path, capsys):
     """At the default path, `config init` writes there by itself: the hint says just that."""
     line = one_line_error(capsys, cli.run(argv, out=Console(file=io.StringIO())), argv, 2, "config.yaml")
     assert "`mlxwatch config init`" in line and "mlxwatch config example" in line
+
+
+# --- a state dir status cannot read: one line, exit 2 as documented, with the fix, in run's words
+
+
+def _as_a_user(argv: list[str], home: Path) -> subprocess.CompletedProcess:
+    """``mlxwatch ARGV`` as a process the file modes apply to: root drops the capabilities that
+    let it read anything (setpriv), anyone else runs as is."""
+    prefix: list[str] = []
+    if os.geteuid() == 0:
+        if not shutil.which("setpriv"):
+            pytest.skip("root without setpriv: file modes do not apply to this process")
+        prefix = ["setpriv", "--bounding-set=-dac_override,-dac_read_search"]
+    env = {**os.environ, "HOME": str(home), "XDG_STATE_HOME": str(home / "state")}
+    env.pop("MLXWATCH_CONFIG", None)
+    return subprocess.run([*prefix, sys.executable, "-m", "mlxwatch", *argv], capture_output=True, text=True,
+                          timeout=120, env=env)
+
+
+def test_status_of_a_state_dir_that_is_a_file_says_so_with_the_fix(tmp_path, capsys):
+    """Measured: `status --state-dir FILE` said `FILE/state.json: cannot read: Not a directory`,
+    exit 2, no fix."""
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    for argv in (["status", "--state-dir", str(afile)], ["status", "--json", "--state-dir", str(afile)]):
+        line = one_line_error(capsys, cli.run(argv, out=Console(file=io.StringIO())), argv, 2,
+                              f"cannot use the state dir {afile}: {afile} is not a directory")
+        assert "give --state-dir" in line
+
+
+@pytest.mark.parametrize("what", ["state dir", "state.json"])
+def test_status_of_an_unreadable_state_says_so_with_the_fix(what, tmp_path):
+    """Measured: a state dir status could not enter said `state.json: cannot read: Permission
+    denied`, exit 2 without a fix; a state.json it could not read said "daemon not running
+    (none has left a record)", exit 1, as if there were none. Now both are `run`'s line."""
+    state = tmp_path / "state"
+    state.mkdir()
+    (state / "state.json").write_text('{"instances": {}}')
+    locked = state if what == "state dir" else state / "state.json"
+    locked.chmod(0)
+    try:
+        proc = _as_a_user(["status", "--state-dir", str(state)], tmp_path / "home")
+    finally:
+        locked.chmod(0o700)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    assert lines[0].startswith(f"mlxwatch: cannot use the state dir {state}: {state / 'state.json'}: "
+                               "Permission denied; run mlxwatch as the user the daemon runs as"), lines[0]
+    assert "Traceback" not in proc.stderr

@@ -59,7 +59,7 @@ from mlxwatch.front.door import FrontDoor
 from mlxwatch.host.sockets import KernelCounters
 from mlxwatch.journal.incidents import Event, Journal
 from mlxwatch.journal.lock import StateDirLock
-from mlxwatch.journal.state import StateFile
+from mlxwatch.journal.state import StateFile, unusable_state_dir
 from mlxwatch.storage import private_dir
 
 log = logging.getLogger("mlxwatch.watchdog")
@@ -118,8 +118,7 @@ class Daemon:
     def _unusable(self, exc: OSError) -> StateError:
         """The state dir cannot be used: named with the file that failed (the dir may be fine
         and its lock a directory)."""
-        where = exc.filename or self.state_dir
-        return StateError(f"cannot use the state dir {self.state_dir}: {where}: {exc.strerror or exc}")
+        return unusable_state_dir(self.state_dir, exc)
 
     async def _run(self, stop: asyncio.Event, reload: asyncio.Event, load_config) -> None:
         try:
