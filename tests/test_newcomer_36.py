@@ -11,6 +11,7 @@ import shutil
 import subprocess
 import sys
 import tarfile
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,7 @@ from rich.console import Console
 from test_cli import make_bundle, no_user_config, one_line_error  # noqa: F401 - no_user_config: autouse fixture
 
 import mlxwatch.cli as cli
+from lab.ports import free_port
 
 
 # --- contradicting flags: refused, exit 2, one line (the last one won)
@@ -150,3 +152,38 @@ def test_status_of_an_unreadable_state_says_so_with_the_fix(what, tmp_path):
     assert lines[0].startswith(f"mlxwatch: cannot use the state dir {state}: {state / 'state.json'}: "
                                "Permission denied; run mlxwatch as the user the daemon runs as"), lines[0]
     assert "Traceback" not in proc.stderr
+
+
+# --- line width: a long path stands flush left, so lines stay within 80 columns
+
+
+@pytest.fixture
+def path_72() -> Path:
+    """A directory whose files (``lab/server.log``, ``c.yaml``) have paths of 72 characters, as
+    the newcomer's did; removed after."""
+    root = Path(tempfile.mkdtemp(prefix="w", dir="/tmp"))
+    deep = root / ("d" * (72 - len(str(root / "x" / "lab" / "server.log")) + 1))
+    (deep / "lab").mkdir(parents=True)
+    (deep / "lab" / "server.log").write_text("")
+    assert len(str(deep / "lab" / "server.log")) == 72
+    yield deep
+    shutil.rmtree(root)
+
+
+@pytest.mark.parametrize("command", [["doctor"], ["config", "validate"]], ids=" ".join)
+@pytest.mark.parametrize("terminal", [True, False], ids=["terminal", "piped"])
+def test_long_paths_stand_flush_left_within_80_columns(command, terminal, path_72):
+    """Measured: a 72-character path indented 19 columns in `doctor` (and in `config validate`)
+    made lines of 91 to 111 columns. Every path stays whole, on a line of its own."""
+    log = path_72 / "lab" / "server.log"
+    cfg = path_72 / ("c" * (72 - len(str(path_72)) - 6) + ".yaml")
+    assert len(str(cfg)) == 72
+    cfg.write_text(f"state_dir: {path_72 / 'state'}\ninstances:\n  - name: lab\n    url: http://127.0.0.1:{free_port()}\n"
+                   f"    log: {log}\n    restart:\n      command: [{log}, relaunch, {log}]\n")
+    console = Console(file=io.StringIO(), width=80, force_terminal=terminal, color_system=None, highlight=False,
+                      soft_wrap=True)
+    assert cli.run(["--config", str(cfg), *command], out=console) in (0, 1)
+    lines = console.file.getvalue().splitlines()
+    assert not [line for line in lines if len(line) > 80], "\n".join(lines)
+    for path in (str(log), str(cfg)):  # never broken
+        assert any(path in line for line in lines), (path, "\n".join(lines))
