@@ -6,6 +6,7 @@ indented past 80 columns, and a non-mlx server on an instance's port taken for a
 from __future__ import annotations
 
 import io
+import logging
 import os
 import shutil
 import subprocess
@@ -187,3 +188,26 @@ def test_long_paths_stand_flush_left_within_80_columns(command, terminal, path_7
     assert not [line for line in lines if len(line) > 80], "\n".join(lines)
     for path in (str(log), str(cfg)):  # never broken
         assert any(path in line for line in lines), (path, "\n".join(lines))
+
+
+# --- the demo's log never breaks a path
+
+
+@pytest.mark.parametrize("terminal", [True, False], ids=["terminal", "piped"])
+def test_the_demo_log_never_breaks_a_bundle_path(terminal):
+    """Measured: the demo's log (rich's log handler) folded a bundle's path in the middle of its
+    name at the message column's edge."""
+    from mlxwatch.output.demo import DemoView
+
+    console = Console(file=io.StringIO(), width=80, force_terminal=terminal, color_system=None, highlight=False,
+                      soft_wrap=True)
+    bundle = "/tmp/mlxwatch-demo-k2j4h5/state/bundles/20261207T010203Z-demo-livelock"
+    handler = DemoView(console).log_handler()
+    record = logging.LogRecord("mlxwatch.watchdog", logging.WARNING, __file__, 1,
+                               "%s: evidence bundle written in 5.6s: %s (livelock, high confidence)",
+                               ("demo", bundle), None)
+    handler.handle(record)
+    lines = console.file.getvalue().splitlines()
+    assert any(bundle in line for line in lines), "\n".join(lines)
+    assert not [line for line in lines if len(line) > 80], "\n".join(lines)
+    assert "WARNING" in lines[0] and "(livelock, high confidence)" in " ".join(" ".join(lines).split())
