@@ -6,6 +6,7 @@ indented past 80 columns, and a non-mlx server on an instance's port taken for a
 from __future__ import annotations
 
 import io
+import json
 import logging
 import os
 import shutil
@@ -13,6 +14,7 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -211,3 +213,66 @@ def test_the_demo_log_never_breaks_a_bundle_path(terminal):
     assert any(bundle in line for line in lines), "\n".join(lines)
     assert not [line for line in lines if len(line) > 80], "\n".join(lines)
     assert "WARNING" in lines[0] and "(livelock, high confidence)" in " ".join(" ".join(lines).split())
+
+
+# --- a non-mlx HTTP server on an instance's port
+
+
+@pytest.fixture
+def http_server():
+    """``python3 -m http.server`` on a loopback port (it answers a POST with a 9-line HTML page,
+    501), ended by its PID."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=tempfile.gettempdir())
+    from mlxwatch.host.process import own_listeners
+
+    deadline = time.monotonic() + 30
+    while not own_listeners(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    yield proc, f"http://127.0.0.1:{port}"
+    proc.kill()
+    proc.wait(10)
+
+
+def test_check_of_a_non_mlx_server_says_what_answered_in_one_line(http_server, capsys):
+    """Measured: `check` printed http.server's raw 9-line HTML error page as the reason."""
+    _, url = http_server
+    console = Console(file=io.StringIO(), width=10**4, color_system=None, highlight=False, soft_wrap=True)
+    assert cli.run(["check", url, "--timeout", "5s"], out=console) == 1
+    lines = console.file.getvalue().splitlines()
+    reason = lines[0]
+    assert "<" not in console.file.getvalue(), "\n".join(lines)
+    assert "HTTP 501 with an HTML page (Unsupported method ('POST').)" in reason
+    assert "another program answers at this URL" in reason
+    assert any(line.split() == ["/v1/models", "404", "an", "HTML", "page", "(File", "not", "found.)"] for line in lines)
+
+
+async def test_the_daemon_calls_a_non_mlx_server_on_the_port_port_taken_not_crashed(tmp_path, http_server, caplog):
+    """Measured: with http.server on an instance's port, `status` showed the HTML page with `?`
+    for its newlines, every log line carried it, and the instance was "down (crashed)", its bundle
+    `crashed, high confidence`, while the daemon's own log said another program holds the port."""
+    from test_daemon_core import Running, config
+
+    from mlxwatch.config import RestartConfig
+    from mlxwatch.daemon.status import collect_status
+    from mlxwatch.output.status import render_status
+
+    proc, url = http_server
+    cfg = config(tmp_path / "state", url, RestartConfig())
+    with caplog.at_level(logging.INFO, logger="mlxwatch"):
+        async with Running(cfg) as run:
+            await run.until(lambda: "captured" in run.events(), what="the capture")
+            captured = next(r for r in run.journal.records() if r["event"] == "captured")
+            console = Console(file=io.StringIO(), width=80, color_system=None, highlight=False, soft_wrap=True)
+            render_status(collect_status(cfg, cfg.state_dir), console)
+    manifest = json.loads((Path(captured["bundle"]) / "manifest.json").read_text())
+    assert manifest["classification"]["kind"] == "port_taken", manifest["classification"]
+    assert any(f"taken by PID {proc.pid}" in line for line in manifest["classification"]["evidence"])
+    shown = console.file.getvalue()
+    assert "down (port taken)" in shown and "crashed" not in shown, shown
+    assert "<" not in shown and "?" not in shown.replace("?)", ""), shown
+    assert "an HTML page (Unsupported method ('POST').)" in " ".join(shown.split()), shown
+    for record in caplog.records:
+        assert "<" not in record.getMessage() and "\n" not in record.getMessage(), record.getMessage()
+    assert proc.poll() is None  # never signalled

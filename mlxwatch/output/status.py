@@ -32,6 +32,8 @@ def state_label(instance: dict[str, Any]) -> str:
     kind = (instance.get("open_incident") or {}).get("kind")
     if state == "hung" and kind == "crashed":
         return "down (crashed)"
+    if state in HUNG_STATES and kind == "port_taken":  # another program answers: not a crash, not a hang
+        return "down (port taken)"
     if state in HUNG_STATES and kind:
         return f"{state} ({kind})"
     return state
