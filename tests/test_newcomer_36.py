@@ -5,6 +5,7 @@ indented past 80 columns, and a non-mlx server on an instance's port taken for a
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 import logging
@@ -276,3 +277,96 @@ async def test_the_daemon_calls_a_non_mlx_server_on_the_port_port_taken_not_cras
     for record in caplog.records:
         assert "<" not in record.getMessage() and "\n" not in record.getMessage(), record.getMessage()
     assert proc.poll() is None  # never signalled
+
+
+# --- two daemons, two state dirs, one server: the second is refused
+
+
+async def test_a_second_daemon_on_the_same_server_is_refused(tmp_path, standin):
+    """Measured: two daemons with different state dirs watching one URL were not noticed: both
+    probed it and both would capture and restart it. Now the second is refused, naming the
+    first (its PID, state dir and instance), whatever loopback spelling its config uses; once
+    the first stops, it starts."""
+    from test_daemon_core import Running, config
+
+    from mlxwatch.daemon.supervisor import Daemon
+    from mlxwatch.errors import StateError
+
+    (url,), _, _ = standin("ok")
+    port = url.rsplit(":", 1)[1]
+    first = config(tmp_path / "one", url, name="big")
+    async with Running(first):
+        for spelling in (url, f"http://localhost:{port}/", f"http://[::ffff:127.0.0.1]:{port}"):
+            second = config(tmp_path / "two", spelling, name="other")
+            with pytest.raises(StateError) as refused:
+                await asyncio.wait_for(Daemon(second, second.state_dir).run(asyncio.Event()), 60)  # else: ran on
+            said = str(refused.value)
+            assert said.startswith(f"{spelling} is already watched by another mlxwatch daemon (PID {os.getpid()}, "
+                                   f"state dir {tmp_path / 'one'}, instance big)"), said
+            assert "stop that daemon, or remove this instance from one of the two configs" in said
+            assert not (tmp_path / "two" / "journal.jsonl").exists()  # refused before it probed or wrote
+    async with Running(config(tmp_path / "two", url, name="other")) as again:
+        await again.until(lambda: (again.daemon.state.instance("other").get("last_probe") or {}).get("ok"),
+                          what="a healthy probe by the second daemon")
+
+
+async def test_a_reload_that_adds_a_server_another_daemon_watches_is_refused(tmp_path, standin):
+    """The same rule at a SIGHUP: the old config is kept, and the reload says why."""
+    from dataclasses import replace
+
+    from test_daemon_core import FAST, Running, config
+
+    from mlxwatch.config import InstanceConfig
+
+    (url, other_url), _, _ = standin("ok", ports=2)
+    async with Running(config(tmp_path / "one", url, name="big")):
+        cfg = config(tmp_path / "two", other_url, name="mine")
+        async with Running(cfg) as run:
+            run.cfg = replace(cfg, instances=(*cfg.instances, InstanceConfig("theirs", url, None, None, FAST)))
+            run.reload.set()
+            await run.until(lambda: "last_reload" in run.daemon.state.data["daemon"]
+                            and run.daemon.state.data["daemon"]["last_reload"] is not None, what="the reload")
+            reload = run.daemon.state.data["daemon"]["last_reload"]
+            assert reload["ok"] is False and f"{url} is already watched by another mlxwatch daemon" in reload["message"]
+            assert list(run.daemon.watchers) == ["mine"]
+
+
+def _held_by_another(url: str) -> bool:
+    from mlxwatch.errors import StateError
+    from mlxwatch.journal.serverlock import ServerLocks
+
+    locks = ServerLocks(Path("/nonexistent"))
+    try:
+        locks.take(url, "test")
+    except StateError:
+        return True
+    locks.release()
+    return False
+
+
+def test_run_refuses_a_server_another_daemon_watches_exit_2_one_line(tmp_path, standin):
+    """`mlxwatch run` as users start it: exit 2, one line naming the other daemon."""
+    (url,), _, _ = standin("ok")
+    env = {**os.environ, "HOME": str(tmp_path / "home")}
+    configs = []
+    for name in ("one", "two"):
+        path = tmp_path / f"{name}.yaml"
+        path.write_text(f"state_dir: {tmp_path / name}\ninstances:\n  - name: {name}\n    url: {url}\n")
+        configs.append(path)
+    first = subprocess.Popen([sys.executable, "-m", "mlxwatch", "--config", str(configs[0]), "run"], env=env,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not _held_by_another(url):  # the first daemon holds the server
+            assert first.poll() is None and time.monotonic() < deadline, first.stderr.read() if first.poll() else ""
+            time.sleep(0.1)
+        second = subprocess.run([sys.executable, "-m", "mlxwatch", "--config", str(configs[1]), "run"], env=env,
+                                capture_output=True, text=True, timeout=120)
+    finally:
+        first.terminate()
+        first.wait(30)
+        first.stderr.close()
+    lines = second.stderr.strip().splitlines()
+    assert second.returncode == 2 and len(lines) == 1, second.stderr
+    assert lines[0].startswith(f"mlxwatch: {url} is already watched by another mlxwatch daemon (PID {first.pid}, "
+                               f"state dir {tmp_path / 'one'}, instance one)"), lines[0]
