@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import tarfile
@@ -370,3 +371,32 @@ def test_run_refuses_a_server_another_daemon_watches_exit_2_one_line(tmp_path, s
     assert second.returncode == 2 and len(lines) == 1, second.stderr
     assert lines[0].startswith(f"mlxwatch: {url} is already watched by another mlxwatch daemon (PID {first.pid}, "
                                f"state dir {tmp_path / 'one'}, instance one)"), lines[0]
+
+
+# --- the front door under hostile clients
+
+
+async def test_a_full_door_refuses_an_upload_on_its_length_before_its_body():
+    """Measured: a full door (front.max_buffered) refused uploads mid-body, after 6-14 MiB of
+    them were sent: bytes were held as they arrived, so every upload passed the check of its
+    Content-Length at its head. Now a body is held whole on its length: one that does not fit
+    is refused before a byte of it is sent, and one that fits is never refused half-way."""
+    from test_front_door import Upstream, _door, _read_response, _split, _until
+
+    kib = 1024
+    async with Upstream() as up, _door(up, max_body=700 * kib, max_buffered=1000 * kib) as door:
+        first_r, first_w = await asyncio.open_connection(*door.address)
+        first_w.write(b"POST /plain HTTP/1.1\r\nHost: h\r\nContent-Length: %d\r\n\r\n" % (700 * kib))
+        await _until(lambda: door.buffered == 700 * kib, "the first upload's 700 KiB held on its length")
+        second_r, second_w = await asyncio.open_connection(*door.address)
+        second_w.write(b"POST /plain HTTP/1.1\r\nHost: h\r\nContent-Length: %d\r\n\r\n" % (500 * kib))
+        refused = await asyncio.wait_for(_read_response(second_r), 15)  # answered with no byte of its body sent
+        first_w.write(b"a" * (700 * kib))  # the upload that fits goes through whole
+        answered = await asyncio.wait_for(_read_response(first_r), 15)
+        for writer in (first_w, second_w):
+            writer.close()
+        await _until(lambda: door.buffered == 0, "every byte given back")
+    line, headers, body = _split(refused)
+    assert line.split(" ")[1] == "503" and json.loads(body)["error"]["code"] == "mlxwatch_door_full", refused[:300]
+    assert answered.startswith(b"HTTP/1.1 201 ") and len(up.seen) == 1 and len(up.seen[0].body) == 700 * kib
+
