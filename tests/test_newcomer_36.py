@@ -400,3 +400,89 @@ async def test_a_full_door_refuses_an_upload_on_its_length_before_its_body():
     assert line.split(" ")[1] == "503" and json.loads(body)["error"]["code"] == "mlxwatch_door_full", refused[:300]
     assert answered.startswith(b"HTTP/1.1 201 ") and len(up.seen) == 1 and len(up.seen[0].body) == 700 * kib
 
+
+class _Firehose:
+    """A server that streams SSE tokens of ``pad`` bytes each as fast as its client takes them,
+    until the client goes: a healthy server that a slow client holds back."""
+
+    def __init__(self, pad: int = 16 * 1024) -> None:
+        self.token = ("x" * pad)
+        self.server: asyncio.base_events.Server | None = None
+
+    async def __aenter__(self) -> "_Firehose":
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        assert self.server is not None
+        self.server.close()
+
+    @property
+    def url(self) -> str:
+        assert self.server is not None
+        return f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        from test_front_door import _chunk
+
+        try:
+            head = await reader.readuntil(b"\r\n\r\n")
+            length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                           if line.lower().startswith(b"content-length:")), 0)
+            await reader.readexactly(length)
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nConnection: close\r\n\r\n")
+            chunk = _chunk(self.token)
+            while True:
+                writer.write(chunk)
+                await writer.drain()
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            writer.close()
+
+
+async def _slow_client(door) -> socket.socket:
+    """A client that sends a streaming request, then takes nothing of its answer (for now)."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.setblocking(False)
+    await asyncio.get_running_loop().sock_connect(sock, door.address)
+    body = b'{"stream": true, "max_tokens": 9}'
+    await asyncio.get_running_loop().sock_sendall(
+        sock, b"POST /v1/chat/completions HTTP/1.1\r\nHost: h\r\nContent-Type: application/json\r\n"
+              b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    return sock
+
+
+async def test_a_client_reading_slowly_is_no_stall_of_the_server():
+    """Measured: a client that read its stream slowly made the door journal `front_stall` ("no
+    token delivered to anyone for 10-12 s: suspect") while the server streamed to it fine: the
+    door stops reading the server for a client that takes nothing (backpressure), so no token
+    reached it. Such a request waits on its client, not on the server."""
+    from test_front_door import _cfg, _until
+
+    from mlxwatch.evidence.door import stall_of
+    from mlxwatch.front.door import FrontDoor
+
+    async with _Firehose() as up:
+        door = FrontDoor("t", up.url, _cfg(stall_timeout=1.0, request_stall_timeout=1.0))
+        await door.start()
+        sock = await _slow_client(door)
+        try:
+            await _until(lambda: door.view().tokens_total > 0, "the first tokens")
+            await _until(lambda: time.monotonic() - door.view().last_token_mono > 2.0,
+                         "the client's backpressure holding the server's tokens back for 2 s")
+            view = door.view()
+            assert len(view.in_flight) == 1, view  # still in flight: not failed as a stalled request
+            assert stall_of(view, time.monotonic(), 1.0) is None
+            before = view.tokens_total
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + 30
+            while door.view().tokens_total == before:  # the client reads: the server's tokens flow again
+                assert loop.time() < deadline, "no token once the client read"
+                await asyncio.wait_for(loop.sock_recv(sock, 65536), 15)
+        finally:
+            sock.close()
+            await door.stop(drain=0.5)
+        assert door.view().outcomes["failed_loudly"] == 0
+

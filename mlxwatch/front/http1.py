@@ -320,6 +320,12 @@ class ClientConnection(asyncio.Protocol):
         taken = self._taken_at_end if self._taken_at_end is not None else self._bytes_taken()
         return taken >= offset
 
+    @property
+    def waiting_on_client(self) -> bool:
+        """The client is not taking what the door wrote to it (writing paused): the door stopped
+        reading the server for it, so no token arriving is the client's doing, not the server's."""
+        return self._paused and not self._lost
+
     def pause_writing(self) -> None:
         self._paused = True
         if self.upstream is not None:
