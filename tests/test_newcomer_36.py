@@ -486,3 +486,41 @@ async def test_a_client_reading_slowly_is_no_stall_of_the_server():
             await door.stop(drain=0.5)
         assert door.view().outcomes["failed_loudly"] == 0
 
+
+async def test_a_request_its_client_closed_mid_body_is_counted():
+    """Measured: 3,072 connections whose client closed mid-body were counted in no outcome. A
+    request sent in part (head or body) and closed by its client counts as cancelled; one the
+    door cut off for time still counts once, as timeout."""
+    from test_front_door import Upstream, _door, _until
+
+    async with Upstream() as up, _door(up) as door:
+        for partial in (b"POST /v1/chat/completions HTTP/1.1\r\nHost: h\r\nContent-Length: 1000\r\n\r\n{\"str",
+                        b"POST /v1/chat/completions HTTP/1.1\r\nHost: h\r\nConte"):
+            for _ in range(3):
+                _, writer = await asyncio.open_connection(*door.address)
+                writer.write(partial)
+                await writer.drain()
+                writer.close()
+        await _until(lambda: door.view().outcomes["cancelled"] == 6, "six requests cancelled by their clients")
+        outcomes = dict(door.view().outcomes)
+    assert outcomes["cancelled"] == 6 and sum(outcomes.values()) == 6, outcomes
+    assert up.seen == []
+
+
+async def test_a_request_the_door_cut_off_for_time_is_counted_once(monkeypatch):
+    """A head the door cut off at its deadline is `timeout`, and not `cancelled` as well when
+    the connection then closes."""
+    from test_front_door import Upstream, _door, _until
+
+    import mlxwatch.front.door as door_module
+
+    monkeypatch.setattr(door_module, "HEAD_TIMEOUT", 1.0)
+    async with Upstream() as up, _door(up) as door:
+        reader, writer = await asyncio.open_connection(*door.address)
+        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: h\r\nConte")
+        await writer.drain()
+        assert await asyncio.wait_for(reader.read(), 15) == b""  # closed by the door at the deadline
+        writer.close()
+        await _until(lambda: sum(door.view().outcomes.values()) >= 1, "the cut-off counted")
+        outcomes = dict(door.view().outcomes)
+    assert outcomes["timeout"] == 1 and sum(outcomes.values()) == 1, outcomes

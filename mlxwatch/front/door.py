@@ -456,6 +456,11 @@ class FrontDoor:
             if not self._live:
                 self._idle.set()
 
+    def abandoned(self) -> None:
+        """A client closed its connection with a request sent in part (a head or body cut
+        short): it went away first, so it is counted cancelled."""
+        self._ledger.count(CANCELLED)
+
     def cut_off(self, why: str, after: float | None) -> None:
         """A connection closed by the door before any request went through: counted as timeout
         when it took longer than ``after`` s to send its request, else rejected (over a cap);

@@ -99,6 +99,7 @@ class Door(Protocol):
     def serve(self, conn: ClientConnection, request: Request) -> Coroutine[None, None, None]: ...
     def refused(self, answer: Answer, why: str) -> Answer: ...
     def cut_off(self, why: str, after: float | None) -> None: ...
+    def abandoned(self) -> None: ...
     def admit(self, conn: ClientConnection) -> bool: ...
     def hold(self, nbytes: int) -> Answer | None: ...
     def let_go(self, nbytes: int) -> None: ...
@@ -253,6 +254,11 @@ class ClientConnection(asyncio.Protocol):
     def connection_lost(self, exc: BaseException | None) -> None:
         if self._taken_at_end is None:
             self._taken_at_end = self._bytes_taken()
+        if (self._in_head or self._in_body) and (self._eof or not self._closing):
+            # the client closed with a request sent in part: counted, as a client gone (3,072 such
+            # connections were counted in no outcome: issue 36)
+            self._in_head = self._in_body = False
+            self.door.abandoned()
         self._lost = True
         self._closing = True
         self._let_go(self._held_bytes)  # every body it held, read in part or waiting: given back
@@ -669,6 +675,7 @@ class ClientConnection(asyncio.Protocol):
         self._timer = None
         if first or self._in_head:  # a partial head, or none at all since the connection opened
             self.door.cut_off("no complete request head", timeout)
+        self._in_head = False  # counted here, not again as abandoned
         self.close()
 
     def _bytes_taken(self) -> int:
