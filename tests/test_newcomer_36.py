@@ -56,6 +56,25 @@ def test_config_init_with_out_and_print_is_refused(tmp_path, capsys):
     assert not (tmp_path / "c.yaml").exists()
 
 
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["--config", "{a}", "config", "validate", "{b}"], "config validate: PATH {b} and --config {a}"),
+    (["config", "init", "--out", "{b}", "--config", "{a}"], "config init: --out {b} and --config {a}"),
+])
+def test_two_config_files_for_one_command_are_refused(argv, fragment, tmp_path, capsys):
+    """Found looking for other such pairs: with two config files one was silently ignored
+    (`mlxwatch --config A config validate B` checked B and said ok). (`launchd plist --config`
+    is the agent's config, another role: it may differ from mlxwatch's, as test_launchd says.)"""
+    a, b = tmp_path / "a.yaml", tmp_path / "b.yaml"
+    for path in (a, b):
+        path.write_text("instances:\n  - name: lab\n    url: http://127.0.0.1:8080\n")
+    argv = [x.format(a=a, b=b) for x in argv]
+    code = cli.run(argv, out=Console(file=io.StringIO()))
+    one_line_error(capsys, code, argv, 2, fragment.format(a=a, b=b))
+    same = [x.replace(str(b), str(a)) for x in argv]  # the same file twice is one wish
+    cli.run(same, out=Console(file=io.StringIO()))
+    assert "two config files" not in capsys.readouterr().err
+
 # --- a typo'd key is named
 
 

@@ -10,6 +10,7 @@ Defaults shown by ``--help`` are read from the config dataclasses (``ProbeConfig
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 from typing import Any, NoReturn, Sequence
 
 from mlxwatch import __version__
@@ -233,7 +234,20 @@ def parse(parser: argparse.ArgumentParser, argv: Sequence[str]) -> argparse.Name
     if extra:  # reported by the subcommand that was given them, so its --help is the one named
         _leaf_parser(parser, args).error(f"unrecognized arguments: {' '.join(extra)}")
     _refuse_empty_paths(args)
+    _refuse_two_configs(args)
     return args
+
+
+def _refuse_two_configs(args: argparse.Namespace) -> None:
+    """Two different config files for one command: one of them was silently ignored
+    (`mlxwatch --config A config validate B` checked B; `config init --out B --config A` wrote B).
+    ``launchd plist|install --config`` is another role (the agent's config) and may differ."""
+    given = getattr(args, "config", None)
+    cases = {"validate": ("path", "config validate: PATH"), "init": ("out", "config init: --out")}
+    dest, name = cases.get(getattr(args, "config_command", None) or "", (None, ""))
+    other = getattr(args, dest, None) if dest else None
+    if given and other and Path(given).expanduser() != Path(other).expanduser():
+        raise UsageError(f"{name} {other} and --config {given} name two config files: give one of them")
 
 
 def _leaf_parser(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.ArgumentParser:
