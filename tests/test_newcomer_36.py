@@ -543,3 +543,15 @@ async def test_a_request_the_door_cut_off_for_time_is_counted_once(monkeypatch):
         await _until(lambda: sum(door.view().outcomes.values()) >= 1, "the cut-off counted")
         outcomes = dict(door.view().outcomes)
     assert outcomes["timeout"] == 1 and sum(outcomes.values()) == 1, outcomes
+
+
+def test_status_with_no_instance_still_says_the_state_file_is_damaged(tmp_path):
+    """Found beside the unreadable state.json: with no instance configured, a damaged
+    state.json was not mentioned at all (only "daemon not running (none has left a record)")."""
+    state = tmp_path / "state"
+    state.mkdir()
+    (state / "state.json").write_text("{not json")
+    console = Console(file=io.StringIO(), width=80, color_system=None, highlight=False, soft_wrap=True)
+    assert cli.run(["status", "--state-dir", str(state)], out=console) == 1
+    text = " ".join(console.file.getvalue().split())
+    assert "state file is unreadable (JSONDecodeError); the daemon rebuilds it from the journal" in text, text

@@ -115,6 +115,9 @@ def status_lines(status: dict[str, Any], width: int = 80) -> list[Text]:
         else:
             lines.append(Text("no config, so nothing is watched: write one with `mlxwatch config init` "
                               "(finds running mlx-lm servers) or see `mlxwatch config example`"))
+        if status.get("state_problem"):  # said with no instance too (it was left out)
+            lines.append(Text(f"state file {status['state_problem']}; the daemon rebuilds it from the journal",
+                              style="yellow"))
         return _reflowed(lines, width)
     header = ("INSTANCE", "STATE", "LAST PROBE", "TTFT", "RESTARTS")
     rows = []
