@@ -24,7 +24,7 @@ import stat
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 from urllib.parse import urlsplit
 
 import yaml
@@ -191,6 +191,18 @@ def resolve_config_path(explicit: str | os.PathLike[str] | None) -> Path:
     return DEFAULT_CONFIG_PATH.expanduser()
 
 
+def missing_config_hint(path: Path) -> str:
+    """What to do about a config file that does not exist: every command says it in these words
+    (`run` did; `config validate`, `check --instance` and `launchd plist` said only "file not
+    found"). ``config init`` writes to the default path by itself; elsewhere it needs ``--out``."""
+    try:
+        default = resolve_config_path(None)
+    except ConfigError:
+        default = None
+    init = "mlxwatch config init" if path == default else f"mlxwatch config init --out {_display(str(path))}"
+    return f"write one with `{init}` (finds running mlx-lm servers) or see `mlxwatch config example`"
+
+
 def default_state_dir() -> Path:
     """Where the journal and state live when the config does not say."""
     if sys.platform == "darwin":
@@ -254,7 +266,7 @@ def _read_bounded(path: Path, file: str) -> bytes:
         flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOCTTY", 0) | getattr(os, "O_CLOEXEC", 0)
         fd = os.open(path, flags)
     except FileNotFoundError:
-        raise ConfigError(file, "", "file not found") from None
+        raise ConfigError(file, "", f"file not found: {missing_config_hint(path)}") from None
     except OSError as exc:
         raise ConfigError(file, "", f"cannot read: {exc.strerror or exc}") from None
     except ValueError as exc:  # a NUL in the path
@@ -809,6 +821,7 @@ class _Section:
         self.data = dict(data)
         self.path = path
         self.file = file
+        self.asked: set[str] = set()  # every key read or looked for: what a typo was meant to be
 
     def key_path(self, key: str) -> str:
         return _join(self.path, key)
@@ -817,6 +830,7 @@ class _Section:
         return ConfigError(self.file, self.key_path(key), message)
 
     def take(self, key: str, read: Callable[[Any], Any], default: Any) -> Any:
+        self.asked.add(key)
         if key not in self.data:
             return default
         value = self.data.pop(key)
@@ -830,20 +844,37 @@ class _Section:
 
     def take_present(self, readers: dict[str, Callable[[Any], Any]]) -> dict[str, Any]:
         """The keys of ``readers`` that the file sets, read; the dataclass supplies the rest."""
+        self.asked.update(readers)
         return {key: self.take(key, read, None) for key, read in readers.items() if key in self.data}
 
     def require(self, key: str, read: Callable[[Any], Any]) -> Any:
+        self.asked.add(key)
         if key not in self.data:
+            typo = _meant_for(key, self.data)
+            if typo is not None:  # `urll:` and no `url:`: name the key written, not only the one missing
+                raise self.error(typo, f"unknown key: did you mean {key}? ({self.key_path(key)} is required)")
             raise self.error(key, "is required")
         return self.take(key, read, None)
 
     def section(self, key: str) -> "_Section":
+        self.asked.add(key)
         value = self.data.pop(key, None)
         return _Section({} if value is None else value, self.key_path(key), self.file)
 
     def done(self) -> None:
         for key in self.data:
-            raise self.error(key, f"unknown key (got {_show(self.data[key])})")
+            meant = _meant_for(key, self.asked)
+            hint = f": did you mean {meant}?" if meant is not None else ""
+            raise self.error(key, f"unknown key (got {_show(self.data[key])}){hint}")
+
+
+def _meant_for(word: str, keys: Iterable[str]) -> str | None:
+    """The key in ``keys`` closest to ``word`` (case aside, a letter or two off), or None: a typo
+    and the key it was meant to be, either way round."""
+    def score(key: str) -> float:
+        return difflib.SequenceMatcher(None, word.lower(), key.lower()).ratio()
+    best = max(sorted(keys), key=score, default=None)
+    return best if best is not None and score(best) >= 0.6 and best != word else None
 
 
 def _show(value: Any) -> str:
@@ -1007,6 +1038,7 @@ def _instance(sec: _Section, base: Path) -> InstanceConfig:
     shim = sec.take("shim", _choice(SHIM_MODES), "auto")
     kernel = sec.take("kernel", _choice(KERNEL_MODES), "auto")
     front = _front(sec.section("front")) if "front" in sec.data else None  # an empty `front:` too: it asks for a door
+    sec.asked.update(("restart", "front"))  # read above without take(): still what a typo may mean
     sec.done()
     if front is not None and _takes_port(f"http://{listen_address(front.listen)}", url, both_bound=False):
         raise ConfigError(sec.file, f"{sec.path}.front.listen",

@@ -249,7 +249,8 @@ def test_missing_file_is_one_line(tmp_path):
     path = tmp_path / "nope.yaml"
     with pytest.raises(ConfigError) as info:
         load_config(path)
-    assert str(info.value) == f"{path}: file not found"
+    assert str(info.value) == (f"{path}: file not found: write one with `mlxwatch config init --out {path}` "
+                               "(finds running mlx-lm servers) or see `mlxwatch config example`")
 
 
 def test_validate_command_exits_2_with_one_line_and_no_traceback(config_file, capsys):

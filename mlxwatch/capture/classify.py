@@ -3,6 +3,8 @@
 The kinds, and the evidence that leads to each (first match wins, ambiguity is reported)::
 
     crashed      the process is gone
+    port_taken   the process is gone and another program (not mlx-lm) holds its port: the
+                 watchdog's lookup named it; never "crashed": the server may never have run
     healthy      the probe got tokens
     wedged       the probe failed and /health and /v1/models did not answer either
     dead_thread  no generation thread in the stacks, its traceback in the log, or /health 503
@@ -57,7 +59,8 @@ IDLE_FUNCTIONS = ("_next_request", "get_next_request")  # an idle server waits h
 # socket (the lab's block fault: Condition.wait in threading.py), not on a computation.
 WAIT_FILES = ("threading.py", "queue.py", "selectors.py", "socket.py")
 
-KINDS = ("collective_wait", "dead_thread", "blocked", "livelock", "wedged", "crashed", "busy", "healthy", "unknown")
+KINDS = ("collective_wait", "dead_thread", "blocked", "livelock", "wedged", "crashed", "busy", "healthy", "unknown",
+         "port_taken")
 
 
 # Where a rank's generation thread waits for its peers: mlx-lm's per-pass exchange of the next
@@ -166,7 +169,7 @@ class Classification:
 
 def classify(ev: Evidence) -> Classification:
     result = _classify(ev)
-    if ev.log_admissions > 0 and result.kind not in ("crashed", "healthy"):
+    if ev.log_admissions > 0 and result.kind not in ("crashed", "port_taken", "healthy"):
         result.evidence.append(
             f"log: {ev.log_admissions} other request(s) admitted during the window (mlx-lm logs "
             "'POST ... 200' on admission, not on answer: informational, not progress)")
@@ -201,6 +204,7 @@ def _classify(ev: Evidence) -> Classification:
         held = (ev.verdict or "").partition("port ")[2] if "taken by PID" in (ev.verdict or "") else ""
         if held:  # the watchdog found a stranger on the port: gone is our server, not that one
             lines.append(f"port {held} (not the server: never captured or signalled)")
+            return Classification("port_taken", "high", lines)  # a crash is not known: it may never have run
         if ev.log and ev.log.insufficient_memory:
             lines.append(f"log: {ev.log.insufficient_memory[-1]} ({METAL_ABORTS})")
         return Classification("crashed", "high", lines)

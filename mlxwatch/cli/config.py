@@ -38,6 +38,9 @@ def cmd_config_init(args: argparse.Namespace, out: Console) -> int:
     from mlxwatch.output.config import render_written
     from mlxwatch.storage import write_new
 
+    if args.print_only and args.out:  # --print wrote nothing and ignored --out, exit 0
+        raise UsageError("config init: --out and --print contradict each other: --out FILE writes the config, "
+                         "--print only shows it; give one of them")
     path = Path(args.out).expanduser() if args.out else resolve_config_path(args.config)
     if not args.print_only and path.is_dir():
         raise UsageError(f"config init: {path} is a directory; name the file to write (e.g. --out {path / 'config.yaml'})")

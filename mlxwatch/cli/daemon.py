@@ -13,7 +13,7 @@ from typing import Any
 from rich.console import Console
 
 from mlxwatch.cli.common import EXIT_OK, EXIT_UNHEALTHY, explicit_config, load_optional, state_dir
-from mlxwatch.config import Config, load_config, load_runnable_config, resolve_config_path
+from mlxwatch.config import Config, load_config, load_runnable_config, missing_config_hint, resolve_config_path
 from mlxwatch.errors import UsageError
 
 
@@ -53,8 +53,8 @@ def _run_daemon(args: argparse.Namespace, held: _HeldSignals) -> int:
 
     path = resolve_config_path(args.config)
     if not path.exists() and not explicit_config(args):
-        raise UsageError(f"no config at {path}: nothing to watch. Write one with `mlxwatch config init` "
-                         "(finds running mlx-lm servers) or see `mlxwatch config example`; "
+        hint = missing_config_hint(path)
+        raise UsageError(f"no config at {path}: nothing to watch. {hint[:1].upper()}{hint[1:]}; "
                          "`mlxwatch demo` shows the watchdog work on a tiny local server")
     config = load_runnable_config(path)
     handler = RotatingStderr()

@@ -10,6 +10,7 @@ Defaults shown by ``--help`` are read from the config dataclasses (``ProbeConfig
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 from typing import Any, NoReturn, Sequence
 
 from mlxwatch import __version__
@@ -64,6 +65,22 @@ class _Parser(argparse.ArgumentParser):
             kind = "a subcommand" if where else "a command"
             message = f"give {kind}: {', '.join(sub.choices)}"
         raise UsageError(f"{where + ': ' if where else ''}{message} (see `{self.prog} --help`)")
+
+
+class _OneWay(argparse.BooleanOptionalAction):
+    """``--redact`` or ``--no-redact``, not both: with both, argparse let the last one win, and
+    ``bundle export X --redact --no-redact`` wrote an unredacted archive, exit 0 (found by a new
+    user). Giving the same form twice is harmless and allowed."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        seen = f"_given_{self.dest}"
+        earlier = getattr(namespace, seen, None)
+        value = not (option_string or "").startswith("--no-")
+        if earlier is not None and earlier[1] != value:
+            parser.error(f"{earlier[0]} and {option_string} contradict each other: give one of them")
+        setattr(namespace, seen, (option_string, value))
+        super().__call__(parser, namespace, values, option_string)
 
 
 def _leaf(sub: Any, name: str, help: str, description: str | None = None) -> argparse.ArgumentParser:
@@ -139,7 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
     show.add_argument("--json", action="store_true", help="print the manifest as JSON instead")
     export = _leaf(bundle_sub, "export", "write a bundle as a .tar.gz (never overwrites)")
     export.add_argument("bundle", metavar="BUNDLE", help="bundle directory or bundle name")
-    export.add_argument("--redact", action=argparse.BooleanOptionalAction, default=True,
+    export.add_argument("--redact", action=_OneWay, default=True,
                         help="remove secrets, message contents, environment values and home paths, for a public "
                              "issue (the default); --no-redact exports the bundle as captured (keep it private)")
     export.add_argument("--out", metavar="DIR|FILE.tar.gz",
@@ -217,7 +234,20 @@ def parse(parser: argparse.ArgumentParser, argv: Sequence[str]) -> argparse.Name
     if extra:  # reported by the subcommand that was given them, so its --help is the one named
         _leaf_parser(parser, args).error(f"unrecognized arguments: {' '.join(extra)}")
     _refuse_empty_paths(args)
+    _refuse_two_configs(args)
     return args
+
+
+def _refuse_two_configs(args: argparse.Namespace) -> None:
+    """Two different config files for one command: one of them was silently ignored
+    (`mlxwatch --config A config validate B` checked B; `config init --out B --config A` wrote B).
+    ``launchd plist|install --config`` is another role (the agent's config) and may differ."""
+    given = getattr(args, "config", None)
+    cases = {"validate": ("path", "config validate: PATH"), "init": ("out", "config init: --out")}
+    dest, name = cases.get(getattr(args, "config_command", None) or "", (None, ""))
+    other = getattr(args, dest, None) if dest else None
+    if given and other and Path(given).expanduser() != Path(other).expanduser():
+        raise UsageError(f"{name} {other} and --config {given} name two config files: give one of them")
 
 
 def _leaf_parser(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.ArgumentParser:

@@ -15,6 +15,8 @@ the loop wakes on them or on its heartbeat, and does the work:
   per episode, ``stuck`` in its state-file entry (``status`` shows it, not "healthy"); its next
   sign of life ends the episode.
 - **One daemon per state dir** (``lock.py``): a second ``run`` is refused with the holder's PID.
+- **One daemon per server** (``serverlock.py``): a ``run`` whose config watches a URL another
+  daemon (another state dir) watches is refused, naming that daemon; so is a reload adding one.
 - **Lifecycle.** Any stop (SIGTERM, SIGINT, a crash, SIGKILL) leaves a journal the next start
   reads: incidents left open are closed with where they stopped, partial bundles whose writer
   is gone are kept as ``-incomplete``, restart budgets come back from the state file (or, if
@@ -59,7 +61,8 @@ from mlxwatch.front.door import FrontDoor
 from mlxwatch.host.sockets import KernelCounters
 from mlxwatch.journal.incidents import Event, Journal
 from mlxwatch.journal.lock import StateDirLock
-from mlxwatch.journal.state import StateFile
+from mlxwatch.journal.serverlock import ServerLocks
+from mlxwatch.journal.state import StateFile, unusable_state_dir
 from mlxwatch.storage import private_dir
 
 log = logging.getLogger("mlxwatch.watchdog")
@@ -82,6 +85,7 @@ class Daemon:
         self.liveness_slack = liveness_slack
         self.stuck: dict[str, InstanceWatcher] = {}  # watchers in a stuck episode (said once each)
         self.lock = StateDirLock(state_dir)
+        self.servers = ServerLocks(state_dir)
         self.watchers: dict[str, InstanceWatcher] = {}
         self.tasks: dict[str, asyncio.Task] = {}
         self.pending: dict[str, InstanceConfig | None] = {}  # changes waiting for an incident to end
@@ -110,16 +114,26 @@ class Daemon:
         except OSError as exc:
             raise self._unusable(exc) from None
         try:
+            self._take_servers(self.config.instances)
             usable_bundles_dir(self.config, self.state_dir)  # after the state dir: it may hold the bundles dir
             await self._run(stop, reload or asyncio.Event(), load_config)
         finally:
+            self.servers.release()
             self.lock.release()
+
+    def _take_servers(self, instances: Iterable[InstanceConfig]) -> None:
+        """Hold every instance's address (``serverlock``): ``StateError`` if another daemon
+        watches one. Where the runtime dir cannot be used, said once, and not checked."""
+        for inst in instances:
+            self.servers.take(inst.url, inst.name)
+        if self.servers.unavailable and "servers" not in self._errors_logged:
+            self._errors_logged.add("servers")
+            log.warning("cannot tell whether another daemon watches the same servers: %s", self.servers.unavailable)
 
     def _unusable(self, exc: OSError) -> StateError:
         """The state dir cannot be used: named with the file that failed (the dir may be fine
         and its lock a directory)."""
-        where = exc.filename or self.state_dir
-        return StateError(f"cannot use the state dir {self.state_dir}: {where}: {exc.strerror or exc}")
+        return unusable_state_dir(self.state_dir, exc)
 
     async def _run(self, stop: asyncio.Event, reload: asyncio.Event, load_config) -> None:
         try:
@@ -408,9 +422,12 @@ class Daemon:
             return
         try:
             bundles = await asyncio.to_thread(usable_bundles_dir, new, self.state_dir)
+            self._take_servers(new.instances)
         except StateError as exc:
+            self.servers.keep_only([i.url for i in self.config.instances])
             self._reloaded(False, f"config reload failed, keeping the old config: {exc}")
             return
+        self.servers.keep_only([i.url for i in new.instances])
         self.config = new
         self.shared.notifier = Notifier(new.notify)
         self.shared.capture = new.capture

@@ -31,7 +31,8 @@ def quiet_start(view: DeliveryView) -> float | None:
     """Since when generation requests have been in flight with no token delivered to anyone
     (monotonic), or None with none in flight: the later of the last token and the oldest
     request's start."""
-    waiting = [r.started_mono for r in view.in_flight if r.generation]  # /v1/models is no token source
+    # /v1/models is no token source; a request whose client is slow to read waits on its client
+    waiting = [r.started_mono for r in view.in_flight if r.generation and r.id not in view.held_by_clients]
     if not waiting:
         return None
     oldest = min(waiting)

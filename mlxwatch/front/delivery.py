@@ -63,6 +63,9 @@ class DeliveryView:
     last_token_mono: float | None  # the latest token to anyone
     tokens_total: int
     outcomes: Mapping[str, int]
+    # Requests whose client is not taking the bytes the door has for it (the door's writes to it
+    # paused, so it stopped reading the server for it): no token to them is the client's doing.
+    held_by_clients: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,7 @@ import json
 import logging
 import math
 import resource
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from mlxwatch.clock import Clock
@@ -209,7 +209,15 @@ class FrontDoor:
     # -- what the daemon reads and decides -------------------------------------------------------
 
     def view(self) -> DeliveryView:
-        return self._ledger.view()
+        view = self._ledger.view()
+        held = self._held_by_clients()
+        return replace(view, held_by_clients=held) if held else view
+
+    def _held_by_clients(self) -> frozenset[str]:
+        """Requests whose client is slow to read (a client that read its stream slowly made the
+        door journal front_stall while the server streamed to it fine: issue 36)."""
+        return frozenset(fid for fid, live in self._live.items()
+                         if live.conn is not None and live.conn.waiting_on_client)
 
     def take_observations(self) -> Observations:
         """First-token latencies and token rates of requests finished since the last call."""
@@ -339,8 +347,9 @@ class FrontDoor:
         """Fail each request with no token for request_stall_timeout while others got tokens."""
         timeout = self._cfg.request_stall_timeout
         failed = []
+        held = self._held_by_clients()  # their client, not the server, holds their tokens back
         for view in self._ledger.stalled(timeout):
-            live = self._live.get(view.id)
+            live = self._live.get(view.id) if view.id not in held else None
             if live is not None and self._fail(live, f"no token for {timeout:g} s while other requests "
                                                      "received tokens (mlxwatch front door)", wire.STALLED):
                 failed.append(view)
@@ -446,6 +455,11 @@ class FrontDoor:
                 self._ledger.close(fid, FAILED_LOUDLY)
             if not self._live:
                 self._idle.set()
+
+    def abandoned(self) -> None:
+        """A client closed its connection with a request sent in part (a head or body cut
+        short): it went away first, so it is counted cancelled."""
+        self._ledger.count(CANCELLED)
 
     def cut_off(self, why: str, after: float | None) -> None:
         """A connection closed by the door before any request went through: counted as timeout

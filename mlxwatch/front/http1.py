@@ -99,6 +99,7 @@ class Door(Protocol):
     def serve(self, conn: ClientConnection, request: Request) -> Coroutine[None, None, None]: ...
     def refused(self, answer: Answer, why: str) -> Answer: ...
     def cut_off(self, why: str, after: float | None) -> None: ...
+    def abandoned(self) -> None: ...
     def admit(self, conn: ClientConnection) -> bool: ...
     def hold(self, nbytes: int) -> Answer | None: ...
     def let_go(self, nbytes: int) -> None: ...
@@ -154,6 +155,7 @@ class ClientConnection(asyncio.Protocol):
         self._headers: list[tuple[str, str]] = []
         self._body = bytearray()
         self._held_bytes = 0  # request body bytes this connection holds against the door's total
+        self._reserved = 0  # bytes held for the body being read, on its Content-Length (0: none)
         self._body_timer: asyncio.TimerHandle | None = None
         self._in_body = False
         self._body_bytes = 0
@@ -252,6 +254,11 @@ class ClientConnection(asyncio.Protocol):
     def connection_lost(self, exc: BaseException | None) -> None:
         if self._taken_at_end is None:
             self._taken_at_end = self._bytes_taken()
+        if (self._in_head or self._in_body) and (self._eof or not self._closing):
+            # the client closed with a request sent in part: counted, as a client gone (3,072 such
+            # connections were counted in no outcome: issue 36)
+            self._in_head = self._in_body = False
+            self.door.abandoned()
         self._lost = True
         self._closing = True
         self._let_go(self._held_bytes)  # every body it held, read in part or waiting: given back
@@ -318,6 +325,12 @@ class ClientConnection(asyncio.Protocol):
         the client's end came (or by now, if it has not come)."""
         taken = self._taken_at_end if self._taken_at_end is not None else self._bytes_taken()
         return taken >= offset
+
+    @property
+    def waiting_on_client(self) -> bool:
+        """The client is not taking what the door wrote to it (writing paused): the door stopped
+        reading the server for it, so no token arriving is the client's doing, not the server's."""
+        return self._paused and not self._lost
 
     def pause_writing(self) -> None:
         self._paused = True
@@ -392,10 +405,15 @@ class ClientConnection(asyncio.Protocol):
                                             f"{self.limits.max_body} (front.max_body)", wire.TOO_LARGE,
                                        close=True), "body too large")
         if length is not None and length.strip().isdigit():
-            refusal = self.door.hold(int(length))  # a body that would not fit now is refused unread;
+            # Held whole now, on its length: a body that does not fit is refused before a byte of it
+            # is read, and one that fits cannot be refused half-way (held as its bytes came, a full
+            # door refused uploads after 6-14 MiB of them were sent: issue 36). Chunked bodies,
+            # whose length is not known, are held as they come.
+            refusal = self.door.hold(int(length))
             if refusal is not None:
                 raise _Refuse(refusal, "the door's buffers full")
-            self.door.let_go(int(length))  # one that fits is held as its bytes arrive
+            self._held_bytes += int(length)
+            self._reserved = int(length)
         if length not in (None, "0") or "transfer-encoding" in fields:
             if fields.get("expect", "").lower() == "100-continue" and self._parser.get_http_version() == "1.1":
                 self._continue_due = True
@@ -412,10 +430,11 @@ class ClientConnection(asyncio.Protocol):
     def on_body(self, body: bytes) -> None:
         if len(self._body) + len(body) > self.limits.max_body:
             raise _Refuse(self._too_large_body(), "body too large")
-        refusal = self.door.hold(len(body))
-        if refusal is not None:
-            raise _Refuse(refusal, "the door's buffers full")
-        self._held_bytes += len(body)
+        if not self._reserved:  # chunked (or a length of 0): held as it comes
+            refusal = self.door.hold(len(body))
+            if refusal is not None:
+                raise _Refuse(refusal, "the door's buffers full")
+            self._held_bytes += len(body)
         self._body += body
 
     def on_message_complete(self) -> None:
@@ -428,6 +447,7 @@ class ClientConnection(asyncio.Protocol):
         request = Request(self._parser.get_method().decode("latin-1"), self._url.decode("latin-1"), version,
                           self._headers, bytes(self._body))
         self._body = bytearray()  # the copy is the request's (held until it is answered)
+        self._reserved = 0  # what it reserved is its body's length, let go once it is answered
         self._queue.append(request)
 
     # -- serving requests in order --------------------------------------------------------------
@@ -638,7 +658,8 @@ class ClientConnection(asyncio.Protocol):
 
     def _refuse(self, answer: Answer, why: str) -> None:
         """Parse no more; answer (after the request being served, if any) and close."""
-        self._let_go(len(self._body))  # a body read in part is dropped
+        self._let_go(self._reserved or len(self._body))  # a body read in part is dropped, and what was held for it
+        self._reserved = 0
         self._body = bytearray()
         self._in_head = self._in_body = False
         self._cancel_timers()
@@ -654,6 +675,7 @@ class ClientConnection(asyncio.Protocol):
         self._timer = None
         if first or self._in_head:  # a partial head, or none at all since the connection opened
             self.door.cut_off("no complete request head", timeout)
+        self._in_head = False  # counted here, not again as abandoned
         self.close()
 
     def _bytes_taken(self) -> int:

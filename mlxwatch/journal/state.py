@@ -20,6 +20,7 @@ show what ``status`` shows. An observer that raises is logged and ignored. Resum
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import logging
 import math
@@ -120,6 +121,46 @@ def _finite(text: str) -> float:
     return value
 
 
+def unusable_state_dir(state_dir: Path, exc: OSError) -> StateError:
+    """The state dir cannot be used, in the one line `run` and `status` share: the file that
+    failed, why, and what to do. `status --state-dir FILE` said only "cannot read: Not a
+    directory" and an unreadable dir "cannot read: Permission denied", exit 2 without a fix."""
+    where = Path(exc.filename) if exc.filename else state_dir
+    head = f"cannot use the state dir {state_dir}"
+    if exc.errno == errno.ENOTDIR:
+        culprit = next((p for p in (state_dir, *state_dir.parents) if p.exists() and not p.is_dir()), where)
+        return StateError(f"{head}: {culprit} is not a directory; give --state-dir the daemon's state dir "
+                          "(a directory; state_dir in its config)")
+    why = exc.strerror or str(exc)
+    if exc.errno in (errno.EACCES, errno.EPERM):
+        owner = _owner(where)
+        fix = (f"run mlxwatch as the user the daemon runs as{f' ({owner})' if owner else ''}, "
+               "or give --state-dir a directory of yours")
+    elif exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        fix = "free some space there, or give --state-dir another directory"
+    else:
+        fix = "give --state-dir another directory"
+    return StateError(f"{head}: {where}: {why}; {fix}")
+
+
+def _owner(path: Path) -> str | None:
+    """The user who owns ``path`` or its nearest existing parent, by name if known."""
+    import pwd
+
+    for candidate in (path, *path.parents):
+        try:
+            uid = os.lstat(candidate).st_uid
+        except OSError:
+            continue
+        if uid == os.geteuid():
+            return None  # ours: the mode, not the owner, is the problem
+        try:
+            return pwd.getpwuid(uid).pw_name
+        except KeyError:
+            return f"uid {uid}"
+    return None
+
+
 def load_state(state_dir: Path) -> tuple[dict[str, Any], str | None]:
     """The state as saved, and what was wrong with it (None: read fine, or none saved yet).
 
@@ -132,7 +173,7 @@ def load_state(state_dir: Path) -> tuple[dict[str, Any], str | None]:
     except FileNotFoundError:
         return empty, None
     except OSError as exc:
-        raise StateError(f"{path}: cannot read: {exc.strerror or exc}") from None
+        raise unusable_state_dir(state_dir, exc) from None
     if stat.S_ISLNK(st.st_mode):
         raise StateError(f"{path} is a symbolic link; mlxwatch never reads or writes through one: "
                          "remove it (and check who made it)")
@@ -146,6 +187,8 @@ def load_state(state_dir: Path) -> tuple[dict[str, Any], str | None]:
         with open_regular(path) as fh:
             data = json.loads(fh.read(MAX_STATE_BYTES).decode("utf-8"), parse_constant=_no_constant,
                               parse_float=_finite)
+    except PermissionError as exc:  # not damaged: someone else's (a daemon run by another user)
+        raise unusable_state_dir(state_dir, exc) from None
     except (OSError, ValueError) as exc:
         return empty, f"is unreadable ({type(exc).__name__})"
     if not isinstance(data, dict) or not isinstance(data.get("instances", {}), dict) \

@@ -8,11 +8,32 @@ demo reports to, the daemon's log lines included) and the incident report at the
 from __future__ import annotations
 
 import logging
+import time
 
 from rich.console import Console
-from rich.logging import RichHandler
 
 from mlxwatch.demo import DemoResult
+from mlxwatch.output.text import lines_of
+
+LEVEL_STYLES = {"WARNING": "yellow", "ERROR": "red", "CRITICAL": "bold red"}
+
+
+class _LogLines(logging.Handler):
+    """The daemon's log lines as ``HH:MM:SS LEVEL message``, reflowed (``lines_of``): a path is
+    never broken. rich's log handler folded a long word at its column's edge, so a bundle's path
+    was split in the middle of its name (found by a new user)."""
+
+    def __init__(self, console: Console) -> None:
+        super().__init__()
+        self.console = console
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            text = f"{time.strftime('%H:%M:%S', time.localtime(record.created))} {record.levelname:<7} " \
+                   f"{record.getMessage()}"
+            lines_of(self.console, text, "  ", LEVEL_STYLES.get(record.levelname))
+        except Exception:  # a log line must never stop the demo
+            self.handleError(record)
 
 
 class DemoView:
@@ -23,7 +44,7 @@ class DemoView:
 
     def log_handler(self) -> logging.Handler:
         """The daemon's own log lines, shown between the demo's."""
-        return RichHandler(console=self.console, show_path=False, markup=False)
+        return _LogLines(self.console)
 
     def starting(self, mlx_lm_version: str) -> None:
         self.console.rule("mlxwatch demo")

@@ -32,6 +32,8 @@ def state_label(instance: dict[str, Any]) -> str:
     kind = (instance.get("open_incident") or {}).get("kind")
     if state == "hung" and kind == "crashed":
         return "down (crashed)"
+    if state in HUNG_STATES and kind == "port_taken":  # another program answers: not a crash, not a hang
+        return "down (port taken)"
     if state in HUNG_STATES and kind:
         return f"{state} ({kind})"
     return state
@@ -123,6 +125,9 @@ def status_lines(status: dict[str, Any], width: int = 80) -> list[Text]:
         else:
             lines.append(Text("no config, so nothing is watched: write one with `mlxwatch config init` "
                               "(finds running mlx-lm servers) or see `mlxwatch config example`"))
+        if status.get("state_problem"):  # said with no instance too (it was left out)
+            lines.append(Text(f"state file {status['state_problem']}; the daemon rebuilds it from the journal",
+                              style="yellow"))
         return _reflowed(lines, width)
     header = ("INSTANCE", "STATE", "LAST PROBE", "TTFT", "RESTARTS")
     rows = []

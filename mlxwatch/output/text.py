@@ -86,7 +86,8 @@ def reflow(text: str, width: int, hang: str | None = None) -> list[str]:
     or ``:`` where it can (a count stays beside what it counts; a line not yet 60% full goes
     on word by word rather than end short), else between words; every line
     after the first starts with ``hang`` (default: the first line's indent and two spaces). A
-    word longer than a line (a path, a URL) is never broken or cut: it overflows whole."""
+    word too long to follow ``hang`` (a path, a URL) is never broken or cut: it stands flush
+    left on a line of its own, and overflows whole only if longer than a line."""
     if len(text) <= width:
         return [text]
     indent = text[: len(text) - len(text.lstrip(" "))]
@@ -114,7 +115,20 @@ def reflow(text: str, width: int, hang: str | None = None) -> list[str]:
         out.extend(pieces[:-1])
         current = pieces[-1] + (" " if clause.endswith(" ") else "")
     out.append(current.rstrip())
-    return out
+    return [piece for line in out for piece in _flush_left(line, width, hang)]
+
+
+def _flush_left(line: str, width: int, hang: str) -> list[str]:
+    """A line over ``width`` because of a word too long to follow ``hang`` (a path): that word
+    on a line of its own, flush left, where it fits in 80 columns or overflows least (a 72-column
+    path under doctor's 19-column hang made lines of 91 to 111 columns); the rest reflowed after it."""
+    if len(line) <= width:
+        return [line]
+    long = next((m for m in re.finditer(r"\S+", line) if len(hang) + len(m.group()) > width), None)
+    if long is None:
+        return [line]
+    before, after = line[: long.start()].rstrip(), line[long.end():].strip()
+    return ([before] if before.strip() else []) + [long.group()] + (reflow(hang + after, width, hang) if after else [])
 
 
 def reflow_width(console: Console) -> int:

@@ -14,6 +14,7 @@ from typing import Any
 import httpx
 
 from mlxwatch.config import ProbeConfig
+from mlxwatch.probes.replies import body_summary
 
 MAX_BODY = 4096
 
@@ -36,7 +37,7 @@ class EndpointResult:
     def summary(self) -> str:
         if self.status is None:
             return f"no answer ({self.error})"
-        return f"{self.status} {' '.join(self.body.split())[:60]}".strip()
+        return f"{self.status} {body_summary(self.body, limit=60)}".strip()
 
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "summary": self.summary}

@@ -31,6 +31,7 @@ import httpx
 
 from mlxwatch.config import ProbeConfig
 from mlxwatch.probes.sse import LineTooLong, SSEParser
+from mlxwatch.probes.replies import NOT_MLX, body_summary, is_html
 
 # One fixed prompt, always: the server's prompt cache then holds a single small entry for the
 # probe, which never pushes a user's long cached prompt out.
@@ -414,9 +415,12 @@ async def _stream(client: httpx.AsyncClient, url: str, body: dict[str, Any], run
             res.connect = round(run.now(), 4)
             if response.status_code != 200:
                 text = await _read_bounded(response, run)
+                said = body_summary(text, response.headers.get("content-type", ""))
                 if THREAD_DIED_TEXT in text:
-                    raise run.fail(Failure.THREAD_DIED, f"HTTP {response.status_code}: {text[:200]}")
-                raise run.fail(Failure.HTTP_ERROR, f"HTTP {response.status_code}: {text[:200]}")
+                    raise run.fail(Failure.THREAD_DIED, f"HTTP {response.status_code}: {said}")
+                if is_html(text, response.headers.get("content-type", "")):  # never mlx-lm's answer
+                    raise run.fail(Failure.HTTP_ERROR, f"HTTP {response.status_code} with {said}: {NOT_MLX}")
+                raise run.fail(Failure.HTTP_ERROR, f"HTTP {response.status_code}: {said}")
         parser = SSEParser()
         async for chunk in response.aiter_raw():
             if run.gave_up:
