@@ -22,6 +22,7 @@ other label comes from a fixed list, so no URL, path, prompt or message can reac
 ``mlxwatch_last_probe_timestamp_seconds{server}``         gauge      when the watcher's last probe ended (its liveness)
 ``mlxwatch_instance_state{server,state}``                 gauge      1 for the current state, 0 for the others
 ``mlxwatch_incidents_total{server,kind}``                 counter    incidents by classified kind (see below)
+``mlxwatch_deaths_total{server,cause}``                   counter    deaths by the cause the OS recorded (capture.death)
 ``mlxwatch_restarts_total{server,result}``                counter    restarts run: ok, nothing_to_restart, failed
 ``mlxwatch_capture_seconds{server}``                      gauge      the last capture: ``capturing`` -> ``captured``
 ``mlxwatch_last_recovery_seconds{server}``                gauge      the last recovery: first failed probe -> proven
@@ -88,6 +89,7 @@ from prometheus_client.exposition import start_http_server
 
 from mlxwatch import __version__
 from mlxwatch.capture.classify import KINDS
+from mlxwatch.capture.death import CAUSES
 from mlxwatch.clock import Clock
 from mlxwatch.config import Config, MetricsConfig, ProbeConfig
 from mlxwatch.front.delivery import OUTCOMES, DeliveryView, Observations
@@ -170,6 +172,8 @@ class Metrics:
         self.incidents = Counter("mlxwatch_incidents", "Incidents by classified kind (unknown: never classified)",
                                  ["server", "kind"], registry=r)
         self.restarts = Counter("mlxwatch_restarts", "Restarts run, by result", ["server", "result"], registry=r)
+        self.deaths = Counter("mlxwatch_deaths", "Servers that died (crashed, or their generation thread died), by "
+                              "the cause the OS recorded", ["server", "cause"], registry=r)
         self.capture_seconds = Gauge("mlxwatch_capture_seconds", "Duration of the last evidence capture",
                                      ["server"], registry=r)
         self.last_recovery = Gauge("mlxwatch_last_recovery_seconds",
@@ -241,6 +245,8 @@ class Metrics:
             if isinstance(ts, (int, float)) and track.capturing_at is not None:
                 self.capture_seconds.labels(name).set(round(ts - track.capturing_at, 3))
             self._count(name, track, entry.get("kind") if event == "captured" else None)
+            if event == "captured" and entry.get("cause") is not None:
+                self.deaths.labels(name, _label(entry.get("cause"), CAUSES)).inc()
         restarts = entry.get("restarts")
         restarts = restarts if isinstance(restarts, list) else []
         for restart in restarts[track.restarts_counted:]:
@@ -310,6 +316,8 @@ class Metrics:
             self.incidents.labels(name, kind)
         for result in (*RESTART_RESULTS, OTHER):
             self.restarts.labels(name, result)
+        for cause in (*CAUSES, OTHER):
+            self.deaths.labels(name, cause)
 
     def _count(self, name: str, track: _Track, kind: Any) -> None:
         if not track.counted:
@@ -328,6 +336,7 @@ class Metrics:
             self.restart_records.pop(name, None)
             for metric, others in ((self.instance_state, STATES), (self.incidents, (*KINDS, OTHER)),
                                    (self.restarts, (*RESTART_RESULTS, OTHER)), (self.probe_success, ()),
+                                   (self.deaths, (*CAUSES, OTHER)),
                                    (self.last_probe_time, ()),
                                    (self.probe_ttft, ()), (self.probe_duration, ()), (self.capture_seconds, ()),
                                    (self.last_recovery, ()), (self.front_requests, OUTCOMES),

@@ -33,6 +33,7 @@ from typing import Any, Awaitable, Callable
 import httpx
 
 from mlxwatch.capture import Bundle, CaptureRequest, capture_bundle, capture_probe_timeouts
+from mlxwatch.capture.death import GoneProcess
 from mlxwatch.clock import Clock, Stamp
 from mlxwatch.config import CaptureConfig, InstanceConfig
 from mlxwatch.daemon.frontwatch import requests_evidence
@@ -540,6 +541,7 @@ class InstanceWatcher:
 
     async def handle_verdict(self, now: float) -> None:
         self.slow_said = False  # a slow episode ends with a verdict
+        last = self.identity  # the server last seen: if it is gone, why it died is asked about it
         server, stranger = await self._prove_server()
         clock = self.shared.clock
         self.incident_began = self.detect.first_failure_at if self.detect.first_failure_at is not None else now
@@ -558,7 +560,7 @@ class InstanceWatcher:
 
         self._change(Event.CAPTURING, self.detect.capturing())
         await self._end_linger()  # the capture makes its own probe
-        await self._capture(inc, server, front_requests)
+        await self._capture(inc, server, front_requests, gone=last if server is None else None)
         if self.inst.restart.method == "none":
             log.warning("%s: restart method is none: waiting for it to recover by itself", self.name)
             self._change(Event.AWAITING_RECOVERY, self.detect.awaiting_recovery())
@@ -633,7 +635,7 @@ class InstanceWatcher:
         return found
 
     async def _capture(self, inc: Incident, server: ProcessIdentity | None,
-                       front_requests: list[dict] | None = None) -> None:
+                       front_requests: list[dict] | None = None, gone: ProcessIdentity | None = None) -> None:
         cap, p = self.shared.capture, self.inst.probe
         group = await self._group_of(server)
         request = CaptureRequest(
@@ -645,6 +647,7 @@ class InstanceWatcher:
             keep=cap.keep, max_bytes=cap.max_bytes, keep_days=cap.keep_days, min_free_bytes=cap.min_free_bytes,
             verdict=_verdict_text(self.failed_reports, inc.stranger), front_requests=front_requests, group=group,
             kernel=self.inst.kernel != "off",
+            gone=GoneProcess(gone.pid, gone.create_time) if gone is not None else None,
         )
         try:
             bundle = await self.shared.capture_fn(request)
@@ -654,7 +657,10 @@ class InstanceWatcher:
             return
         self.lingering = bundle.lingering  # the capture probe's stream: ended before our next probe
         inc.bundle, inc.kind, inc.confidence = str(bundle.path), bundle.classification.kind, bundle.classification.confidence
+        inc.cause, inc.cause_summary = bundle.classification.cause, bundle.classification.cause_summary
         log.warning("%s: captured %s (%s, %s confidence)", self.name, bundle.path, inc.kind, inc.confidence)
+        if inc.cause_summary:
+            log.warning("%s: why it died: %s", self.name, inc.cause_summary)
         self._change(Event.CAPTURED)
         self.shared.notifier.fire("captured", inc.to_dict())  # kind, confidence and bundle are known now
 
@@ -891,5 +897,5 @@ def _probe_summary(report: CheckReport, at: float) -> dict:
 
 
 def _incident_summary(inc: Incident) -> dict:
-    return {"id": inc.id, "kind": inc.kind, "detected_at": inc.detected_at, "bundle": inc.bundle,
+    return {"id": inc.id, "kind": inc.kind, "cause": inc.cause, "detected_at": inc.detected_at, "bundle": inc.bundle,
             "recovered_at": inc.recovered_at, "seconds_to_recovery": inc.seconds_to_recovery}

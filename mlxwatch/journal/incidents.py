@@ -135,6 +135,8 @@ class Incident:
     failures: list[str] = field(default_factory=list)  # probe reasons that led to the verdict
     kind: str | None = None
     confidence: str | None = None
+    cause: str | None = None  # crashed or dead_thread: why it died (capture.death.CAUSES)
+    cause_summary: str | None = None  # ... as the OS recorded it, one line
     bundle: str | None = None
     pid: int | None = None  # the proven server process (None: none could be proven)
     stranger: str | None = None  # who held the port instead, if anyone: never acted on

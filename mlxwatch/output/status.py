@@ -30,8 +30,10 @@ def state_label(instance: dict[str, Any]) -> str:
     (crashed), not "hung"; a known kind is named next to the state."""
     state = instance["state"]
     kind = (instance.get("open_incident") or {}).get("kind")
-    if state == "hung" and kind == "crashed":
-        return "down (crashed)"
+    cause = (instance.get("open_incident") or {}).get("cause")
+    kind = f"{kind}: {cause}" if kind and cause else kind
+    if state == "hung" and kind and kind.startswith("crashed"):
+        return f"down ({kind})"
     if state in HUNG_STATES and kind:
         return f"{state} ({kind})"
     return state
@@ -145,12 +147,14 @@ def status_lines(status: dict[str, Any], width: int = 80) -> list[Text]:
             else:
                 lines.append(Text(f"  {i['name']}: incident {o['id']} open: daemon stopped at {o['stopped_at_event']} "
                                   "(the daemon will close it when it starts)", style="red"))
+            if o.get("cause_summary"):
+                lines.append(Text(f"  why it died: {o['cause_summary']}", style="red"))
         elif inc:
             how = inc.get("event")
             took = inc.get("seconds_to_recovery")
             took_text = f" after {format_duration(took)}" if isinstance(took, (int, float)) else ""
-            lines.append(Text(f"  last incident {_ago(_number(inc.get('detected_at')))}: {inc.get('kind') or 'kind unknown'}, "
-                              f"{how}{took_text}"))
+            lines.append(Text(f"  last incident {_ago(_number(inc.get('detected_at')))}: {inc.get('kind') or 'kind unknown'}"
+                              f"{' (' + str(inc['cause']) + ')' if inc.get('cause') else ''}, {how}{took_text}"))
         if i["state"] == "gave_up":
             lines.append(Text(f"  gave up restarting: `mlxwatch resume {i['name']}` allows restarts again", style="red"))
         if not i.get("configured", True):
