@@ -31,7 +31,8 @@ from lab.ports import free_port  # a loopback port free a moment ago
 
 ROOT = Path(__file__).parent.parent
 DOCS = ROOT / "docs"
-ALERTS = ["MlxwatchServerHung", "MlxwatchIncident", "MlxwatchServerDied", "MlxwatchGaveUp", "MlxwatchRestartBudgetLow",
+ALERTS = ["MlxwatchServerHung", "MlxwatchIncident", "MlxwatchServerDied", "MlxwatchMemoryRunningOut",
+          "MlxwatchGaveUp", "MlxwatchRestartBudgetLow",
           "MlxwatchFirstTokenSlow", "MlxwatchDaemonDown", "MlxwatchDaemonStalled", "MlxwatchConfigReloadFailed",
           "MlxwatchWatcherErrors", "MlxwatchGroupRankDown"]
 REQUIRED = os.environ.get("MLXWATCH_REQUIRE_PROMETHEUS_TOOLS") == "1"
@@ -70,6 +71,7 @@ def populated_metrics() -> Metrics:
     for event in ("capturing", "captured", "restart", "recovered"):
         m.on_record({"ts": time.time(), "event": event, **inc.to_dict()})
     m.on_state(None, {"last_tick": time.time(), "watcher_errors": 1, "running": True})
+    m.on_state("gemma", {"memory": {"used": 2**30, "limit": 2**32, "minutes_left": 25.0}})
     return m
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import subprocess
 import threading
+import time
 from pathlib import Path
 
 import httpx
@@ -81,4 +82,47 @@ async def test_oom_killed_server_is_named_by_the_kernels_lines_and_restarted_in_
             assert answer.status_code == 200
         finally:
             server.stop()
+    assert not cg.path.exists()
+
+
+LEAK_LIMIT_MIB = 200
+LEAK_MIB_PER_S = 3.0  # from ~90 MiB idle: the kill comes some 35-40 s after the leak starts
+
+
+async def test_a_leak_is_warned_before_the_kill_with_the_minutes_left_it_really_had(server_python, lab_root, tmp_path):
+    """The lab's leak fault under a cgroup limit: the daemon's memory_low warning comes before
+    the OOM killer does, and its minutes left are within 30 % of the time the server really had."""
+    with LabCgroup.make(LEAK_LIMIT_MIB) as cg:
+        server = in_cgroup(server_python, lab_root / "leak", cg)
+        killed: dict[str, float] = {}
+        stop = threading.Event()
+
+        def watch_kill() -> None:  # the kernel's own count, read every 50 ms: when the kill happened
+            while not stop.is_set() and "at" not in killed:
+                if cg.counter("oom_kill") >= 1:
+                    killed["at"] = time.time()
+                time.sleep(0.05)
+
+        watcher = threading.Thread(target=watch_kill, daemon=True)
+        watcher.start()
+        try:
+            restart = RestartConfig("command", argv=cg.inside(relaunch_argv(server.workdir)), timeout=120.0, backoff=1.0)
+            probe = ProbeConfig(interval=1.0, first_token_timeout=2.0, timeout=4.0, failures=2, grace_ceiling=60.0,
+                                endpoint_timeout=2.0, startup_timeout=90.0)
+            config = Config(None, (InstanceConfig("lab", server.url, server.log_path, server.pid_file, probe, restart),),
+                            tmp_path, (), CaptureConfig(snapshots=2, spacing=0.5, ceiling=25.0))
+            journal = await run_daemon_until(
+                config, lambda j: "at" in killed and any(r["event"] == "memory_low" for r in j.records()),
+                timeout=180, after_healthy=lambda: server.set_fault("leak", LEAK_MIB_PER_S))
+        finally:
+            stop.set()
+            watcher.join()
+            server.stop()
+        warning = next(r for r in journal.records() if r["event"] == "memory_low")
+        assert warning["ts"] < killed["at"], (warning, killed)
+        assert warning["bound"] == f"cgroup {cg.name}" and warning["limit"] == LEAK_LIMIT_MIB * 1024 * 1024
+        had = killed["at"] - warning["ts"]
+        said = warning["minutes_left"] * 60
+        print(f"memory_low said {said:.1f}s left; the kill came {had:.1f}s later")  # shown with -s: the measurement
+        assert abs(said - had) <= 0.3 * had, f"said {said:.1f}s left, the kill came {had:.1f}s later"
     assert not cg.path.exists()

@@ -50,6 +50,16 @@ def _count(value: Any) -> int | None:
     return int(number) if number is not None and number >= 0 and number == int(number) else None
 
 
+def _memory_status(memory: Any) -> dict[str, Any] | None:
+    """The server's memory as the watcher last read it (``daemon.memwatch``): numbers or None."""
+    if not isinstance(memory, dict) or _number(memory.get("used")) is None:
+        return None
+    return {"used": _number(memory.get("used")), "limit": _number(memory.get("limit")),
+            "room": _number(memory.get("room")), "rate": _number(memory.get("rate")),
+            "minutes_left": _number(memory.get("minutes_left")), "bound": _text(memory.get("bound")),
+            "measure": _text(memory.get("measure")), "pressure": _text(memory.get("pressure"))}
+
+
 def _text(value: Any) -> str | None:
     """A string to show, its control characters (a newline, an escape sequence from a damaged or
     planted file) made visible as ``?``: they would break the table or drive the terminal."""
@@ -100,6 +110,7 @@ def collect_status(config: Config, state_dir: Path, clock: Clock | None = None) 
             "shim": _shim_status(s),
             "front": _front_status(s) if running else None,
             "kernel_sight": _text(s.get("kernel_sight")),
+            "memory": _memory_status(s.get("memory")),
             "group": group_status(s.get("group")),
         })
     return {"state_dir": str(state_dir), "state_problem": problem,

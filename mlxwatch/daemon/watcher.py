@@ -37,6 +37,7 @@ from mlxwatch.capture.death import GoneProcess
 from mlxwatch.clock import Clock, Stamp
 from mlxwatch.config import CaptureConfig, InstanceConfig
 from mlxwatch.daemon.frontwatch import requests_evidence
+from mlxwatch.daemon.memwatch import MemoryLook, MemoryWatch
 from mlxwatch.daemon.notify import Notifier
 from mlxwatch.errors import MlxwatchError
 from mlxwatch.evidence import Evidence, Stall, Window
@@ -49,6 +50,7 @@ from mlxwatch.evidence.shim import ShimSource
 from mlxwatch.evidence.sight import Sight
 from mlxwatch.front.door import FrontDoor, Gate
 from mlxwatch.host.group import Group, find_group, refresh
+from mlxwatch.host.memuse import read_memory
 from mlxwatch.host.sockets import KernelCounters
 from mlxwatch.host.process import ProcessIdentity, ServerLookup, lookup_instance, lookup_server
 from mlxwatch.journal.incidents import Event, Incident, Journal
@@ -129,6 +131,8 @@ class InstanceWatcher:
     door: FrontDoor | None = None  # the instance's front door (the daemon starts and stops it; see "front door" below)
     alive_at: float | None = None  # monotonic: the last sign of life (a cycle done, an incident step begun)
     alive_within: float = 0.0  # ... and the most it promised to take until the next one
+    memory: MemoryWatch = field(init=False)  # the server's memory trend (memory.*)
+    memory_pid: int | None = None  # the process the trend is about
 
     def __post_init__(self) -> None:
         p, r = self.inst.probe, self.inst.restart
@@ -147,6 +151,7 @@ class InstanceWatcher:
                 self.identity = None
         self.log_source = LogSource(ProgressTracker(self.inst.log, writer_pid=self._server_pid), self.shared.clock.monotonic)
         self.streams = ProbeStreams()
+        self.memory = MemoryWatch(self.inst.memory)
         self.group_source = GroupSource(identity=lambda: self.identity)
         sources: list = [
             self.streams, self.log_source, self.group_source,
@@ -407,6 +412,7 @@ class InstanceWatcher:
         self.shared.state.update(self.name, quiet=True, last_probe=_probe_summary(report, self.shared.clock.wall()))
         if report.healthy:
             await self._healthy(report, now)
+            await self._watch_memory()
             return
         log.info("%s: probe failed: %s", self.name, _one_line(report.reason))
         if self.detect.state == policy.GAVE_UP or self.incident is not None:
@@ -443,6 +449,62 @@ class InstanceWatcher:
             self._save()
             return
         await self.handle_verdict(now)
+
+    # --- memory (memory.*): the trend, its warning, the opt-in early restart
+
+    async def _watch_memory(self) -> None:
+        """Read the healthy server's memory and judge its trend: warn once an episode when it
+        says out of memory within ``warn_within``; with ``restart_early``, restart it at a quiet
+        moment once within ``restart_within``."""
+        ident = self.identity
+        if self.inst.memory.watch == "off" or ident is None:
+            return
+        self.memory.config = self.inst.memory  # a reload's settings apply at once
+        if ident.pid != self.memory_pid:
+            self.memory.forget()
+            self.memory_pid = ident.pid
+        reading = await asyncio.to_thread(read_memory, ident.pid)
+        if reading is None:
+            return
+        look = self.memory.add(self.shared.clock.monotonic(), reading)
+        self.shared.state.update(self.name, quiet=True, memory=look.to_dict())
+        if look.warn:
+            log.warning("%s: %s", self.name, look.text())
+            payload = {"instance": self.name, "url": self.inst.url, "pid": ident.pid, **look.to_dict()}
+            self.shared.journal.note(Event.MEMORY_LOW, **payload)
+            self.shared.notifier.fire("memory_low", payload)
+        if look.restart:
+            await self._restart_early(ident, look)
+
+    async def _restart_early(self, ident: ProcessIdentity, look: MemoryLook) -> None:
+        """Drain and restart before the server runs out of memory: only at a quiet moment (no
+        request in flight at the front door, nothing sent to any client for ``quiet_window``
+        where the kernel shows every client), and only as the flap guard allows; else the next
+        reading asks again."""
+        now = self.shared.clock.monotonic()
+        evidence = await self._look(now - self.inst.probe.quiet_window, suspect=False)
+        busy = self.door is not None and bool(self.door.view().in_flight)
+        flowing = evidence.last_flow is not None and now - evidence.last_flow < self.inst.probe.quiet_window
+        if busy or flowing or self.guard.exhausted(now) or self.guard.wait_before_restart(now) > 0:
+            log.info("%s: memory: an early restart waits for a quiet moment (%s)", self.name,
+                     "a request in flight" if busy or flowing else "the restart budget or backoff")
+            return
+        self.memory.asked_restart()
+        at = self.shared.clock.now()
+        self.guard.record_restart(at)
+        log.warning("%s: restarting before it runs out of memory (%s)", self.name, look.text())
+        self.shared.journal.note(Event.MEMORY_RESTART, instance=self.name, pid=ident.pid, **look.to_dict())
+        self._front_gate(Gate.RESTARTING, "an early restart before the server runs out of memory")
+        try:
+            outcome = await self.shared.restart_fn(RestartContext(self.inst, ident, None, await self._group_of(ident)))
+            log.warning("%s: early restart: %s", self.name, outcome.detail)
+        except (MlxwatchError, OSError) as exc:
+            log.error("%s: early restart failed: %s", self.name, _one_line(str(exc)))
+        finally:
+            self._front_gate(Gate.OPEN, "early restart done")
+        # The new process loads with its startup allowance, as after any restart of ours.
+        self.seen_healthy, self.restarted_at, self.identity, self.restart_in_flight = False, at.mono, None, True
+        self._save()
 
     async def _starting(self, now: float) -> bool:
         """Not yet seen healthy: is a server process for this instance still loading?

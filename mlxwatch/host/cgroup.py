@@ -6,10 +6,14 @@ limit a process meets is the smallest on its path to the root (v1's ``memory.sta
 ``hierarchical_memory_limit``; v2's ancestors are read). The counters:
 
 - v1: ``memory.limit_in_bytes``, ``memory.usage_in_bytes``, ``memory.max_usage_in_bytes``,
-  ``memory.failcnt`` and ``memory.oom_control``'s ``oom_kill`` (Documentation/admin-guide/
-  cgroup-v1/memory.rst);
-- v2: ``memory.max``, ``memory.current``, ``memory.peak`` and ``memory.events``'s ``oom`` and
-  ``oom_kill`` (Documentation/admin-guide/cgroup-v2.rst).
+  ``memory.failcnt``, ``memory.oom_control``'s ``oom_kill`` and ``memory.stat``'s
+  ``total_inactive_file`` (Documentation/admin-guide/cgroup-v1/memory.rst);
+- v2: ``memory.max``, ``memory.current``, ``memory.peak``, ``memory.events``'s ``oom``,
+  ``oom_kill`` and ``max`` (as ``max_events``), and ``memory.stat``'s ``inactive_file``
+  (Documentation/admin-guide/cgroup-v2.rst).
+
+The inactive file cache is what the kernel reclaims before it kills: the room left under the
+limit is the limit less the usage without it.
 
 A value the kernel does not have (no ``memory.peak`` before 5.19) is left out. ::
 
@@ -48,11 +52,16 @@ class MemoryCgroup:
                 if (v := _int(d / name)) is not None:
                     out[key] = v
             out.update({k: v for k, v in _pairs(d / "memory.oom_control").items() if k == "oom_kill"})
-            limit = _pairs(d / "memory.stat").get("hierarchical_memory_limit", _int(d / "memory.limit_in_bytes"))
+            stat = _pairs(d / "memory.stat")
+            if "total_inactive_file" in stat:
+                out["inactive_file"] = stat["total_inactive_file"]
+            limit = stat.get("hierarchical_memory_limit", _int(d / "memory.limit_in_bytes"))
         else:
             for key, name in {"usage": "memory.current", "peak": "memory.peak"}.items():
                 if (v := _int(d / name)) is not None:
                     out[key] = v
+            if "inactive_file" in (stat := _pairs(d / "memory.stat")):
+                out["inactive_file"] = stat["inactive_file"]
             events = _pairs(d / "memory.events")
             out.update({name: events[k] for k, name in (("oom", "oom"), ("oom_kill", "oom_kill"), ("max", "max_events"))
                         if k in events})

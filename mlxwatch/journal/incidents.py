@@ -112,6 +112,9 @@ class Event(StrEnum):
     WATCHER_ERROR = "watcher_error"
     WATCHER_STUCK = "watcher_stuck"
     CONFIG_RELOAD = "config_reload"
+    MEMORY_LOW = "memory_low"
+    MEMORY_RESTART = "memory_restart"
+    MEMORY_HELD = "memory_held"
     # the front door (instances[].front)
     FRONT_STALL = "front_stall"
     GROUP_STALL = "group_stall"

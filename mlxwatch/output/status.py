@@ -17,6 +17,7 @@ from rich.console import Console, Group
 from rich.live import Live
 from rich.text import Text
 
+from mlxwatch.daemon.memwatch import describe as describe_memory
 from mlxwatch.durations import format_duration
 from mlxwatch.front.delivery import OUTCOMES
 from mlxwatch.output.text import NARROW, cut, fit, reflow
@@ -132,6 +133,9 @@ def status_lines(status: dict[str, Any], width: int = 80) -> list[Text]:
         p = i["last_probe"]
         if p and not p["ok"] and p.get("reason"):
             lines.append(Text(f"  last probe: {p['reason']}"))
+        if i.get("memory"):
+            lines.append(Text(f"  {describe_memory(i['memory'])}",
+                              style="red" if i["memory"].get("minutes_left") is not None else ""))
         if i.get("kernel_sight") not in (None, "ok"):
             lines.append(Text(f"  no kernel sight ({i['kernel_sight']}): the probe alone judges"))
         if i.get("group"):
