@@ -133,6 +133,7 @@ class InstanceWatcher:
     alive_within: float = 0.0  # ... and the most it promised to take until the next one
     memory: MemoryWatch = field(init=False)  # the server's memory trend (memory.*)
     memory_pid: int | None = None  # the process the trend is about
+    gone_server: ProcessIdentity | None = None  # the verdict's server, found stopped: its memory is awaited before a restart
 
     def __post_init__(self) -> None:
         p, r = self.inst.probe, self.inst.restart
@@ -622,7 +623,8 @@ class InstanceWatcher:
 
         self._change(Event.CAPTURING, self.detect.capturing())
         await self._end_linger()  # the capture makes its own probe
-        await self._capture(inc, server, front_requests, gone=last if server is None else None)
+        self.gone_server = last if server is None else None
+        await self._capture(inc, server, front_requests, gone=self.gone_server)
         if self.inst.restart.method == "none":
             log.warning("%s: restart method is none: waiting for it to recover by itself", self.name)
             self._change(Event.AWAITING_RECOVERY, self.detect.awaiting_recovery())
@@ -737,7 +739,11 @@ class InstanceWatcher:
         # A task of its own, so the daemon's stop can wait for it before cancelling this watcher
         # (which cancels it too, as before, when the stop's wait is over).
         group = await self._group_of(server)  # restarted whole: never half a group
-        self.restarting = asyncio.ensure_future(self.shared.restart_fn(RestartContext(self.inst, server, inc.bundle, group)))
+        gone = self.gone_server if server is None else None
+        held = self.memory.readings[-1][1].used if self.memory.readings and gone is not None \
+            and gone.pid == self.memory_pid else None
+        self.restarting = asyncio.ensure_future(self.shared.restart_fn(
+            RestartContext(self.inst, server, inc.bundle, group, gone=gone, held=held)))
         try:
             outcome = await self.restarting
         except (MlxwatchError, OSError) as exc:
@@ -747,6 +753,9 @@ class InstanceWatcher:
             return False
         attempt.update(result=outcome.result, detail=outcome.detail)
         log.warning("%s: restart: %s", self.name, outcome.detail)
+        if outcome.released is not None and outcome.released.slow:
+            self.shared.journal.note(Event.MEMORY_HELD, instance=self.name, incident=inc.id, waited=round(outcome.released.waited, 1),
+                                     released=outcome.released.released, detail=outcome.released.detail)
         self._change(Event.RESTART if outcome.result == OK else Event.NOTHING_TO_RESTART)  # the two results
         self.seen_healthy, self.restarted_at, self.identity = False, at.mono, None  # a new process will be recorded
         return True
