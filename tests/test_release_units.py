@@ -85,5 +85,5 @@ def test_ioreg_command_follows_the_man_page_synopsis():
     """ioreg(8): ``ioreg [-abfilrtx] [-c class] [-d depth] [-k key] [-n name] [-p plane] [-w width]``."""
     argv = release.ioreg_command()
     assert Path(argv[0]).name == "ioreg"
-    pairs = dict(zip(argv[2::2], argv[3::2]))
+    pairs = dict(zip(argv[2::2], argv[3::2], strict=True))
     assert argv[1] == "-r" and pairs == {"-c": "IOAccelerator", "-d": "1", "-w": "0"}

@@ -753,9 +753,10 @@ class InstanceWatcher:
             return False
         attempt.update(result=outcome.result, detail=outcome.detail)
         log.warning("%s: restart: %s", self.name, outcome.detail)
-        if outcome.released is not None and outcome.released.slow:
-            self.shared.journal.note(Event.MEMORY_HELD, instance=self.name, incident=inc.id, waited=round(outcome.released.waited, 1),
-                                     released=outcome.released.released, detail=outcome.released.detail)
+        released = outcome.released
+        if released is not None and released.slow:
+            self.shared.journal.note(Event.MEMORY_HELD, instance=self.name, incident=inc.id,
+                                     waited=round(released.waited, 1), released=released.released, detail=released.detail)
         self._change(Event.RESTART if outcome.result == OK else Event.NOTHING_TO_RESTART)  # the two results
         self.seen_healthy, self.restarted_at, self.identity = False, at.mono, None  # a new process will be recorded
         return True
