@@ -593,7 +593,11 @@ async def _death(req: CaptureRequest, process: ProcessResult, log: LogResult, fi
     gone = death.GoneProcess(req.pid, process.create_time) if req.pid is not None else req.gone
     if gone is not None and gone.started is None and req.gone is not None and req.gone.pid == gone.pid:
         gone = req.gone
-    cause = await asyncio.to_thread(death.why_gone, gone, log.markers, linux=sys.platform.startswith("linux"))
+    reports: tuple[death.Cause, ...] = ()
+    if macos.is_macos() and gone is not None:
+        reports = await asyncio.to_thread(death.macos_reports, gone, time.time())
+    cause = await asyncio.to_thread(death.why_gone, gone, log.markers, linux=sys.platform.startswith("linux"),
+                                    reports=reports)
     for relname, text in cause.files.items():
         await files.write(relname, text)
     await files.write_json("death.json", {"pid": gone.pid if gone else None, **cause.to_dict()})

@@ -21,8 +21,9 @@ The causes (the metrics' ``cause`` label, fixed):
     traceback      a Python exception ended it: the last traceback in its log
     unknown        nothing recorded names it; ``sources`` says what was read and what could not be
 
-Linux is read here (the kernel's log, the memory cgroup, the server's log); the macOS reports
-are parsed by ``capture.macos_memory`` and read by the capture's macOS step, which hands them in.
+Linux is read here (the kernel's log, the memory cgroup, the server's log); on macOS
+``macos_reports`` reads the JetsamEvent, panic and crash reports and one ``log show`` query
+(parsed by ``capture.macos_memory`` and ``capture.macos``) and hands them to ``why_gone``.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from typing import Callable
 
 import psutil
 
+from mlxwatch.capture import macos, macos_memory
 from mlxwatch.host import cgroup, kernlog
 from mlxwatch.serverlog.markers import LogMarkers
 
@@ -155,3 +157,46 @@ def _from_log(markers: LogMarkers | None) -> Cause | None:
         last = markers.last_traceback[-1]
         return Cause("traceback", f"a Python exception: {last}", tuple(markers.last_traceback[-6:]))
     return None
+
+
+def macos_reports(gone: GoneProcess, died_at: float) -> tuple[Cause, ...]:
+    """What macOS recorded about ``gone``'s death (blocking; macOS only): a JetsamEvent report
+    naming it, a Metal out-of-memory line in the unified log around ``died_at``, a panic report
+    written since it started (the Mac rebooted), a crash report naming it. Each a Cause, with
+    the report copied; the strongest first (``why_gone`` takes the first that names a cause)."""
+    since = gone.started or (died_at - 24 * 3600)
+    found: list[Cause] = []
+    for path in macos_memory.recent_reports(since, (".ips",), prefix="JetsamEvent"):
+        text = macos_memory.read_text(path)
+        kill = macos_memory.parse_jetsam(text, gone.pid)
+        if kill is not None:
+            found.append(Cause("jetsam", kill.summary(), (f"{path.name}: pid {kill.pid} ({kill.name}), reason "
+                                                           f"{kill.reason}, rpages {kill.rpages}",),
+                               {"jetsam reports": f"{path.name} names PID {gone.pid}"},
+                               files={f"death/{path.name}": text}))
+            break
+    else:
+        found.append(Cause("unknown", "", (), {"jetsam reports": f"none names PID {gone.pid}"}))
+    lines, error = macos_memory.run_log_show(gone.pid, died_at)
+    if lines:
+        found.append(Cause("out_of_memory", f"out of memory (Metal, unified log): {lines[-1]}", tuple(lines[-3:]),
+                           {"unified log": f"{len(lines)} Metal memory line(s)"},
+                           files={"death/unified-log.txt": "\n".join(lines) + "\n"}))
+    else:
+        found.append(Cause("unknown", "", (), {"unified log": error or "no Metal memory line for that PID"}))
+    for path in macos_memory.recent_reports(since, (".panic",)):
+        text = macos_memory.read_text(path)
+        why = macos_memory.parse_panic(text)
+        if why is not None:
+            found.append(Cause("kernel_panic", f"the Mac panicked and rebooted: {why}", (f"{path.name}: {why}",),
+                               {"panic reports": path.name}, files={f"death/{path.name}": text}))
+            break
+    for path in macos.recent_crash_reports(gone.pid, since, alive=False):
+        report = macos.parse_crash_report(macos_memory.read_text(path))
+        if report is not None:
+            found.append(Cause("native_crash", f"native crash: {report.exception or 'a crash report'}"
+                               + (f" on {report.crashed_queue}" if report.crashed_queue else ""),
+                               (f"{path.name}: {report.exception}",), {"crash reports": path.name}))
+            break
+    order = {"jetsam": 0, "out_of_memory": 1, "kernel_panic": 2, "native_crash": 3, "unknown": 4}
+    return tuple(sorted(found, key=lambda c: order.get(c.cause, 5)))
