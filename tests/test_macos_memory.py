@@ -5,7 +5,6 @@ as log(1)'s synopsis says. Not run on a Mac (docs/verified.md)."""
 from __future__ import annotations
 
 import os
-import shutil
 import time
 from pathlib import Path
 
@@ -15,7 +14,10 @@ DATA = Path(__file__).parent / "data"
 
 
 def data(name: str) -> str:
-    return (DATA / name).read_text()
+    """The quoted output, below the fixture's header that names its source."""
+    header, marker, body = (DATA / name).read_text().partition("# ----- output below, as quoted -----\n")
+    assert marker and header.startswith("# source: https://"), name
+    return body
 
 
 def test_a_jetsam_report_names_the_killed_process_its_reason_and_pages():
@@ -63,7 +65,7 @@ def test_log_show_is_one_narrow_time_bounded_query_as_the_synopsis_says():
 def test_a_jetsam_report_naming_the_server_is_its_cause(tmp_path, monkeypatch):
     """The report on disk (written after the server started) names its PID: cause jetsam, the
     report copied; the unified log's query could not run here (no `log`), and says so."""
-    shutil.copy(DATA / "jetsam-kscrash-278-entry.txt", tmp_path / "JetsamEvent-2026-04-10-050526.ips")
+    (tmp_path / "JetsamEvent-2026-04-10-050526.ips").write_text(data("jetsam-kscrash-278-entry.txt"))
     monkeypatch.setattr(macos_memory, "REPORT_DIRS", (str(tmp_path),))
     gone = death.GoneProcess(4624, time.time() - 60)
     reports = death.macos_reports(gone, time.time())
