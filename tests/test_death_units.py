@@ -70,6 +70,7 @@ def test_an_oom_kill_is_named_with_the_kernels_line_and_the_cgroups_limit(tmp_pa
     assert cause.cgroup == {"limit": 50 * 1024 * 1024, "usage": 0, "peak": 50 * 1024 * 1024, "failcnt": 104,
                             "oom_kill": 1}
     assert "Killed process 6124" in cause.files["death/kernel.log"]
+    assert cause.signal == "SIGKILL" and cause.to_dict()["signal"] == "SIGKILL"
 
 
 def test_an_oom_kill_whose_cgroup_is_gone_still_names_the_cgroup(tmp_path):
@@ -80,7 +81,7 @@ def test_an_oom_kill_whose_cgroup_is_gone_still_names_the_cgroup(tmp_path):
 
 def test_a_segfault_line_is_a_native_crash(tmp_path):
     cause = death.why_gone(death.GoneProcess(7001, None), None, read_kernel_log=kernel_log, cgroup_root=tmp_path)
-    assert cause.cause == "native_crash" and "segfault at 0" in cause.summary
+    assert cause.cause == "native_crash" and "segfault at 0" in cause.summary and cause.signal == "SIGSEGV"
 
 
 def test_an_unreadable_kernel_log_falls_back_to_the_servers_log_and_says_so(tmp_path):

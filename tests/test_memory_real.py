@@ -71,7 +71,7 @@ async def test_oom_killed_server_is_named_by_the_kernels_lines_and_restarted_in_
             kernel_lines = (bundle / "death" / "kernel.log").read_text()
             assert f"Killed process {old_pid} " in kernel_lines  # the kernel's own line, copied in
             death = json.loads((bundle / "death.json").read_text())
-            assert death["pid"] == old_pid and death["cgroup"]["oom_kill"] >= 1
+            assert death["pid"] == old_pid and death["cgroup"]["oom_kill"] >= 1 and death["signal"] == "SIGKILL"
             assert death["cgroup"]["limit"] == LIMIT_MIB * 1024 * 1024
             manifest = json.loads((bundle / "manifest.json").read_text())
             assert manifest["classification"]["cause"] == "oom_killer"

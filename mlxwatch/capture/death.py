@@ -55,6 +55,7 @@ class Cause:
     evidence: tuple[str, ...] = ()  # the recorded lines that name it, as the OS wrote them
     sources: dict[str, str] = field(default_factory=dict)  # source -> what it said ("read", "nothing", an error)
     cgroup: dict[str, int] | None = None  # the memory cgroup's counters (Linux), when known
+    signal: str | None = None  # the signal that ended it, where the record says (the OOM killer's SIGKILL)
     files: dict[str, str] = field(default_factory=dict)  # bundle relname -> text copied in
 
     def to_dict(self) -> dict:
@@ -97,7 +98,7 @@ def why_gone(gone: GoneProcess | None, markers: LogMarkers | None, *,
         crash = [r for r in lines if "segfault" in r.text or "traps:" in r.text or "general protection" in r.text]
         if crash:
             return Cause("native_crash", f"native crash: {crash[-1].text}", tuple(r.line() for r in crash),
-                         sources, files=files)
+                         sources, files=files, signal=_trap_signal(crash[-1].text))
     elif gone is None:
         sources["kernel log"] = "not read: no PID of the server was recorded"
     for report in reports:  # macOS: jetsam, panic, crash report, unified log, in that order of weight
@@ -140,7 +141,17 @@ def _oom_kill(gone: GoneProcess, kill: kernlog.OomKill, lines: list[kernlog.Kern
     evidence = [killed.line()]
     if counters:
         evidence.append("cgroup: " + ", ".join(f"{k} {v}" for k, v in sorted(counters.items())))
-    return Cause("oom_killer", summary, tuple(evidence), sources, counters, files)
+    return Cause("oom_killer", summary, tuple(evidence), sources, cgroup=counters, files=files, signal="SIGKILL")
+
+
+def _trap_signal(text: str) -> str:
+    """The signal the kernel sends for the fault its line names (arch/x86/kernel/traps.c and
+    mm/fault.c's messages): a divide error SIGFPE, an invalid opcode SIGILL, else SIGSEGV."""
+    if "divide error" in text:
+        return "SIGFPE"
+    if "invalid opcode" in text:
+        return "SIGILL"
+    return "SIGSEGV"
 
 
 def _from_log(markers: LogMarkers | None) -> Cause | None:
