@@ -74,3 +74,25 @@ async def test_without_restart_early_it_only_warns(tmp_path, standin, monkeypatc
         memory = run.daemon.state.instance("gone")["memory"]
     assert asked == [] and "memory_restart" not in run.events()
     assert memory["bound"] == "cgroup /lab" and 0 < memory["minutes_left"] < 1
+
+
+async def test_restart_early_never_restarts_when_no_source_sees_every_client(tmp_path, standin, monkeypatch):
+    """Kernel sight off and no front door: a client's stream would be invisible, so no moment is
+    known to be quiet: it warns, and does not restart."""
+    (url,), _, proc = standin("ok")
+    pid_file = tmp_path / "server.pid"
+    pid_file.write_text(str(proc.pid))
+    monkeypatch.setattr(watcher_module, "read_memory", growing(200.0))
+    asked = []
+
+    async def restart_fn(ctx):
+        asked.append(ctx)
+        return RestartOutcome(OK, "restarted (test)")
+
+    cfg = config(tmp_path / "state", url, RestartConfig("command", argv=("true",)), replace(FAST, interval=0.3))
+    inst = replace(cfg.instances[0], pid_file=pid_file, kernel="off",
+                   memory=MemoryConfig(restart_early=True, restart_within=600.0))
+    async with Running(replace(cfg, instances=(inst,)), restart_fn=restart_fn) as run:
+        await run.until(lambda: "memory_low" in run.events(), timeout=30, what="the warning")
+        await asyncio.sleep(2.0)  # several readings within restart_within
+    assert asked == [] and "memory_restart" not in run.events()

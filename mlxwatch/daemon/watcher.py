@@ -479,16 +479,19 @@ class InstanceWatcher:
 
     async def _restart_early(self, ident: ProcessIdentity, look: MemoryLook) -> None:
         """Drain and restart before the server runs out of memory: only at a quiet moment (no
-        request in flight at the front door, nothing sent to any client for ``quiet_window``
-        where the kernel shows every client), and only as the flap guard allows; else the next
-        reading asks again."""
+        request in flight at the front door, nothing sent to any client for ``quiet_window``),
+        known from a source that sees every client (kernel sight, the door), and only as the
+        flap guard allows; else the next reading asks again."""
         now = self.shared.clock.monotonic()
         evidence = await self._look(now - self.inst.probe.quiet_window, suspect=False)
         busy = self.door is not None and bool(self.door.view().in_flight)
         flowing = evidence.last_flow is not None and now - evidence.last_flow < self.inst.probe.quiet_window
-        if busy or flowing or self.guard.exhausted(now) or self.guard.wait_before_restart(now) > 0:
-            log.info("%s: memory: an early restart waits for a quiet moment (%s)", self.name,
-                     "a request in flight" if busy or flowing else "the restart budget or backoff")
+        blind = evidence.quiet_for(now, since=now) is None  # no source sees every client: never a guess
+        if busy or flowing or blind or self.guard.exhausted(now) or self.guard.wait_before_restart(now) > 0:
+            why = ("a request in flight" if busy or flowing else
+                   "no source sees every client's stream (kernel sight or a front door)" if blind else
+                   "the restart budget or its backoff")
+            log.info("%s: memory: the early restart waits for a quiet moment (%s)", self.name, why)
             return
         self.memory.asked_restart()
         at = self.shared.clock.now()
