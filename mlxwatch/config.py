@@ -105,6 +105,19 @@ class FrontConfig:
 
 
 @dataclass(frozen=True)
+class MemoryConfig:
+    """The server's memory, read each probe cycle: out of memory foreseen from its trend
+    (docs/deciding.md, "Memory")."""
+
+    watch: str = "auto"  # auto (read where the OS lets mlxwatch) | off
+    window: float = 600.0  # the trend: a straight line through this long's readings
+    warn_within: float = 1800.0  # warn when the trend says out of memory within this long
+    restart_early: bool = False  # opt-in: drain and restart before it dies, at a quiet moment
+    restart_within: float = 300.0  # ... once the trend says out of memory within this long
+    release_timeout: float = 60.0  # after a server stopped: the most to wait for its memory before the next starts
+
+
+@dataclass(frozen=True)
 class InstanceConfig:
     """One ``mlx_lm.server`` to watch."""
 
@@ -117,6 +130,7 @@ class InstanceConfig:
     shim: str = "auto"  # launch shim heartbeat: auto (use it when present) | required (warn when missing) | off
     front: FrontConfig | None = None  # the front door; None: off (clients talk to the server directly)
     kernel: str = "auto"  # kernel sight (bytes sent to every client): auto (used where the OS allows) | off
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
 
     @property
     def port(self) -> int:
@@ -1039,12 +1053,26 @@ def _instance(sec: _Section, base: Path) -> InstanceConfig:
     kernel = sec.take("kernel", _choice(KERNEL_MODES), "auto")
     front = _front(sec.section("front")) if "front" in sec.data else None  # an empty `front:` too: it asks for a door
     sec.asked.update(("restart", "front"))  # read above without take(): still what a typo may mean
+    memory = _memory(sec.section("memory"))
     sec.done()
     if front is not None and _takes_port(f"http://{listen_address(front.listen)}", url, both_bound=False):
         raise ConfigError(sec.file, f"{sec.path}.front.listen",
                           "is the server's own address; the front door needs a port of its own"
                           f" (got {listen_address(front.listen)!r})")
-    return InstanceConfig(name, url, log, pid_file, probe, restart, shim, front, kernel)
+    return InstanceConfig(name, url, log, pid_file, probe, restart, shim, front, kernel, memory)
+
+
+def _memory(sec: _Section) -> MemoryConfig:
+    memory = MemoryConfig(**sec.take_present({
+        "watch": _choice(("auto", "off")),
+        "window": _positive_duration,
+        "warn_within": _positive_duration,
+        "restart_early": _bool,
+        "restart_within": _positive_duration,
+        "release_timeout": _positive_duration,
+    }))
+    sec.done()
+    return memory
 
 
 def _front(sec: _Section) -> FrontConfig:

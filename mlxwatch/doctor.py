@@ -37,9 +37,10 @@ from mlxwatch.config import Config, InstanceConfig, default_bundles_dir
 from mlxwatch.durations import format_duration
 from mlxwatch.errors import StateError
 from mlxwatch.evidence.cadence import Speed
-from mlxwatch.host import launchctl
+from mlxwatch.host import kernlog, launchctl
 from mlxwatch.host.commands import CommandResult, Runner, run_command
 from mlxwatch.host.group import RUNNING, Group, find_group
+from mlxwatch.host.memuse import MemoryReading, read_memory
 from mlxwatch.host.process import ProcessIdentity, ServerLookup, lookup_instance
 from mlxwatch.host.sockets import KernelCounters, Reading
 from mlxwatch.serverlog.markers import open_log
@@ -89,6 +90,8 @@ class Env:
     alive: Callable[[ProcessIdentity], bool] = ProcessIdentity.alive  # blocking
     kernel: Callable[[int], Reading] = field(default_factory=lambda: KernelCounters(max_age=0.0).read)  # blocking
     find_group: Callable[[int], Group | None] = find_group  # blocking (psutil, ssh)
+    kernel_log: Callable[[], str | None] = kernlog.readable  # None: readable, else why not
+    memory: Callable[[int], MemoryReading | None] = read_memory  # blocking
 
     @property
     def macos(self) -> bool:
@@ -130,6 +133,7 @@ async def diagnose(config: Config | None, config_path: Path, config_error: str |
     exe = await asyncio.to_thread(env.find_py_spy)
     found.append(await py_spy_present(exe, env))
     found += macos_tools(config, env)
+    found.append(death_finding(env))
     if config is not None and config.notify:
         found.append(executable("notify hook", config.notify[0], env, "fix notify: in the config"))
     if config is None:
@@ -257,6 +261,7 @@ async def check_instance(inst: InstanceConfig, config: Config, exe: str | None, 
         out.append(await probe_finding(inst, env))
     out.append(await py_spy_reads(inst, config, exe, server, env))
     out.append(await kernel_finding(inst, env))
+    out.append(await memory_finding(inst, server, env))
     out.append(log_finding(inst, server, found.log, env))
     out.append(await restart_finding(inst, server, env))
     return out
@@ -274,6 +279,36 @@ def pace_finding(inst: InstanceConfig, saved: Any) -> Finding:
                f"probe.quiet_window ({inst.probe.quiet_window:g} s) otherwise")
     return Finding("pace", OK if speed.chunk is not None or speed.probe_read is not None else SKIP, message,
                    instance=inst.name)
+
+
+def death_finding(env: Env) -> Finding:
+    """Can the daemon say why a server died (docs/bundles.md, "Why it died")?"""
+    if env.macos:
+        return Finding("why it died", OK, "macOS: JetsamEvent, panic and crash reports, one `log show` query and the "
+                       "server's log name a dead server's cause (not yet run on a Mac: docs/verified.md)")
+    problem = env.kernel_log()
+    if problem is None:
+        return Finding("why it died", OK, f"reads the kernel's log ({kernlog.KMSG}): the OOM killer's and crashes' "
+                       "lines name a dead server's cause")
+    return Finding("why it died", WARN, f"cannot read the kernel's log ({problem}): a server the OOM killer ends is "
+                   "named from its own log only",
+                   "run the daemon as root or with CAP_SYSLOG, or allow it: sudo sysctl kernel.dmesg_restrict=0")
+
+
+async def memory_finding(inst: InstanceConfig, server: ProcessIdentity | None, env: Env) -> Finding:
+    """Can the daemon read the server's memory and the bound it runs under (docs/deciding.md, "Memory")?"""
+    if inst.memory.watch == "off":
+        return Finding("memory", SKIP, "off (memory.watch): no warning before it runs out", instance=inst.name)
+    if server is None:
+        return Finding("memory", SKIP, "no server process to read", instance=inst.name)
+    reading = await asyncio.to_thread(env.memory, server.pid)
+    if reading is None:
+        return Finding("memory", WARN, f"cannot read the memory of PID {server.pid}: no warning before it runs out",
+                       "run mlxwatch as the user that runs the server", inst.name)
+    mib = 1024 * 1024
+    limit = f" of {reading.limit / mib:.0f} MiB ({reading.bound})" if reading.limit else f" ({reading.bound})"
+    measure = "physical footprint" if reading.measure == "phys_footprint" else "resident"
+    return Finding("memory", OK, f"{reading.used / mib:.0f} MiB {measure}{limit}", instance=inst.name)
 
 
 async def kernel_finding(inst: InstanceConfig, env: Env) -> Finding:

@@ -10,11 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from mlxwatch.config import CaptureConfig, Config, InstanceConfig, RestartConfig
+from mlxwatch.config import CaptureConfig, Config, InstanceConfig, MemoryConfig, RestartConfig
 from mlxwatch.doctor import FAIL, OK, SKIP, WARN, Env, diagnose, exit_code, pyspy_hint
 from mlxwatch.host import launchctl
 from mlxwatch.host.commands import CommandResult
 from mlxwatch.host.group import Group, Rank
+from mlxwatch.host.memuse import MemoryReading
 from mlxwatch.host.process import ProcessIdentity, ServerLookup
 
 
@@ -41,9 +42,26 @@ def env(**over) -> Env:
                   check=check, open_files=lambda pid: {}, ptrace_scope=lambda: 0,
                   job_status=lambda label, domain, uid: launchctl.JobStatus(f"gui/501/{label}", True, 4242,
                                                                             "running", None, None, "loaded"),
-                  launchctl_available=lambda: True, alive=lambda identity: True, find_group=lambda pid: None)
+                  launchctl_available=lambda: True, alive=lambda identity: True, find_group=lambda pid: None,
+                  kernel_log=lambda: None,
+                  memory=lambda pid: MemoryReading(150 * 2**20, "rss", 180 * 2**20, 30 * 2**20, "cgroup /lab"))
     values.update(over)
     return Env(**values)
+
+
+async def test_doctor_says_what_memory_and_death_evidence_it_can_read(tmp_path):
+    """The server's memory and its bound (or why not), and whether the kernel's log names a
+    dead server's cause: each one line, with its fix."""
+    found, _ = await run(config(tmp_path), env(), tmp_path)
+    assert found[("gemma", "memory")].message == "150 MiB resident of 180 MiB (cgroup /lab)"
+    assert found[(None, "why it died")].status == "ok" and "/dev/kmsg" in found[(None, "why it died")].message
+    found, _ = await run(config(tmp_path), env(kernel_log=lambda: "/dev/kmsg: Operation not permitted",
+                                               memory=lambda pid: None), tmp_path)
+    died = found[(None, "why it died")]
+    assert died.status == "warn" and "Operation not permitted" in died.message and "dmesg_restrict" in died.fix
+    assert found[("gemma", "memory")].status == "warn"
+    found, _ = await run(config(tmp_path, memory=MemoryConfig(watch="off")), env(), tmp_path)
+    assert found[("gemma", "memory")].status == "skip"
 
 
 def config(tmp_path: Path, **inst) -> Config:

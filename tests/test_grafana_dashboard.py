@@ -76,6 +76,7 @@ def recorded() -> tuple[str, str]:
         m.on_front("gemma", DeliveryView((), None, 0, {o: (n + 1) * (i + 2) for i, o in enumerate(OUTCOMES)}),
                    Observations(tuple(0.1 * (k + 1) for k in range(6)), tuple(10.0 * (k + 1) for k in range(6))))
         m.on_state(None, {"last_tick": at, "watcher_errors": n, "running": True})
+        m.on_state("gemma", {"memory": {"used": 2**30 + n * 2**20, "limit": 2**32, "minutes_left": 40.0 - n}})
 
     round_of(0, now)
     first = m.exposition().decode()

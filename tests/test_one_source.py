@@ -20,6 +20,7 @@ from mlxwatch.config import (
     Config,
     FrontConfig,
     InstanceConfig,
+    MemoryConfig,
     MetricsConfig,
     ProbeConfig,
     RestartConfig,
@@ -50,7 +51,8 @@ DOC_NAMES: dict[tuple[type, str], str | None] = {
     (RestartConfig, "signal_name"): None,
 }
 SECTION_DOC_PREFIX = {InstanceConfig: "instances[].", ProbeConfig: "probe.", RestartConfig: "restart.",
-                      FrontConfig: "front.", CaptureConfig: "capture.", MetricsConfig: "metrics.", Config: ""}
+                      FrontConfig: "front.", MemoryConfig: "memory.", CaptureConfig: "capture.",
+                      MetricsConfig: "metrics.", Config: ""}
 # Fields the file must set although the dataclass has a default (a section that is present needs them).
 REQUIRED_IN_FILE = {(FrontConfig, "listen")}
 
@@ -220,7 +222,7 @@ def test_configuration_doc_states_the_dataclass_defaults():
 _PROSE_DEFAULT = re.compile(r"`(--)?([a-z][a-z_.\-]*)`\s*\(([0-9][0-9.]*)\s*(ms|s|min|m|h|d|GB|MB)?\)")
 _UNIT = {None: 1, "ms": 0.001, "s": 1, "min": 60, "m": 60, "h": 3600, "d": 86400, "GB": 1024**3, "MB": 1024**2}
 _SECTIONS = {"probe": ProbeConfig, "restart": RestartConfig, "capture": CaptureConfig, "metrics": MetricsConfig,
-             "front": FrontConfig}
+             "front": FrontConfig, "memory": MemoryConfig}
 
 
 def _numeric_defaults(classes: typing.Iterable[type], name: str) -> list[float]:

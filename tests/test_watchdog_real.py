@@ -78,6 +78,8 @@ async def test_fault_is_detected_captured_restarted_and_recovered(lab, tmp_path,
     assert recovered["kind"] == manifest["classification"]["kind"]
     if kind is not None:
         assert recovered["kind"] == kind, manifest["classification"]
+    if fault == "die":  # the thread died on the lab's Metal allocation error: out of memory, said so
+        assert recovered["cause"] == "out_of_memory", recovered
     else:
         assert recovered["kind"] in ("livelock", "blocked"), manifest["classification"]
         if (manifest["cpu"]["process"] or 0.0) >= IDLE_CPU:

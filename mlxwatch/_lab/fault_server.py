@@ -17,6 +17,9 @@ streaming code. Faults (the file's first word; empty or missing file = healthy):
             alone (the non-batched path: a ``seed``); output stays correct.
 - ``gil``   hold the GIL forever in a native call (libc ``sleep`` through ctypes.PyDLL, which
             keeps the GIL): no Python thread runs, HTTP included; 0% CPU.
+- ``leak [MIB_PER_S]`` the process grows by that much resident memory a second (default 4),
+            served or idle (a thread of its own, not the batch step), until it is killed; the
+            server answers meanwhile.
 - ``prefill MS [idle] [hang [CHUNKS] | livelock]``  a big model reading a prompt: each batch step
             costs MS milliseconds per prompt token it read (the step's own count of them, the one its
             stats report; a step reads at most one ``--prefill-step-size`` chunk of each prompt),
@@ -172,9 +175,24 @@ def _spin_step() -> tuple[list, list]:
     return [], []
 
 
+LEAK_TICK = 0.1  # seconds between the leak's allocations
+
+
+def _leak_while_asked(fault_file: str) -> None:
+    """The ``leak`` fault: touched (resident) pages, kept, at the asked rate while the file asks."""
+    kept = []
+    while True:
+        fault, arg = read_fault(fault_file)
+        if fault == "leak":
+            kept.append(b"\xa5" * int((arg if arg is not None else 4.0) * 1024 * 1024 * LEAK_TICK))
+        time.sleep(LEAK_TICK)
+
+
 def install(fault_file: str) -> None:
     """Patch the server's batch generator so that each step consults ``fault_file``."""
     import mlx_lm.server as server
+
+    threading.Thread(target=_leak_while_asked, args=(fault_file,), name="lab-leak", daemon=True).start()
 
     base = server.BatchGenerator
 

@@ -162,6 +162,8 @@ class Classification:
     competing: list[str] = field(default_factory=list)
     contradicts_verdict: bool = False  # the watchdog judged the server hung; this evidence disagrees
     culprit_rank: int | None = None  # collective_wait: the rank the others wait for
+    cause: str | None = None  # crashed or dead_thread: why it died (capture.death.CAUSES)
+    cause_summary: str | None = None  # ... in one line, as the OS recorded it
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -50,7 +50,7 @@ from typing import Any, TypedDict
 import httpx
 
 from mlxwatch import __version__, probes, stacks
-from mlxwatch.capture import macos, pyspy
+from mlxwatch.capture import death, macos, pyspy
 from mlxwatch.capture.bundle import BundleWriter, adopt_partials, prune
 from mlxwatch.capture.delivery import watch_delivery
 from mlxwatch.capture.classify import Classification, Evidence, RankEvidence, classify
@@ -65,6 +65,7 @@ from mlxwatch.capture.redact import (
 from mlxwatch.capture.results import (
     CaptureResults,
     CpuResult,
+    DeathResult,
     DeliveryResult,
     GroupResult,
     RankFinding,
@@ -146,6 +147,7 @@ class CaptureRequest:
     redact: bool = CaptureConfig.redact  # the raw bundle's redaction (redact.PRIVATE); False: complete (NONE)
     group: Group | None = None  # the mlx.launch group whose rank 0 ``pid`` is: every rank is captured
     kernel: bool = True  # read what the server sends its clients over the window (instances[].kernel)
+    gone: death.GoneProcess | None = None  # the server last seen, when ``pid`` is None: why it died is asked about it
 
     @property
     def kernel_port(self) -> int | None:
@@ -243,10 +245,14 @@ async def capture_bundle(req: CaptureRequest, *, runner: Runner = run_command, o
         log_step = asyncio.ensure_future(_after(window, steps.deadline - LOG_RESERVE, lambda: steps.run(
             "log", lambda: _log(req, files, followers, before), LogResult)))
         await asyncio.gather(*window, sample_step, spindump_step, crash_step, versions_step, log_step)
-        results = CaptureResults(process=process, stacks=stacks_step.result(), cpu=cpu_step.result(),
+        cpu_result, log_result = cpu_step.result(), log_step.result()
+        death_result = DeathResult(outcome="skipped", error="the server did not die")
+        if process.missing or cpu_result.window.gone_at is not None:
+            death_result = await steps.run("death", lambda: _death(req, process, log_result, files), DeathResult)
+        results = CaptureResults(process=process, stacks=stacks_step.result(), cpu=cpu_result,
                                  probe=probe_step.result(), heartbeat=heartbeat_step.result(),
-                                 sample=sample_step.result(), versions=versions_step.result(), log=log_step.result(),
-                                 ranks=ranks_step.result(), delivery=delivery_step.result())
+                                 sample=sample_step.result(), versions=versions_step.result(), log=log_result,
+                                 ranks=ranks_step.result(), delivery=delivery_step.result(), death=death_result)
         bundle = await asyncio.to_thread(_finish, req, steps, files, results, probe_first_token)
     except BaseException:
         if probe_step is not None and probe_step.done() and not probe_step.cancelled() \
@@ -582,6 +588,22 @@ async def _crash_reports(req: CaptureRequest, process: ProcessResult, files: _Fi
     return StepResult()
 
 
+async def _death(req: CaptureRequest, process: ProcessResult, log: LogResult, files: _Files) -> DeathResult:
+    """Why the server died (``capture.death``): its records copied in, ``death.json`` beside them."""
+    gone = death.GoneProcess(req.pid, process.create_time) if req.pid is not None else req.gone
+    if gone is not None and gone.started is None and req.gone is not None and req.gone.pid == gone.pid:
+        gone = req.gone
+    reports: tuple[death.Cause, ...] = ()
+    if macos.is_macos() and gone is not None:
+        reports = await asyncio.to_thread(death.macos_reports, gone, time.time())
+    cause = await asyncio.to_thread(death.why_gone, gone, log.markers, linux=sys.platform.startswith("linux"),
+                                    reports=reports)
+    for relname, text in cause.files.items():
+        await files.write(relname, text)
+    await files.write_json("death.json", {"pid": gone.pid if gone else None, **cause.to_dict()})
+    return DeathResult(cause=cause)
+
+
 def _follow_log(path: Path) -> list[LogFollower] | None:
     """The log and the file it was last rotated to (its writer may still be on it: a launchd
     job's stderr is until the job restarts), each followed from its current end, older first;
@@ -739,6 +761,11 @@ def _finish(req: CaptureRequest, steps: StepRunner, files: _Files, found: Captur
     """Classify and write the bundle (blocking: run in a worker thread)."""
     evidence, window = _evidence(req, found)
     classification = classify(evidence)
+    cause = found.death.cause if classification.kind == "crashed" else \
+        death.why_thread_died(found.log.markers) if classification.kind == "dead_thread" else None
+    if cause is not None:
+        classification.cause, classification.cause_summary = cause.cause, cause.summary
+        classification.evidence.insert(1 if classification.kind == "crashed" else 0, f"cause: {cause.summary}")
     process = found.process.info
     manifest = {
         "created_at": datetime.now(timezone.utc).isoformat(),

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
+from mlxwatch.capture.death import Cause
 from mlxwatch.capture.delivery import WindowDelivery
 from mlxwatch.capture.procstats import ProcessWindow
 from mlxwatch.capture.runner import StepResult
@@ -119,6 +120,13 @@ class GroupResult(StepResult):
     ranks: tuple[RankFinding, ...] = ()
 
 
+@dataclass(frozen=True, kw_only=True)
+class DeathResult(StepResult):
+    """Why the gone server died (``death.json``); None when it did not die."""
+
+    cause: Cause | None = None
+
+
 @dataclass(frozen=True)
 class CaptureResults:
     """Every step's result: what the evidence and the manifest are assembled from."""
@@ -133,3 +141,4 @@ class CaptureResults:
     log: LogResult
     ranks: GroupResult = GroupResult(outcome="skipped")
     delivery: DeliveryResult = DeliveryResult(outcome="skipped")
+    death: DeathResult = DeathResult(outcome="skipped")

@@ -54,8 +54,12 @@ class FrontWatch:
         if failed:  # no line about no request: most verdicts come with nobody waiting
             log.warning("%s: front door: %d request(s) in flight failed loudly", self.name, failed)
         if restarting:
-            self._gate(Gate.RESTARTING, "a restart follows the verdict")
+            self.restarting("a restart follows the verdict")
         return evidence
+
+    def restarting(self, why: str) -> None:
+        """New requests get 503 + Retry-After (or are held up to ``front.hold``) until ``open``."""
+        self._gate(Gate.RESTARTING, why)
 
     def open(self, why: str) -> None:
         """Requests reach the server again (the incident ended, or restarts were given up)."""

@@ -22,6 +22,9 @@ other label comes from a fixed list, so no URL, path, prompt or message can reac
 ``mlxwatch_last_probe_timestamp_seconds{server}``         gauge      when the watcher's last probe ended (its liveness)
 ``mlxwatch_instance_state{server,state}``                 gauge      1 for the current state, 0 for the others
 ``mlxwatch_incidents_total{server,kind}``                 counter    incidents by classified kind (see below)
+``mlxwatch_deaths_total{server,cause}``                   counter    deaths by the cause the OS recorded (capture.death)
+``mlxwatch_memory_bytes{server}``, ``_limit_bytes``        gauge      the server's memory and the bound it runs under
+``mlxwatch_memory_seconds_left{server}``                  gauge      out of memory in about this long (absent: not growing)
 ``mlxwatch_restarts_total{server,result}``                counter    restarts run: ok, nothing_to_restart, failed
 ``mlxwatch_capture_seconds{server}``                      gauge      the last capture: ``capturing`` -> ``captured``
 ``mlxwatch_last_recovery_seconds{server}``                gauge      the last recovery: first failed probe -> proven
@@ -92,6 +95,7 @@ from prometheus_client.exposition import start_http_server
 
 from mlxwatch import __version__
 from mlxwatch.capture.classify import KINDS
+from mlxwatch.capture.death import CAUSES
 from mlxwatch.clock import Clock
 from mlxwatch.config import Config, MetricsConfig, ProbeConfig
 from mlxwatch.front.delivery import OUTCOMES, DeliveryView, Observations
@@ -125,6 +129,10 @@ def restart_record(fields: dict[str, Any]) -> dict[str, Any]:
     """What the budget is counted from: the saved restart times, wall and monotonic
     (``FlapGuard.saved``), a copy the event loop never changes under a scrape."""
     return {"restarts": list(fields["restarts"]), "monotonic": fields.get("monotonic")}
+
+
+def _times(value: Any, factor: float) -> Any:
+    return value * factor if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
 def _label(value: Any, allowed: tuple[str, ...]) -> str:
@@ -174,6 +182,15 @@ class Metrics:
         self.incidents = Counter("mlxwatch_incidents", "Incidents by classified kind (unknown: never classified)",
                                  ["server", "kind"], registry=r)
         self.restarts = Counter("mlxwatch_restarts", "Restarts run, by result", ["server", "result"], registry=r)
+        self.deaths = Counter("mlxwatch_deaths", "Servers that died (crashed, or their generation thread died), by "
+                              "the cause the OS recorded", ["server", "cause"], registry=r)
+        self.memory_bytes = Gauge("mlxwatch_memory_bytes", "The server's memory: resident size (Linux), physical "
+                                  "footprint (macOS)", ["server"], registry=r)
+        self.memory_limit = Gauge("mlxwatch_memory_limit_bytes", "The bound the server's memory runs under: its "
+                                  "cgroup's limit or the machine's memory (Linux), the GPU's wired limit (macOS)",
+                                  ["server"], registry=r)
+        self.memory_seconds_left = Gauge("mlxwatch_memory_seconds_left", "Out of memory in about this long, from "
+                                         "the trend (absent while it does not grow)", ["server"], registry=r)
         self.capture_seconds = Gauge("mlxwatch_capture_seconds", "Duration of the last evidence capture",
                                      ["server"], registry=r)
         self.last_recovery = Gauge("mlxwatch_last_recovery_seconds",
@@ -246,6 +263,8 @@ class Metrics:
             if isinstance(ts, (int, float)) and track.capturing_at is not None:
                 self.capture_seconds.labels(name).set(round(ts - track.capturing_at, 3))
             self._count(name, track, entry.get("kind") if event == "captured" else None)
+            if event == "captured" and entry.get("cause") is not None:
+                self.deaths.labels(name, _label(entry.get("cause"), CAUSES)).inc()
         restarts = entry.get("restarts")
         restarts = restarts if isinstance(restarts, list) else []
         for restart in restarts[track.restarts_counted:]:
@@ -282,7 +301,20 @@ class Metrics:
                     self.probe_duration.labels(name).observe(probe["total"])
             if isinstance(fields.get("restarts"), list):
                 self.restart_records[name] = restart_record(fields)
+            if isinstance(fields.get("memory"), dict):
+                self._on_memory(name, fields["memory"])
         self._changed()
+
+    def _on_memory(self, name: str, memory: dict[str, Any]) -> None:
+        for gauge, value in ((self.memory_bytes, memory.get("used")), (self.memory_limit, memory.get("limit")),
+                             (self.memory_seconds_left, _times(memory.get("minutes_left"), 60))):
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                gauge.labels(name).set(value)
+            else:
+                try:
+                    gauge.remove(name)
+                except KeyError:
+                    pass
 
     def _on_daemon(self, fields: dict[str, Any]) -> None:
         if isinstance(fields.get("last_tick"), (int, float)):
@@ -315,6 +347,8 @@ class Metrics:
             self.incidents.labels(name, kind)
         for result in (*RESTART_RESULTS, OTHER):
             self.restarts.labels(name, result)
+        for cause in (*CAUSES, OTHER):
+            self.deaths.labels(name, cause)
 
     def _count(self, name: str, track: _Track, kind: Any) -> None:
         if not track.counted:
@@ -333,6 +367,8 @@ class Metrics:
             self.restart_records.pop(name, None)
             for metric, others in ((self.instance_state, STATES), (self.incidents, (*KINDS, OTHER)),
                                    (self.restarts, (*RESTART_RESULTS, OTHER)), (self.probe_success, ()),
+                                   (self.deaths, (*CAUSES, OTHER)), (self.memory_bytes, ()),
+                                   (self.memory_limit, ()), (self.memory_seconds_left, ()),
                                    (self.last_probe_time, ()),
                                    (self.probe_ttft, ()), (self.probe_duration, ()), (self.capture_seconds, ()),
                                    (self.last_recovery, ()), (self.front_requests, OUTCOMES),

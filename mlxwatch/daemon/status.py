@@ -70,6 +70,16 @@ def _cadence_status(value: Any) -> dict | None:
             "chunk_tokens": _count(cadence.get("chunk_tokens")), "step": _number(step.get("mean"))}
 
 
+def _memory_status(memory: Any) -> dict[str, Any] | None:
+    """The server's memory as the watcher last read it (``daemon.memwatch``): numbers or None."""
+    if not isinstance(memory, dict) or _number(memory.get("used")) is None:
+        return None
+    return {"used": _number(memory.get("used")), "limit": _number(memory.get("limit")),
+            "room": _number(memory.get("room")), "rate": _number(memory.get("rate")),
+            "minutes_left": _number(memory.get("minutes_left")), "bound": _text(memory.get("bound")),
+            "measure": _text(memory.get("measure")), "pressure": _text(memory.get("pressure"))}
+
+
 def _text(value: Any) -> str | None:
     """A string to show, its control characters (a newline, an escape sequence from a damaged or
     planted file) made visible as ``?``: they would break the table or drive the terminal."""
@@ -112,14 +122,16 @@ def collect_status(config: Config, state_dir: Path, clock: Clock | None = None) 
             "failures": _count(s.get("failures")) or 0,
             "restarts_in_window": _restarts_in_window(s, config, name, clock),
             "budget": next((i.restart.budget for i in config.instances if i.name == name), None),
-            "last_incident": inc and {k: inc.get(k) for k in ("id", "event", "kind", "confidence", "detected_at",
+            "last_incident": inc and {k: inc.get(k) for k in ("id", "event", "kind", "cause", "confidence", "detected_at",
                                                               "bundle", "recovered_at", "seconds_to_recovery")},
             "open_incident": opened and {"id": opened["id"], "stopped_at_event": _stopped_at(opened),
-                                         "kind": opened.get("kind")},
+                                         "kind": opened.get("kind"), "cause": _text(opened.get("cause")),
+                                         "cause_summary": _text(opened.get("cause_summary"))},
             "shim": _shim_status(s),
             "front": _front_status(s) if running else None,
             "kernel_sight": _text(s.get("kernel_sight")),
             "kernel": _kernel_status(s),
+            "memory": _memory_status(s.get("memory")),
             "group": group_status(s.get("group")),
             "pace": _pace_status(s.get("pace")),
             "cadence": _cadence_status(s.get("cadence")),

@@ -33,9 +33,11 @@ from typing import Any, Awaitable, Callable
 import httpx
 
 from mlxwatch.capture import Bundle, CaptureRequest, capture_bundle, capture_probe_timeouts
+from mlxwatch.capture.death import GoneProcess
 from mlxwatch.clock import Clock, Stamp
 from mlxwatch.config import CaptureConfig, InstanceConfig
 from mlxwatch.daemon.frontwatch import FrontWatch
+from mlxwatch.daemon.memwatch import MemoryLook, MemoryWatch
 from mlxwatch.daemon.notify import Notifier
 from mlxwatch.errors import MlxwatchError
 from mlxwatch.evidence import Evidence, Seeing, Stall, Window, sources
@@ -46,6 +48,7 @@ from mlxwatch.evidence.probes import ProbeStreams
 from mlxwatch.evidence.sight import Sight
 from mlxwatch.front.door import FrontDoor
 from mlxwatch.host.group import Group, find_group, refresh
+from mlxwatch.host.memuse import read_memory
 from mlxwatch.host.sockets import KernelCounters
 from mlxwatch.host.process import ProcessIdentity, ServerLookup, lookup_instance, lookup_server
 from mlxwatch.journal.incidents import Event, Incident, Journal
@@ -131,6 +134,9 @@ class InstanceWatcher:
     door: FrontDoor | None = None  # the instance's front door (the daemon starts and stops it; see "front door" below)
     alive_at: float | None = None  # monotonic: the last sign of life (a cycle done, an incident step begun)
     alive_within: float = 0.0  # ... and the most it promised to take until the next one
+    memory: MemoryWatch = field(init=False)  # the server's memory trend (memory.*)
+    memory_pid: int | None = None  # the process the trend is about
+    gone_server: ProcessIdentity | None = None  # the verdict's server, found stopped: its memory is awaited before a restart
 
     def __post_init__(self) -> None:
         p, r = self.inst.probe, self.inst.restart
@@ -155,6 +161,7 @@ class InstanceWatcher:
         self.streams, self.log_source, self.group_source = self.sources.streams, self.sources.log, self.sources.group
         self.cadence = Cadence(Speed.from_dict(saved.get("cadence")) if saved.get("url") == self.inst.url else Speed())
         self.sight = Sight(self.sources.all, self.cadence)
+        self.memory = MemoryWatch(self.inst.memory)
 
     @property
     def name(self) -> str:
@@ -424,6 +431,7 @@ class InstanceWatcher:
             g = report.generation
             self.cadence.probe_done(g.ttft, g.gaps, g.prompt_tokens, prompt_bytes=len(PROBE_PROMPT))
             await self._healthy(report, now)
+            await self._watch_memory()
             return
         log.info("%s: probe failed: %s", self.name, _one_line(report.reason))
         if self.detect.state == policy.GAVE_UP or self.incident is not None:
@@ -460,6 +468,65 @@ class InstanceWatcher:
             self._save()
             return
         await self.handle_verdict(now)
+
+    # --- memory (memory.*): the trend, its warning, the opt-in early restart
+
+    async def _watch_memory(self) -> None:
+        """Read the healthy server's memory and judge its trend: warn once an episode when it
+        says out of memory within ``warn_within``; with ``restart_early``, restart it at a quiet
+        moment once within ``restart_within``."""
+        ident = self.identity
+        if self.inst.memory.watch == "off" or ident is None:
+            return
+        self.memory.config = self.inst.memory  # a reload's settings apply at once
+        if ident.pid != self.memory_pid:
+            self.memory.forget()
+            self.memory_pid = ident.pid
+        reading = await asyncio.to_thread(read_memory, ident.pid)
+        if reading is None:
+            return
+        look = self.memory.add(self.shared.clock.monotonic(), reading)
+        self.shared.state.update(self.name, quiet=True, memory=look.to_dict())
+        if look.warn:
+            log.warning("%s: %s", self.name, look.text())
+            payload = {"instance": self.name, "url": self.inst.url, "pid": ident.pid, **look.to_dict()}
+            self.shared.journal.note(Event.MEMORY_LOW, **payload)
+            self.shared.notifier.fire("memory_low", payload)
+        if look.restart:
+            await self._restart_early(ident, look)
+
+    async def _restart_early(self, ident: ProcessIdentity, look: MemoryLook) -> None:
+        """Drain and restart before the server runs out of memory: only at a quiet moment (no
+        request in flight at the front door, nothing sent to any client for ``quiet_window``),
+        known from a source that sees every client (kernel sight, the door), and only as the
+        flap guard allows; else the next reading asks again."""
+        now = self.shared.clock.monotonic()
+        evidence = await self._look(now - self.inst.probe.quiet_window, suspect=False)
+        busy = self.door is not None and bool(self.door.view().in_flight)
+        flowing = evidence.last_flow is not None and now - evidence.last_flow < self.inst.probe.quiet_window
+        blind = evidence.quiet_for(now, since=now) is None  # no source sees every client: never a guess
+        if busy or flowing or blind or self.guard.exhausted(now) or self.guard.wait_before_restart(now) > 0:
+            why = ("a request in flight" if busy or flowing else
+                   "no source sees every client's stream (kernel sight or a front door)" if blind else
+                   "the restart budget or its backoff")
+            log.info("%s: memory: the early restart waits for a quiet moment (%s)", self.name, why)
+            return
+        self.memory.asked_restart()
+        at = self.shared.clock.now()
+        self.guard.record_restart(at)
+        log.warning("%s: restarting before it runs out of memory (%s)", self.name, look.text())
+        self.shared.journal.note(Event.MEMORY_RESTART, instance=self.name, pid=ident.pid, **look.to_dict())
+        self.front.restarting("an early restart before the server runs out of memory")
+        try:
+            outcome = await self.shared.restart_fn(RestartContext(self.inst, ident, None, await self._group_of(ident)))
+            log.warning("%s: early restart: %s", self.name, outcome.detail)
+        except (MlxwatchError, OSError) as exc:
+            log.error("%s: early restart failed: %s", self.name, _one_line(str(exc)))
+        finally:
+            self.front.open("early restart done")
+        # The new process loads with its startup allowance, as after any restart of ours.
+        self.seen_healthy, self.restarted_at, self.identity, self.restart_in_flight = False, at.mono, None, True
+        self._save()
 
     async def _starting(self, now: float) -> bool:
         """Not yet seen healthy: is a server process for this instance still loading?
@@ -560,6 +627,7 @@ class InstanceWatcher:
 
     async def handle_verdict(self, now: float) -> None:
         self.slow_said = False  # a slow episode ends with a verdict
+        last = self.identity  # the server last seen: if it is gone, why it died is asked about it
         server, stranger = await self._prove_server()
         clock = self.shared.clock
         self.incident_began = self.detect.first_failure_at if self.detect.first_failure_at is not None else now
@@ -579,7 +647,8 @@ class InstanceWatcher:
 
         self._change(Event.CAPTURING, self.detect.capturing())
         await self._end_linger()  # the capture makes its own probe
-        await self._capture(inc, server, front_requests)
+        self.gone_server = last if server is None else None
+        await self._capture(inc, server, front_requests, gone=self.gone_server)
         if inc.kind == "busy" and await self._works_on(inc):
             return
         if self.inst.restart.method == "none":
@@ -698,7 +767,7 @@ class InstanceWatcher:
         return found
 
     async def _capture(self, inc: Incident, server: ProcessIdentity | None,
-                       front_requests: list[dict] | None = None) -> None:
+                       front_requests: list[dict] | None = None, gone: ProcessIdentity | None = None) -> None:
         cap, p = self.shared.capture, self.inst.probe
         group = await self._group_of(server)
         request = CaptureRequest(
@@ -710,6 +779,7 @@ class InstanceWatcher:
             keep=cap.keep, max_bytes=cap.max_bytes, keep_days=cap.keep_days, min_free_bytes=cap.min_free_bytes,
             verdict=_verdict_text(self.failed_reports, inc.stranger), front_requests=front_requests, group=group,
             kernel=self.inst.kernel != "off",
+            gone=GoneProcess(gone.pid, gone.create_time) if gone is not None else None,
         )
         try:
             bundle = await self.shared.capture_fn(request)
@@ -719,7 +789,10 @@ class InstanceWatcher:
             return
         self.lingering = bundle.lingering  # the capture probe's stream: ended before our next probe
         inc.bundle, inc.kind, inc.confidence = str(bundle.path), bundle.classification.kind, bundle.classification.confidence
+        inc.cause, inc.cause_summary = bundle.classification.cause, bundle.classification.cause_summary
         log.warning("%s: captured %s (%s, %s confidence)", self.name, bundle.path, inc.kind, inc.confidence)
+        if inc.cause_summary:
+            log.warning("%s: why it died: %s", self.name, inc.cause_summary)
         self._change(Event.CAPTURED)
         self.shared.notifier.fire("captured", inc.to_dict())  # kind, confidence and bundle are known now
 
@@ -734,7 +807,11 @@ class InstanceWatcher:
         # A task of its own, so the daemon's stop can wait for it before cancelling this watcher
         # (which cancels it too, as before, when the stop's wait is over).
         group = await self._group_of(server)  # restarted whole: never half a group
-        self.restarting = asyncio.ensure_future(self.shared.restart_fn(RestartContext(self.inst, server, inc.bundle, group)))
+        gone = self.gone_server if server is None else None
+        held = self.memory.readings[-1][1].used if self.memory.readings and gone is not None \
+            and gone.pid == self.memory_pid else None
+        self.restarting = asyncio.ensure_future(self.shared.restart_fn(
+            RestartContext(self.inst, server, inc.bundle, group, gone=gone, held=held)))
         try:
             outcome = await self.restarting
         except (MlxwatchError, OSError) as exc:
@@ -744,6 +821,10 @@ class InstanceWatcher:
             return False
         attempt.update(result=outcome.result, detail=outcome.detail)
         log.warning("%s: restart: %s", self.name, outcome.detail)
+        released = outcome.released
+        if released is not None and released.slow:
+            self.shared.journal.note(Event.MEMORY_HELD, instance=self.name, incident=inc.id,
+                                     waited=round(released.waited, 1), released=released.released, detail=released.detail)
         self._change(Event.RESTART if outcome.result == OK else Event.NOTHING_TO_RESTART)  # the two results
         self.seen_healthy, self.restarted_at, self.identity = False, at.mono, None  # a new process will be recorded
         return True
@@ -958,5 +1039,5 @@ def _probe_summary(report: CheckReport, at: float) -> dict:
 
 
 def _incident_summary(inc: Incident) -> dict:
-    return {"id": inc.id, "kind": inc.kind, "detected_at": inc.detected_at, "bundle": inc.bundle,
+    return {"id": inc.id, "kind": inc.kind, "cause": inc.cause, "detected_at": inc.detected_at, "bundle": inc.bundle,
             "recovered_at": inc.recovered_at, "seconds_to_recovery": inc.seconds_to_recovery}

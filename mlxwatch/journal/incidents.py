@@ -112,6 +112,9 @@ class Event(StrEnum):
     WATCHER_ERROR = "watcher_error"
     WATCHER_STUCK = "watcher_stuck"
     CONFIG_RELOAD = "config_reload"
+    MEMORY_LOW = "memory_low"
+    MEMORY_RESTART = "memory_restart"
+    MEMORY_HELD = "memory_held"
     # the front door (instances[].front)
     FRONT_STALL = "front_stall"
     GROUP_STALL = "group_stall"
@@ -135,6 +138,8 @@ class Incident:
     failures: list[str] = field(default_factory=list)  # probe reasons that led to the verdict
     kind: str | None = None
     confidence: str | None = None
+    cause: str | None = None  # crashed or dead_thread: why it died (capture.death.CAUSES)
+    cause_summary: str | None = None  # ... as the OS recorded it, one line
     bundle: str | None = None
     pid: int | None = None  # the proven server process (None: none could be proven)
     stranger: str | None = None  # who held the port instead, if anyone: never acted on

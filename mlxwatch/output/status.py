@@ -17,6 +17,7 @@ from rich.console import Console, Group
 from rich.live import Live
 from rich.text import Text
 
+from mlxwatch.daemon.memwatch import describe as describe_memory
 from mlxwatch.durations import format_duration
 from mlxwatch.front.delivery import OUTCOMES
 from mlxwatch.output.text import NARROW, cut, fit, reflow
@@ -30,9 +31,11 @@ def state_label(instance: dict[str, Any]) -> str:
     (crashed), not "hung"; a known kind is named next to the state."""
     state = instance["state"]
     kind = (instance.get("open_incident") or {}).get("kind")
-    if state == "hung" and kind == "crashed":
-        return "down (crashed)"
-    if state in HUNG_STATES and kind == "port_taken":  # another program answers: not a crash, not a hang
+    cause = (instance.get("open_incident") or {}).get("cause")
+    kind = f"{kind}: {cause}" if kind and cause else kind
+    if state == "hung" and kind and kind.startswith("crashed"):
+        return f"down ({kind})"
+    if state in HUNG_STATES and kind and kind.startswith("port_taken"):  # another program answers: not a crash, not a hang
         return "down (port taken)"
     if state in HUNG_STATES and kind:
         return f"{state} ({kind})"
@@ -145,6 +148,9 @@ def status_lines(status: dict[str, Any], width: int = 80) -> list[Text]:
         p = i["last_probe"]
         if p and not p["ok"] and p.get("reason"):
             lines.append(Text(f"  last probe: {p['reason']}"))
+        if i.get("memory"):
+            lines.append(Text(f"  {describe_memory(i['memory'])}",
+                              style="red" if i["memory"].get("minutes_left") is not None else ""))
         if i.get("kernel_sight") not in (None, "ok"):
             lines.append(Text(f"  no kernel sight ({i['kernel_sight']}): the probe alone judges"))
         elif i.get("kernel"):
@@ -164,12 +170,14 @@ def status_lines(status: dict[str, Any], width: int = 80) -> list[Text]:
             else:
                 lines.append(Text(f"  {i['name']}: incident {o['id']} open: daemon stopped at {o['stopped_at_event']} "
                                   "(the daemon will close it when it starts)", style="red"))
+            if o.get("cause_summary"):
+                lines.append(Text(f"  why it died: {o['cause_summary']}", style="red"))
         elif inc:
             how = inc.get("event")
             took = inc.get("seconds_to_recovery")
             took_text = f" after {format_duration(took)}" if isinstance(took, (int, float)) else ""
-            lines.append(Text(f"  last incident {_ago(_number(inc.get('detected_at')))}: {inc.get('kind') or 'kind unknown'}, "
-                              f"{how}{took_text}"))
+            lines.append(Text(f"  last incident {_ago(_number(inc.get('detected_at')))}: {inc.get('kind') or 'kind unknown'}"
+                              f"{' (' + str(inc['cause']) + ')' if inc.get('cause') else ''}, {how}{took_text}"))
         if i["state"] == "gave_up":
             lines.append(Text(f"  gave up restarting: `mlxwatch resume {i['name']}` allows restarts again", style="red"))
         if not i.get("configured", True):

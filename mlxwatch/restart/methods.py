@@ -37,6 +37,7 @@ from mlxwatch.host import launchctl
 from mlxwatch.host import group as groups
 from mlxwatch.host.commands import Runner, run_command
 from mlxwatch.host.process import ProcessIdentity
+from mlxwatch.restart.release import Released, wait_released
 
 OK, NOTHING_TO_RESTART = "ok", "nothing_to_restart"
 
@@ -45,6 +46,7 @@ OK, NOTHING_TO_RESTART = "ok", "nothing_to_restart"
 class RestartOutcome:
     result: str  # ok | nothing_to_restart (a failure raises RestartError)
     detail: str
+    released: Released | None = None  # the wait for a stopped server's memory before the method ran
 
 
 @dataclass
@@ -55,6 +57,8 @@ class RestartContext:
     identity: ProcessIdentity | None  # proven to be the server (see mlxwatch.host.process), or None
     bundle: str | None
     group: groups.Group | None = None  # the mlx.launch group whose rank 0 ``identity`` is: restarted whole
+    gone: ProcessIdentity | None = None  # the server the verdict was about, found stopped: its memory is awaited
+    held: int | None = None  # its last memory reading, bytes (macOS: how far the GPU's in-use memory must fall)
 
 
 def launchd_command(cfg: RestartConfig, uid: int | None = None, server_pid: int | None = None) -> list[str]:
@@ -104,7 +108,10 @@ async def restart(ctx: RestartContext, runner: Runner = run_command) -> RestartO
             return await asyncio.to_thread(_signal_group, ctx.group, cfg)
         return await _signal(ctx, cfg)
     if ctx.identity is not None and not await asyncio.to_thread(ctx.identity.alive):
-        ctx = replace(ctx, identity=None)  # gone since it was proven: its PID may be anyone's soon
+        ctx = replace(ctx, identity=None, gone=ctx.identity)  # gone since it was proven: its PID may be anyone's soon
+    released = None
+    if ctx.gone is not None and ctx.identity is None:  # never start the next server into memory still held
+        released = await asyncio.to_thread(wait_released, ctx.gone, ctx.instance.memory.release_timeout, ctx.held)
     argv = {"launchd": lambda: launchd_command(cfg, server_pid=ctx.identity.pid if ctx.identity else None),
             "systemd": lambda: systemd_command(cfg),
             "command": lambda: custom_command(cfg, ctx)}[cfg.method]()
@@ -112,9 +119,11 @@ async def restart(ctx: RestartContext, runner: Runner = run_command) -> RestartO
     if not result.ok:
         raise RestartError(f"{argv[0]}: {result.error}")
     detail = f"ran {' '.join(argv)}"
+    if released is not None and released.slow:
+        detail = f"{released.detail}; then {detail}"
     if ctx.group is not None:
         detail += await asyncio.to_thread(_sweep, ctx.group, cfg.grace)
-    return RestartOutcome(OK, detail)
+    return RestartOutcome(OK, detail, released)
 
 
 def _ranks_text(ranks: list[groups.Rank]) -> str:

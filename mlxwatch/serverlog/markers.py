@@ -54,6 +54,7 @@ class LogMarkers:
     insufficient_memory: list[str] = field(default_factory=list)
     missing_parameters: list[str] = field(default_factory=list)
     generation_thread_died: list[str] = field(default_factory=list)  # mlx-lm >= 0.32 logs this
+    fatal_errors: list[str] = field(default_factory=list)  # "Fatal Python error: Segmentation fault" (faulthandler)
     client_disconnects: int = 0  # BrokenPipe/ConnectionReset tracebacks skipped: a client left, not evidence
 
     @property
@@ -222,6 +223,8 @@ def scan(text: str) -> LogMarkers:
             markers.missing_parameters.append(line.strip())
         if "generation thread died" in line:
             markers.generation_thread_died.append(line.strip())
+        if line.startswith("Fatal Python error"):
+            markers.fatal_errors.append(line.strip())
         if line.startswith("Exception in thread"):
             traceback, in_traceback, block_thread_exc = [line], True, True
         elif line.startswith("Traceback (most recent call last)"):
@@ -240,6 +243,6 @@ def scan(text: str) -> LogMarkers:
                     markers.last_traceback = traceback[-60:]
                 block_thread_exc = False
     for name in ("thread_exceptions", "metal_malloc", "insufficient_memory", "missing_parameters",
-                 "generation_thread_died"):
+                 "generation_thread_died", "fatal_errors"):
         setattr(markers, name, getattr(markers, name)[-5:])  # the latest few are the evidence
     return markers
