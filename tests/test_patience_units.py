@@ -59,17 +59,31 @@ def test_each_sign_of_reading_buys_the_next_chunk_and_a_hang_mid_read_is_called(
 def test_a_prompt_the_log_announces_is_due_its_next_chunk_and_done_reading_owes_a_token():
     """The report's shape: the prompt finished reading (N/N), then nothing reached anyone while
     the loop stepped, and other prompts' progress went on (the July 17 capture). The token the
-    finished prompt owes its stream is overdue after a few steps and a chunk; progress then
-    holds no verdict."""
+    finished prompt owes its stream (matched by size: 16 KiB, 3,600 tokens) is overdue after a
+    few steps and a chunk; progress then holds no verdict. A prompt no stream matches (the
+    daemon's own probe, 25 tokens) owes nothing the kernel could see."""
     cadence = _learned(25.0)
-    log = {"followed": True, "open": {3600: (2048, 10.0)}, "completed_at": None}
-    reading = cadence.judge(30.0, 10.0, {"log": log, "kernel": {"owed": [], "streams": 1}})
+    stream = _stream(5.0)
+    log = {"followed": True, "open": {3600: (2048, 10.0)}, "completed": []}
+    reading = cadence.judge(30.0, 10.0, {"log": log, "kernel": {"owed": [stream], "streams": 1}})
     assert reading.owes == "reading a 3,600-token prompt (2,048 read)" and reading.allows(30.0, 10.0)
-    done = {"followed": True, "open": {9000: (4096, 60.0)}, "completed_at": 40.0}
-    early = cadence.judge(50.0, 40.0, {"log": done, "kernel": {"owed": [], "streams": 1}})
+    done = {"followed": True, "open": {9000: (4096, 60.0)}, "completed": [(40.0, 3600)]}
+    early = cadence.judge(50.0, 40.0, {"log": done, "kernel": {"owed": [stream], "streams": 1}})
     assert early.overdue is None
-    late = cadence.judge(90.0, 60.0, {"log": done, "kernel": {"owed": [], "streams": 1}})
+    late = cadence.judge(90.0, 60.0, {"log": done, "kernel": {"owed": [stream], "streams": 1}})
     assert late.overdue and "finished reading 50s ago" in late.overdue
+    probe_done = {"followed": True, "open": {}, "completed": [(40.0, 25)]}
+    assert cadence.judge(90.0, 60.0, {"log": probe_done, "kernel": {"owed": [stream], "streams": 1}}).overdue is None
+
+
+def test_with_the_log_a_stream_not_yet_announced_is_still_reading_its_first_chunk():
+    """Measured (real server, the lab's patience test): with the log followed, a stream whose
+    prompt the log had not announced yet (its first chunk takes 25 s) counted as announced,
+    because the probe's own prompt had just been logged: a verdict 38 s after the request."""
+    cadence = _learned(25.0)
+    probe_line = {"followed": True, "open": {}, "completed": [(12.0, 25)]}
+    pace = cadence.judge(30.0, 12.0, {"log": probe_line, "kernel": {"owed": [_stream(10.0)], "streams": 1}})
+    assert pace.allows(30.0, 12.0) and pace.owes.startswith("reading a prompt")
 
 
 def test_a_non_streamed_answer_is_hidden_work_until_its_reading_and_max_tokens_steps():

@@ -430,6 +430,8 @@ class InstanceWatcher:
         if report.healthy:
             g = report.generation
             self.cadence.probe_done(g.ttft, g.gaps, g.prompt_tokens, prompt_bytes=len(PROBE_PROMPT))
+            if g.prompt_tokens:  # the probe's own prompt in the log is no one else's progress
+                self.log_source.tracker.probe_totals.add(g.prompt_tokens)
             await self._healthy(report, now)
             await self._watch_memory()
             return

@@ -267,15 +267,19 @@ class Cadence:
         dues: list[tuple[float, str]] = []
 
         # Prompts the log announced and has not finished (X < Y): their next chunk is due.
-        for y, (x, at) in sorted((log.get("open") or {}).items()):
+        open_prompts = sorted((log.get("open") or {}).items())
+        for y, (x, at) in open_prompts:
             dues.append((max(at, last_sign) + self._wait(self.speed.read_time(min(self.speed.chunk_tokens, y - x))),
                          f"reading a {y:,}-token prompt ({x:,} read)"))
-        # Streams that got nothing yet: their prompts' next chunk (with the log followed, only
-        # those that came after its last line: the log announces the others' chunks). Anchored
-        # at the first of them, or the last sign since: requests that keep arriving at a hung
-        # server must not keep its pace ahead of them (measured: an app streaming every 2 s
-        # kept a livelock from any verdict for 4 minutes).
-        reading = [o for o in owed if o.streamed and not (logged and o.arrived < last_sign)]
+        # Streams that got nothing yet. With the log followed, a stream whose prompt the log
+        # shows (matched by size: its request's bytes against the prompt's tokens) is announced
+        # there: being read (above), or read, and then it owes a token (``_overdue``). The
+        # others' reading is owed, anchored at the first of them or the last sign since:
+        # requests that keep arriving at a hung server must not keep its pace ahead of them
+        # (measured: an app streaming every 2 s kept a livelock from any verdict for 4 minutes).
+        completed = _completions(log)
+        reading = [o for o in owed if o.streamed and not (logged and (
+            _read_since(o, completed) is not None or any(_matches(o, y) for y, _ in open_prompts)))]
         if reading:
             total = sum(self._tokens(o) for o in reading)
             tokens = min(float(self.speed.chunk_tokens), total)  # the next chunk's worth
@@ -324,19 +328,40 @@ class Cadence:
 
     def _overdue(self, now: float, log: dict[str, Any], kernel: dict[str, Any], floor: float,
                  reading: bool) -> str | None:
-        """A prompt finished reading (``N/N``) and no token reached any client since, for longer
-        than a few steps (and a chunk while other prompts are read: a step follows each chunk):
-        the token it owes its stream is overdue."""
-        done = log.get("completed_at")
-        if not isinstance(done, (int, float)) or not kernel.get("streams"):
+        """A stream's prompt finished reading (``N/N`` logged, matched to the stream by size)
+        and no token reached any client since, for longer than a few steps (and a chunk while
+        other prompts are read: a step follows each chunk): the token it owes is overdue. A
+        prompt matched to no stream (the daemon's own probe, a non-streamed request) owes the
+        kernel nothing it could see."""
+        owed = [o for o in map(_owed, kernel.get("owed") or ()) if o is not None and o.streamed]
+        completed = _completions(log)
+        done = [at for o in owed if (at := _read_since(o, completed)) is not None]
+        if not done:
             return None
-        if self.last_token is not None and self.last_token >= done:
+        first = min(done)
+        if self.last_token is not None and self.last_token >= first:
             return None
         allowed = floor + (self.speed.chunk_time()[0] if reading else 0.0)
-        if now - done <= allowed:
+        if now - first <= allowed:
             return None
-        return (f"a prompt finished reading {now - done:.0f}s ago and no token reached any client since "
-                f"(allowed {_secs(allowed)})")
+        return (f"a streamed prompt finished reading {now - first:.0f}s ago and no token reached any client "
+                f"since (allowed {_secs(allowed)})")
+
+def _completions(log: dict[str, Any]) -> list[tuple[float, int]]:
+    return [(float(at), int(y)) for at, y in (log.get("completed") or ())
+            if isinstance(at, (int, float)) and isinstance(y, int) and y > 0]
+
+
+def _matches(o: Owed, tokens: int) -> bool:
+    """Could the request ``o`` hold a prompt of ``tokens`` tokens? A chat request's JSON holds
+    about 4-5 bytes a token (words, the JSON around them; the template's tokens count in the
+    prompt, not in the request): 1.5 to 20 is generous either way. Unknown size: no."""
+    return o.request_bytes > 0 and 1.5 <= o.request_bytes / tokens <= 20
+
+
+def _read_since(o: Owed, completed: list[tuple[float, int]]) -> float | None:
+    """When the log said the prompt of ``o`` finished reading (after it arrived), if it did."""
+    return next((at for at, y in completed if at >= o.arrived and _matches(o, y)), None)
 
 
 def _owed(item: Any) -> Owed | None:

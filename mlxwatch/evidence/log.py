@@ -15,9 +15,9 @@ The log is read every ``POLL`` s while the instance is suspect or a probe waits,
 advance is dated by the read that found it, so an answer's window is as sharp as the reads.
 
 For the cadence (``mlxwatch.evidence.cadence``) the answer's ``detail["log"]`` says which prompts
-are being read (``open``: Y -> (X, when), X < Y), when a prompt last finished reading
-(``completed_at``), and the reading speed seen between two chunks of one prompt
-(``token_seconds``: seconds per prompt token, each sample given once).
+are being read (``open``: Y -> (X, when), X < Y), the prompts that finished reading lately
+(``completed``: (when, Y), oldest first), and the reading speed seen between two chunks of one
+prompt (``token_seconds``: seconds per prompt token, each sample given once).
 """
 
 from __future__ import annotations
@@ -95,7 +95,7 @@ class LogSource:
     read_at: float | None = None
     pending_notes: list[str] = field(default_factory=list)  # from priming: said with the next answer
     reading: dict[int, tuple[int, float]] = field(default_factory=dict)  # prompt Y -> (X, when) while X < Y
-    completed_at: float | None = None  # a prompt last finished reading (X == Y)
+    completed: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=OPEN_KEPT))  # (when, Y)
     token_seconds: list[float] = field(default_factory=list)  # speed samples not yet given
 
     def _pace(self, at: float, advanced: list[tuple[int, int]]) -> None:
@@ -107,7 +107,7 @@ class LogSource:
             if x < y:
                 self.reading[y] = (x, at)
             else:
-                self.completed_at = at
+                self.completed.append((at, y))
         while len(self.reading) > OPEN_KEPT:
             self.reading.pop(next(iter(self.reading)))
 
@@ -152,7 +152,7 @@ class LogSource:
         last = self.advances[-1][0] if self.advances else None
         samples, self.token_seconds = self.token_seconds, []
         detail = {"log": {"followed": self.tracker.follower is not None, "open": dict(self.reading),
-                          "completed_at": self.completed_at, "token_seconds": samples}}
+                          "completed": list(self.completed), "token_seconds": samples}}
         return Evidence(progress=tuple(progress), notes=tuple(notes), last_flow=last, detail=detail)
 
 

@@ -52,8 +52,9 @@ class Sight:
         if pace.overdue:
             progress = ()  # the token owed did not come: other prompts' reading holds no verdict
             if stall is None:
-                done = (evidence.detail.get("log") or {}).get("completed_at")
-                stall = Stall(f"pace: {pace.overdue}", key=("pace", done), source="cadence", event="kernel_stall",
+                done = [at for at, _ in (evidence.detail.get("log") or {}).get("completed") or ()]
+                stall = Stall(f"pace: {pace.overdue}", key=("pace", max(done, default=None)), source="cadence",
+                              event="kernel_stall",
                               journal={"reason": pace.overdue, "streams": (evidence.detail.get("kernel") or {})
                                        .get("streams", 0), "waiting": 0})
         return replace(evidence, stall=stall, progress=progress, hidden_work=hidden, pace=pace)
