@@ -158,7 +158,7 @@ def install(fault_file: str) -> None:
             trigger.arrived(words[0], words[1:], getattr(self, "body", None))
         return handle_completion(self, *args, **kwargs)
 
-    handler.handle_completion = watched_completion
+    handler.handle_completion = watched_completion  # type: ignore[method-assign]  # the fault, patched in place
 
     single = server.stream_generate  # a request that cannot be batched (a seed) is served by it
 
