@@ -79,6 +79,9 @@ class FakeDoor:
         assert cfg.listen == self.cfg.listen
         self.cfg = cfg
 
+    def recorded(self, until=None):
+        return None  # front.record off
+
     def set_startup_timeout(self, seconds: float | None) -> None:
         self.startup_timeout = seconds
 

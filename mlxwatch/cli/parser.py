@@ -142,6 +142,9 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--redact", action=argparse.BooleanOptionalAction, default=True,
                         help="remove secrets, message contents, environment values and home paths, for a public "
                              "issue (the default); --no-redact exports the bundle as captured (keep it private)")
+    export.add_argument("--with-request-bodies", action="store_true",
+                        help="also put in the front door's recorded request bodies (front.record), exact and not "
+                             "redacted: the archive then holds users' words (left out by default)")
     export.add_argument("--out", metavar="DIR|FILE.tar.gz",
                         help="a directory (created with its parents if missing), or a new FILE.tar.gz "
                              "(default: beside the bundle)")

@@ -554,11 +554,13 @@ class InstanceWatcher:
             log.warning("%s: %s: not the server; it is not captured, signalled or passed to a hook", self.name, stranger)
         self._change(Event.VERDICT)  # the policy's failure() made it hung
         self.shared.notifier.fire("verdict", inc.to_dict())
+        recorded = self.door.recorded() if self.door is not None else None  # front.record: before they are failed
+        recorded_at = self.shared.clock.monotonic()
         front_requests = self._front_at_verdict()
 
         self._change(Event.CAPTURING, self.detect.capturing())
         await self._end_linger()  # the capture makes its own probe
-        await self._capture(inc, server, front_requests)
+        await self._capture(inc, server, front_requests, recorded, recorded_at)
         if self.inst.restart.method == "none":
             log.warning("%s: restart method is none: waiting for it to recover by itself", self.name)
             self._change(Event.AWAITING_RECOVERY, self.detect.awaiting_recovery())
@@ -633,7 +635,8 @@ class InstanceWatcher:
         return found
 
     async def _capture(self, inc: Incident, server: ProcessIdentity | None,
-                       front_requests: list[dict] | None = None) -> None:
+                       front_requests: list[dict] | None = None, recorded: tuple | None = None,
+                       recorded_at: float | None = None) -> None:
         cap, p = self.shared.capture, self.inst.probe
         group = await self._group_of(server)
         request = CaptureRequest(
@@ -644,7 +647,7 @@ class InstanceWatcher:
             prior_probes=[r.to_dict() for r in self.failed_reports],
             keep=cap.keep, max_bytes=cap.max_bytes, keep_days=cap.keep_days, min_free_bytes=cap.min_free_bytes,
             verdict=_verdict_text(self.failed_reports, inc.stranger), front_requests=front_requests, group=group,
-            kernel=self.inst.kernel != "off",
+            kernel=self.inst.kernel != "off", recorded=recorded, recorded_at=recorded_at,
         )
         try:
             bundle = await self.shared.capture_fn(request)
