@@ -5,8 +5,9 @@ still hangs the server, or the sequence without one part, is the new sequence; e
 finer. Each trial starts a fresh server from the recorded command line (the prompt cache is
 part of a trigger, so a server that served the last trial would lie) and replays the candidate
 with the recorded timing, judged by the daemon's rules (``session``). Before the search, one
-trial replays everything: the hang must come back at all, and requests sent after delivery had
-stopped cannot have caused it, so they are dropped at once. Then, request by request, the
+trial replays everything: the hang must come back at all. Requests sent after delivery stopped
+are then dropped in one trial, if the hang still comes back without them (delivery may stop
+before the trigger arrives, a quiet stretch between answers, so this is tried, not assumed). Then, request by request, the
 ``messages`` of a chat body are shrunk the same way (the body re-encoded as JSON; every other
 field kept). Trials are bounded in count and in time; the best sequence found so far stands
 when either runs out::
@@ -121,8 +122,9 @@ async def shrink(plan: Plan, opts: ReplayOptions, budget: Budget, *, startup_tim
             found.reproduced = False
             return found
         last = trials[-1].after_seq
-        if last is not None:  # sent after delivery stopped: no part of the cause
-            requests = [r for r in requests if r.seq <= last]
+        prefix = [r for r in requests if last is not None and r.seq <= last]
+        if prefix and len(prefix) < len(requests) and await attempt(prefix, f"up to #{last}"):
+            requests = prefix  # those sent after delivery stopped were no part of it
             found.requests = tuple(requests)
         def smaller(candidate: list[StoredRequest]) -> None:
             found.requests = tuple(candidate)
