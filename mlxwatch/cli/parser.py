@@ -139,6 +139,28 @@ def build_parser() -> argparse.ArgumentParser:
                           "(default: capture.stacks, else auto)")
     cap.add_argument("--json", action="store_true", help="print the manifest as JSON, no progress display")
 
+    bundle = sub.add_parser("bundle", help="list, show or export evidence bundles",
+                            description="List, show or export evidence bundles.")
+    bundle_sub = bundle.add_subparsers(dest="bundle_command", metavar="SUBCOMMAND", required=True, parser_class=_Parser)
+    listing = _leaf(bundle_sub, "list", "list bundles, newest first")
+    listing.add_argument("--dir", metavar="DIR", help="where to look (default: capture.dir, else <state dir>/bundles)")
+    listing.add_argument("--instance", metavar="NAME", help="only this instance's bundles")
+    listing.add_argument("--json", action="store_true", help="print the list as JSON")
+    show = _leaf(bundle_sub, "show", "print a bundle's summary (a directory, a .tar.gz, or a name from bundle list)")
+    show.add_argument("bundle", metavar="BUNDLE", help="bundle directory, exported .tar.gz, or bundle name")
+    show.add_argument("--json", action="store_true", help="print the manifest as JSON instead")
+    export = _leaf(bundle_sub, "export", "write a bundle as a .tar.gz (never overwrites)")
+    export.add_argument("bundle", metavar="BUNDLE", help="bundle directory or bundle name")
+    export.add_argument("--redact", action=argparse.BooleanOptionalAction, default=True,
+                        help="remove secrets, message contents, environment values and home paths, for a public "
+                             "issue (the default); --no-redact exports the bundle as captured (keep it private)")
+    export.add_argument("--with-request-bodies", action="store_true",
+                        help="also put in the front door's recorded request bodies (front.record), exact and not "
+                             "redacted: the archive then holds users' words (left out by default)")
+    export.add_argument("--out", metavar="DIR|FILE.tar.gz",
+                        help="a directory (created with its parents if missing), or a new FILE.tar.gz "
+                             "(default: beside the bundle)")
+
     rep = _leaf(sub, "replay", "send a bundle's recorded requests again and say whether the hang came back; "
                                "exit 0 it did, 1 it did not, 2 could not run")
     rep.add_argument("bundle", metavar="BUNDLE", help="a bundle directory holding recorded requests (front.record)")
@@ -170,28 +192,6 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("--max-time", type=_duration_arg, metavar="DURATION",
                      help=f"--shrink: at most this long in all (default {d(_BUDGET.seconds)})")
     rep.add_argument("--json", action="store_true", help="print the result as JSON (no progress lines)")
-
-    bundle = sub.add_parser("bundle", help="list, show or export evidence bundles",
-                            description="List, show or export evidence bundles.")
-    bundle_sub = bundle.add_subparsers(dest="bundle_command", metavar="SUBCOMMAND", required=True, parser_class=_Parser)
-    listing = _leaf(bundle_sub, "list", "list bundles, newest first")
-    listing.add_argument("--dir", metavar="DIR", help="where to look (default: capture.dir, else <state dir>/bundles)")
-    listing.add_argument("--instance", metavar="NAME", help="only this instance's bundles")
-    listing.add_argument("--json", action="store_true", help="print the list as JSON")
-    show = _leaf(bundle_sub, "show", "print a bundle's summary (a directory, a .tar.gz, or a name from bundle list)")
-    show.add_argument("bundle", metavar="BUNDLE", help="bundle directory, exported .tar.gz, or bundle name")
-    show.add_argument("--json", action="store_true", help="print the manifest as JSON instead")
-    export = _leaf(bundle_sub, "export", "write a bundle as a .tar.gz (never overwrites)")
-    export.add_argument("bundle", metavar="BUNDLE", help="bundle directory or bundle name")
-    export.add_argument("--redact", action=argparse.BooleanOptionalAction, default=True,
-                        help="remove secrets, message contents, environment values and home paths, for a public "
-                             "issue (the default); --no-redact exports the bundle as captured (keep it private)")
-    export.add_argument("--with-request-bodies", action="store_true",
-                        help="also put in the front door's recorded request bodies (front.record), exact and not "
-                             "redacted: the archive then holds users' words (left out by default)")
-    export.add_argument("--out", metavar="DIR|FILE.tar.gz",
-                        help="a directory (created with its parents if missing), or a new FILE.tar.gz "
-                             "(default: beside the bundle)")
 
     run_p = _leaf(sub, "run", "run the watchdog daemon in the foreground")
     run_p.add_argument("--state-dir", metavar="DIR", help="journal and state (default: config state_dir, else the platform's)")
