@@ -116,6 +116,7 @@ async def _round(door: FrontDoor, client: httpx.AsyncClient, base: str, url: str
     detection.success()  # the server answered before the replay began (or the user says it serves)
     source = DoorSource(door=lambda: door, stall_timeout=lambda: opts.stall_timeout,
                         first_token_timeout=lambda: opts.first_token_timeout)
+    probed: set[object] = set()  # stall episodes a probe has answered: one probe per episode, as the daemon
     sending = loop.create_task(sender())
     probe_client = make_client()
     try:
@@ -125,7 +126,7 @@ async def _round(door: FrontDoor, client: httpx.AsyncClient, base: str, url: str
                                 and a.error == wire.UNREACHABLE), None)
             if unreachable is not None:
                 return ReplayOutcome(False, "", len(sent_at), 1, unreachable=f"the server at {url} did not answer")
-            verdict = await _judge(door, probe_client, url, opts, detection, source)
+            verdict = await _judge(door, probe_client, url, opts, detection, source, probed)
             if verdict is not None:
                 reason, quiet_since = verdict
                 recorded, recorded_at = door.recorded() or (), time.monotonic()
@@ -153,12 +154,13 @@ def _unanswered(tasks: list[asyncio.Task[Answer]], sent_at: dict[int, float]) ->
 
 
 async def _judge(door: FrontDoor, client: httpx.AsyncClient, url: str, opts: ReplayOptions, detection: Detection,
-                 source: DoorSource) -> tuple[str, float] | None:
+                 source: DoorSource, probed: set[object]) -> tuple[str, float] | None:
     """The daemon's decision on what the door sees now: a (reason, quiet since) verdict, or None."""
     now = time.monotonic()
     stall = stall_of(door.view(), now, opts.stall_timeout)
-    if stall is None:
+    if stall is None or stall.key in probed:
         return None
+    probed.add(stall.key)
     detection.suspect()
     detection.stall_seen()  # the stall is the first failure: the probe that follows decides
     report = await run_check(client, url, first_token_timeout=min(opts.stall_timeout, opts.first_token_timeout),
