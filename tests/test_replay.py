@@ -184,3 +184,15 @@ async def test_ddmin_finds_the_pair_and_stays_within_the_order():
 
     assert await ddmin(list(range(20)), hangs) == [8, 11]
     assert all(c == sorted(c) for c in calls) and len(calls) <= 30
+
+
+def test_shrinking_messages_keeps_every_other_field_of_the_body():
+    from mlxwatch.capture.requests import StoredRequest
+    from mlxwatch.replay.shrink import _with_messages
+
+    body = json.dumps({"model": "m", "messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "u"},
+                                                  {"role": "user", "content": "\u00e9"}], "stream": True}).encode()
+    req = StoredRequest(3, 0.5, "POST", "/v1/chat/completions", (), body, False, {})
+    shrunk = json.loads(_with_messages(req, [0, 2]).body)
+    assert shrunk == {"model": "m", "messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "\u00e9"}],
+                      "stream": True}

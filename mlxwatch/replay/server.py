@@ -28,7 +28,8 @@ READY_POLL = 0.25  # seconds between readiness checks of a starting server
 STOP_GRACE = 5.0  # SIGTERM -> SIGKILL
 
 
-def free_port() -> int:
+def _loopback_port() -> int:
+    """A loopback port free a moment ago, for a launched server."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
@@ -85,7 +86,7 @@ def launch(cmdline: list[str], *, cwd: str | None, startup_timeout: float, log_d
     ReplayError, the process ended, if it exits or does not answer within ``startup_timeout``."""
     if not cmdline:
         raise ReplayError("the bundle records no server command line (manifest target.cmdline): give --to URL")
-    port = free_port()
+    port = _loopback_port()
     argv = on_port(cmdline, port)
     where = Path(tempfile.mkdtemp(prefix="mlxwatch-replay-", dir=log_dir))
     log_path = where / "server.log"
