@@ -28,7 +28,9 @@ import hashlib
 import json
 import os
 import shutil
+import statistics
 import tempfile
+import time
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -65,7 +67,37 @@ def cost(work: Path, repeats: int, seconds: float) -> dict[str, Any]:
         {"goal": "added p99 gap <= 1 ms (64 streams)", "measured": gap, "met": gap <= 1.0},
         {"goal": "added first token <= 1 ms (every stream count)", "measured": ttft, "met": ttft <= 1.0},
     ]
-    return {"summary": summ, "goals": goals}
+    own = {}  # what the recorder adds to the door itself: door+record minus door, paired per repeat
+    for n, by_kind in res["runs"].items():
+        door = {c["repeat"]: c for c in by_kind["door"]}
+        pairs = [(c, door[c["repeat"]]) for c in by_kind["door+record"] if c["repeat"] in door]
+        own[n] = {key: statistics.median([c[key] - d[key] for c, d in pairs])
+                  for key in ("ttft_median_ms", "gap_p99_ms", "tokens_per_s")}
+    return {"summary": summ, "goals": goals, "recorder_over_door": own}
+
+
+def per_request(n: int = 100_000) -> dict[str, Any]:
+    """The recorder's own work per request, alone (no I/O, no event loop): what the door adds to
+    each request when recording, measured without the machine's scheduling noise."""
+    import timeit
+
+    from mlxwatch.front.delivery import RequestView
+    from mlxwatch.front.recorder import Recorder
+
+    rec = Recorder(600.0, 256 * 2**20, monotonic=time.monotonic, wall=time.time)
+    headers = [("Content-Type", "application/json"), ("Authorization", "Bearer x"), ("User-Agent", "openai/1"),
+               ("Accept", "*/*"), ("X-Stainless-Lang", "python")]
+    body = b'{"messages": [{"role": "user", "content": "hi"}], "stream": true}'
+    counter = iter(range(10**9))
+
+    def one() -> None:
+        fid = f"r{next(counter)}"
+        rec.arrived(fid, "c1 127.0.0.1:5000", "POST", "/v1/chat/completions", headers, body, stream=True, max_tokens=64)
+        rec.ended(RequestView(fid, "POST", "/v1/chat/completions", 0.0, True, 64, len(body), 0.1, 0.5, 50, 5000), "ok",
+                  status=200, finish_reason="stop", client_gone=False)
+
+    best = min(timeit.repeat(one, number=n, repeat=3)) / n
+    return {"us_per_request": best * 1e6, "requests": n}
 
 
 # --- memory -------------------------------------------------------------------------------------
@@ -283,6 +315,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     try:
         if "cost" in parts:
             data["cost"] = cost(work, args.repeats, args.seconds)
+        if "cost" in parts or "micro" in parts:
+            data["micro"] = per_request()
         if "memory" in parts:
             data["memory"] = asyncio.run(_memory(64 * 2**20, 512, 4))
         if "fidelity" in parts:
@@ -304,6 +338,8 @@ def render(data: dict[str, Any]) -> str:
     out = [SECTION, "", f"{data['date']}, commit {data['commit']}, load average {data['load_before']} before and "
            f"{data['load_after']} after (2 shared cores, other engineers' tests running: a loaded machine). "
            "`python -m bench.replay` (bench/replay.py).", ""]
+    if data.get("machine_note"):
+        out += [data["machine_note"], ""]
     if "cost" in data:
         out += ["**The recorder's cost** (the door with `front.record: true` against the door without it and "
                 "direct; the stand-in at 50 tok/s per stream, medians over repeats, paired with direct):", "",
@@ -315,6 +351,17 @@ def render(data: dict[str, Any]) -> str:
                            f"{r['added_gap_p99_ms']:+.2f} |")
         out += [""] + [f"- {g['goal']}: {g['measured']:.3f}: {'met' if g['met'] else 'MISSED'}"
                        for g in data["cost"]["goals"]] + [""]
+        own = data["cost"].get("recorder_over_door") or {}
+        if own:
+            out += ["The recorder's own share (the door with it minus the door without it, paired per repeat; "
+                    "at this load the cells' own jitter is several ms, far above either):", ""]
+            out += [f"- {n} stream(s): first token {o['ttft_median_ms']:+.2f} ms, p99 gap {o['gap_p99_ms']:+.2f} ms, "
+                    f"{o['tokens_per_s']:+.1f} tok/s" for n, o in own.items()] + [""]
+    if "micro" in data:
+        out += [f"**The recorder's own work per request**, alone (arrival and end recorded, no I/O; best of 3 x "
+                f"{data['micro']['requests']:,}, at load average {data['micro'].get('load_average')}): "
+                f"{data['micro']['us_per_request']:.1f} µs, against the 1 ms the door's goal allows it to add to a "
+                "first token; it is not in a token's path (nothing per chunk).", ""]
     if "memory" in data:
         m = data["memory"]
         out += [f"**Memory at the bound**: `record_max_bytes` {m['bound_mb']:g} MiB, {m['body_kib']} KiB requests "

@@ -67,8 +67,12 @@ class RecordedRequest:
 
 @dataclass
 class _Entry:
+    """A request as it arrived, and what came back, set in place at its end (the frozen
+    ``RecordedRequest`` is made only when someone reads the recorder: arrivals stay cheap)."""
+
     request: RecordedRequest
     size: int
+    end: tuple[int | None, float | None, float | None, int, str | None, str, bool, float] | None = None
 
 
 class Recorder:
@@ -83,6 +87,7 @@ class Recorder:
         self._by_id: dict[str, _Entry] = {}
         self._seq = 0
         self._held = 0
+        self._credential: dict[str, bool] = {}  # header name -> is a credential (names repeat: one regex each)
         self.dropped = 0  # requests let go before their time: over max_bytes (or one larger than it)
 
     @property
@@ -99,15 +104,26 @@ class Recorder:
     def arrived(self, fid: str, connection: str, method: str, target: str, headers: list[tuple[str, str]],
                 body: bytes, *, stream: bool, max_tokens: int | None) -> bool:
         """Record a request as it arrives; False when it alone is larger than ``max_bytes``."""
-        kept = tuple((k, v) for k, v in headers if not CREDENTIAL.search(k))
-        dropped = tuple(k for k, v in headers if CREDENTIAL.search(k))
-        size = len(body) + len(target) + sum(len(k) + len(v) for k, v in kept) + ENTRY_OVERHEAD
+        kept: list[tuple[str, str]] = []
+        dropped: list[str] = []
+        size = len(body) + len(target) + ENTRY_OVERHEAD
+        for k, v in headers:
+            secret = self._credential.get(k)
+            if secret is None:
+                if len(self._credential) > 1000:  # names a client invents per request: bounded
+                    self._credential.clear()
+                secret = self._credential[k] = CREDENTIAL.search(k) is not None
+            if secret:
+                dropped.append(k)
+            else:
+                kept.append((k, v))
+                size += len(k) + len(v)
         self._seq += 1
         if size > self.max_bytes:
             self.dropped += 1
             return False
         entry = _Entry(RecordedRequest(self._seq, fid, self._wall(), self._monotonic(), connection, method, target,
-                                       stream, max_tokens, kept, dropped, body), size)
+                                       stream, max_tokens, tuple(kept), tuple(dropped), body), size)
         self._entries.append(entry)
         self._by_id[fid] = entry
         self._held += size
@@ -120,10 +136,8 @@ class Recorder:
         entry = self._by_id.get(view.id)
         if entry is None:
             return
-        entry.request = replace(entry.request, status=status, first_token_mono=view.first_token_mono,
-                                last_token_mono=view.last_token_mono, tokens=view.tokens,
-                                finish_reason=finish_reason, outcome=outcome, client_gone=client_gone,
-                                ended_mono=self._monotonic())
+        entry.end = (status, view.first_token_mono, view.last_token_mono, view.tokens, finish_reason, outcome,
+                     client_gone, self._monotonic())
         del self._by_id[view.id]
 
     def trim(self) -> None:
@@ -147,8 +161,11 @@ class Recorder:
             req = entry.request
             if until is not None and req.arrived_mono > until:
                 break
-            now = live.get(req.id) if req.in_flight else None
-            if now is not None:
+            if entry.end is not None:
+                status, first, last, tokens, finish, outcome, gone, ended = entry.end
+                req = replace(req, status=status, first_token_mono=first, last_token_mono=last, tokens=tokens,
+                              finish_reason=finish, outcome=outcome, client_gone=gone, ended_mono=ended)
+            elif (now := live.get(req.id)) is not None:
                 req = replace(req, first_token_mono=now.first_token_mono, last_token_mono=now.last_token_mono,
                               tokens=now.tokens)
             out.append(req)
