@@ -59,7 +59,7 @@ def render_shrunk(out: Console, found: Shrunk, final: ReplayReport | None, *, as
     for req in found.requests:
         d = describe(req)
         prompt = f"prompt {d['prompt_chars']} chars" if "prompt_chars" in d else f"{d.get('body_bytes')} bytes"
-        _say(out, f"  #{d['seq']} at +{d['t']:g}s {d['method']} {d['target']}: {prompt}, "
+        _say(out, f"  #{d['seq']} at +{d['t']:.2f}s {d['method']} {d['target']}: {prompt}, "
                   f"stream {str(d.get('stream')).lower()}, max_tokens {d.get('max_tokens')}")
     if final is None:
         return
