@@ -196,3 +196,8 @@ def test_shrinking_messages_keeps_every_other_field_of_the_body():
     shrunk = json.loads(_with_messages(req, [0, 2]).body)
     assert shrunk == {"model": "m", "messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "\u00e9"}],
                       "stream": True}
+
+
+def test_a_refusal_names_the_command_once(tmp_path, capsys):
+    code, _, err = _cli(["replay", str(tmp_path / "nope"), "--launch"], capsys)
+    assert code == 2 and err.strip() == f"mlxwatch: replay: {tmp_path / 'nope'} is not a bundle directory"

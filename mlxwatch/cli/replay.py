@@ -30,7 +30,7 @@ def cmd_replay(args: argparse.Namespace, out: Console) -> int:
     except (MlxwatchError, OSError) as exc:
         where = f"{exc.filename}: " if isinstance(exc, OSError) and exc.filename else ""
         text = f"{where}{exc.strerror or exc}" if isinstance(exc, OSError) else str(exc)
-        err.print(f"mlxwatch: replay: {text}", markup=False)
+        err.print(f"mlxwatch: {text if text.startswith('replay: ') else 'replay: ' + text}", markup=False)
         return EXIT_USAGE
     except (KeyboardInterrupt, BrokenPipeError):
         raise
