@@ -42,8 +42,6 @@ from bench.common import OLD_PYTHON, TEST_PYTHON, git_commit, load_average, log,
 from bench.front_perf import Proc, _role_argv, _wait_ready, measure
 
 SECTION = "## Replay (issue 35): the recorder's cost and memory, replay fidelity, shrink"
-MARK_A, MARK_B = "zebra-cache-primer", "quokka-long-stream"
-A_AT, B_AT, GAP = 9, 12, 0.25
 
 
 # --- cost ---------------------------------------------------------------------------------------
@@ -222,61 +220,20 @@ async def _fidelity(work: Path) -> dict[str, Any]:
 
 # --- shrink -------------------------------------------------------------------------------------
 
-def _lab_body(i: int) -> bytes:
-    if i == A_AT:
-        content, stream = f"Prime the cache: {MARK_A}.", False
-    elif i == B_AT:
-        content, stream = f"Now the long one: {MARK_B}. Tell me a story.", True
-    else:
-        content, stream = f"Question {i}: name a colour.", i % 2 == 0
-    return json.dumps({"messages": [{"role": "user", "content": content}], "max_tokens": 3, "stream": stream,
-                       "temperature": 0.0}).encode()
-
-
 async def _record_lab(python: str, work: Path) -> Path:
+    from lab.sequence import FAULT, record_hang
     from lab.server import LabServer
 
-    from mlxwatch.capture import CaptureRequest, capture_bundle
-    from mlxwatch.config import FrontConfig
-    from mlxwatch.front import FrontDoor
-
     lab = LabServer.start(python, work / "lab")
-    lab.set_fault(f"sequence {MARK_A} {MARK_B} 5")
-    door = FrontDoor("lab", lab.url, FrontConfig(listen=("127.0.0.1", 0), record=True))
-    await door.start()
     try:
-        host, port = door.address
-        client = httpx.AsyncClient(trust_env=False, timeout=30)
-        tasks = []
-
-        async def one(i: int) -> None:
-            try:
-                async with client.stream("POST", f"http://{host}:{port}/v1/chat/completions", content=_lab_body(i),
-                                         headers={"Content-Type": "application/json"}) as r:
-                    async for _ in r.aiter_raw():
-                        pass
-            except httpx.HTTPError:
-                pass
-
-        for i in range(1, 21):
-            tasks.append(asyncio.create_task(one(i)))
-            await asyncio.sleep(GAP)
-        await asyncio.sleep(2.0)
-        bundle = await capture_bundle(CaptureRequest(pid=lab.pid, out_dir=work / "bundles", label="lab", url=lab.url,
-                                                     snapshots=1, spacing=0.1, ceiling=20.0, recorded=door.recorded(),
-                                                     probe_first_token_timeout=1.0))
-        if bundle.lingering is not None:
-            bundle.lingering.cancel()
-        door.fail_in_flight("bench over")
-        await asyncio.gather(*tasks, return_exceptions=True)
-        await client.aclose()
-        return bundle.path
+        lab.set_fault(FAULT)
+        return await record_hang(lab.url, lab.pid, work / "bundles")
     finally:
-        await door.stop(drain=0.5)
         lab.stop()
 
 
 def shrink_lab(python: str, work: Path) -> dict[str, Any]:
+    from lab.sequence import A_AT, B_AT, FAULT
     from lab.server import LabServer, server_version
 
     from mlxwatch.replay.options import Budget, ReplayOptions
@@ -287,7 +244,7 @@ def shrink_lab(python: str, work: Path) -> dict[str, Any]:
     bundle = asyncio.run(_record_lab(python, work / version))
     lab = LabServer.load(work / version / "lab")
     fault = work / version / "fault-replay"
-    fault.write_text(f"sequence {MARK_A} {MARK_B} 5")
+    fault.write_text(FAULT)
     saved = dict(os.environ)
     os.environ.update({**lab.environment(), "MLXWATCH_FAULT_FILE": str(fault)})
     try:

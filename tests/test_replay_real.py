@@ -12,76 +12,31 @@ from __future__ import annotations
 
 import asyncio
 import io
-import json
 import logging
 from pathlib import Path
 
-import httpx
 import pytest
 from rich.console import Console
 
-from mlxwatch.capture import CaptureRequest, capture_bundle
 from mlxwatch.capture.requests import load_requests
 from mlxwatch.cli.app import run
 from mlxwatch.config import CaptureConfig, Config, FrontConfig, InstanceConfig, ProbeConfig, RestartConfig
-from mlxwatch.front import FrontDoor
 from mlxwatch.journal.incidents import Journal
 from lab.daemon import run_daemon_until
 from lab.ports import free_port
+from lab.sequence import A_AT, B_AT, FAULT, MARK_A, MARK_B, body, record_hang, send_twenty
 from lab.server import LabServer
 
-MARK_A, MARK_B = "zebra-cache-primer", "quokka-long-stream"
 PROBE = ProbeConfig(interval=3.0, suspect_interval=1.0, first_token_timeout=4.0, timeout=8.0, failures=2,
                     grace_ceiling=30.0, endpoint_timeout=2.0, startup_timeout=90.0)
-GAP = 0.25  # seconds between the recorded requests: each is answered before the next (the tiny model)
-A_AT, B_AT = 9, 12  # which of the 20 carry the markers (1-based): B 3 requests (0.75 s) after A
 STALL = "1.5s"  # the replay's stall timeout: the tiny model answers in well under a second
-
-
-def body(i: int) -> bytes:
-    if i == A_AT:
-        content, stream = f"Prime the cache: {MARK_A}.", False
-    elif i == B_AT:
-        content, stream = f"Now the long one: {MARK_B}. Tell me a story.", True
-    else:
-        content, stream = f"Question {i}: name a colour.", i % 2 == 0
-    return json.dumps({"messages": [{"role": "user", "content": content}], "max_tokens": 3, "stream": stream,
-                       "temperature": 0.0}).encode()
-
-
-async def send_twenty(base: str) -> list[asyncio.Task]:
-    """The 20 requests at GAP intervals, each left to end on its own (those after the hang hang)."""
-    client = httpx.AsyncClient(trust_env=False, timeout=60.0)
-    tasks = []
-
-    async def one(i: int) -> None:
-        try:
-            async with client.stream("POST", base + "/v1/chat/completions", content=body(i),
-                                     headers={"Content-Type": "application/json"}) as response:
-                async for _ in response.aiter_raw():
-                    pass
-        except httpx.HTTPError:
-            pass
-
-    for i in range(1, 21):
-        tasks.append(asyncio.create_task(one(i)))
-        await asyncio.sleep(GAP)
-    tasks.append(asyncio.create_task(_close_after(client, tasks[:])))
-    return tasks
-
-
-async def _close_after(client: httpx.AsyncClient, tasks: list[asyncio.Task]) -> None:
-    try:
-        await asyncio.gather(*tasks)
-    finally:
-        await client.aclose()
 
 
 def fault_env(monkeypatch: pytest.MonkeyPatch, lab: LabServer, tmp_path: Path) -> None:
     """This process's environment as the lab server's, the sequence fault in a control file of
     this test's: what a server the replay launches inherits."""
     fault = tmp_path / "fault"
-    fault.write_text(f"sequence {MARK_A} {MARK_B} 5")
+    fault.write_text(FAULT)
     for key, value in {**lab.environment(), "MLXWATCH_FAULT_FILE": str(fault)}.items():
         monkeypatch.setenv(key, value)
 
@@ -94,7 +49,7 @@ def cli(argv: list[str]) -> tuple[int, str]:
 
 def test_the_daemon_records_the_sequence_and_replay_launch_brings_the_hang_back(lab, tmp_path, monkeypatch, caplog):
     caplog.set_level(logging.DEBUG)
-    lab.set_fault(f"sequence {MARK_A} {MARK_B} 5")
+    lab.set_fault(FAULT)
     front = FrontConfig(listen=("127.0.0.1", free_port()), stall_timeout=2.0, record=True)
     inst = InstanceConfig("lab", lab.url, lab.log_path, lab.pid_file, PROBE, RestartConfig(), "off", front)
     config = Config(None, (inst,), tmp_path / "state", (), CaptureConfig(snapshots=2, spacing=0.5, ceiling=20.0,
@@ -135,28 +90,9 @@ def test_the_daemon_records_the_sequence_and_replay_launch_brings_the_hang_back(
 @pytest.mark.newest_server_only
 def test_shrink_finds_the_pair_among_twenty(lab, tmp_path, monkeypatch):
     """Recorded through a door of the test's own (no daemon), captured, then shrunk: the pair."""
-    lab.set_fault(f"sequence {MARK_A} {MARK_B} 5")
+    lab.set_fault(FAULT)
 
-    async def record() -> Path:
-        door = FrontDoor("lab", lab.url, FrontConfig(listen=("127.0.0.1", 0), record=True))
-        await door.start()
-        try:
-            host, port = door.address
-            tasks = await send_twenty(f"http://{host}:{port}")
-            await asyncio.sleep(2.0)  # the last ones are in flight (hung)
-            recorded = door.recorded()
-            bundle = await capture_bundle(CaptureRequest(pid=lab.pid, out_dir=tmp_path / "bundles", label="lab",
-                                                         url=lab.url, snapshots=1, spacing=0.1, ceiling=20.0,
-                                                         recorded=recorded, probe_first_token_timeout=1.0))
-            if bundle.lingering is not None:
-                bundle.lingering.cancel()
-            door.fail_in_flight("test over")
-            await asyncio.gather(*tasks, return_exceptions=True)
-            return bundle.path
-        finally:
-            await door.stop(drain=0.5)
-
-    bundle = asyncio.run(record())
+    bundle = asyncio.run(record_hang(lab.url, lab.pid, tmp_path / "bundles"))
     lab.relaunch()
     fault_env(monkeypatch, lab, tmp_path)
     code, out = cli(["replay", str(bundle), "--shrink", "--stall-timeout", STALL, "--max-trials", "40",
