@@ -201,3 +201,21 @@ def test_shrinking_messages_keeps_every_other_field_of_the_body():
 def test_a_refusal_names_the_command_once(tmp_path, capsys):
     code, _, err = _cli(["replay", str(tmp_path / "nope"), "--launch"], capsys)
     assert code == 2 and err.strip() == f"mlxwatch: replay: {tmp_path / 'nope'} is not a bundle directory"
+
+
+def test_a_launched_server_that_exits_at_start_is_could_not_run(tmp_path, capsys):
+    """--launch with a recorded command that ends at once: exit 2, one line naming its log."""
+    import shutil
+    import sys
+
+    bundle = _bundle(tmp_path)
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    manifest["target"]["cmdline"] = [sys.executable, "-c", "import sys; print('no model'); sys.exit(3)"]
+    (bundle / "manifest.json").write_text(json.dumps(manifest))
+    code, out, err = _cli(["replay", str(bundle), "--launch"], capsys)
+    last = err.strip().splitlines()[-1]  # after the progress line that says what is being replayed
+    assert (code, out) == (2, "") and last.startswith("mlxwatch: replay: the launched server exited during its start "
+                                                      "(code 3); see ")
+    log = Path(last.rsplit("see ", 1)[1])
+    assert log.read_text().strip() == "no model"
+    shutil.rmtree(log.parent)

@@ -13,6 +13,7 @@ one per trial. Only the PID started here is ever signalled, by its ``Popen``::
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import subprocess
 import tempfile
@@ -69,15 +70,20 @@ class LaunchedServer:
     def alive(self) -> bool:
         return self._popen.poll() is None
 
-    def stop(self) -> None:
-        """SIGTERM our child, SIGKILL after STOP_GRACE; reaped either way."""
-        if self._popen.poll() is None:
-            self._popen.terminate()
-            try:
-                self._popen.wait(STOP_GRACE)
-            except subprocess.TimeoutExpired:
-                self._popen.kill()
-                self._popen.wait(10)
+    def stop(self, keep_log: bool = False) -> None:
+        """SIGTERM our child, SIGKILL after STOP_GRACE; reaped either way. Its log's directory
+        goes with it, unless ``keep_log`` (a start that failed names the log to read)."""
+        try:
+            if self._popen.poll() is None:
+                self._popen.terminate()
+                try:
+                    self._popen.wait(STOP_GRACE)
+                except subprocess.TimeoutExpired:
+                    self._popen.kill()
+                    self._popen.wait(10)
+        finally:
+            if not keep_log:
+                shutil.rmtree(self.log_path.parent, ignore_errors=True)
 
 
 def launch(cmdline: list[str], *, cwd: str | None, startup_timeout: float, log_dir: Path | None = None) -> LaunchedServer:
@@ -97,10 +103,14 @@ def launch(cmdline: list[str], *, cwd: str | None, startup_timeout: float, log_d
             popen = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=cwd,
                                      start_new_session=True)
     except OSError as exc:
+        shutil.rmtree(where, ignore_errors=True)
         raise ReplayError(f"cannot start the recorded server command {argv[0]}: {exc.strerror or exc}") from None
     server = LaunchedServer(argv, f"http://127.0.0.1:{port}", log_path, popen)
     try:
         _wait_ready(server, startup_timeout)
+    except ReplayError:
+        server.stop(keep_log=True)  # the error names the log
+        raise
     except BaseException:
         server.stop()
         raise
