@@ -49,9 +49,13 @@ async def test_the_bundle_keeps_the_recorded_requests_private_exact_and_in_order
     for path in (bundle.path / "requests").iterdir():
         assert stat.S_IMODE(path.stat().st_mode) == 0o600
     entry = bundle.manifest["requests"]
-    assert [r["seq"] for r in entry["in_flight"]] == [4, 5] and [r["seq"] for r in entry["just_before"]] == [1, 2, 3]
+    # delivery stopped when #4 arrived (104.0: the last token, #3's, came at 103.7): #4 was being
+    # worked on, #5 came after
+    assert [r["seq"] for r in entry["in_flight"]] == [4] and [r["seq"] for r in entry["arrived_after"]] == [5]
+    assert [r["seq"] for r in entry["just_before"]] == [1, 2, 3] and entry["stopped_s_before_verdict"] == 3.0
     summary = (bundle.path / "summary.md").read_text()
-    assert "The server was working on these when delivery stopped:" in summary
+    assert "The server was working on these when delivery stopped (3s before the verdict):\n- #4 " in summary
+    assert "Arrived after delivery had stopped (waiting at the verdict):\n- #5 " in summary
     assert ("- #5 `/v1/chat/completions` 2s before the verdict: prompt 31 chars in 1 message(s), max_tokens 50, "
             "stream true, sampling temperature=0.5, seed=5; 0 token(s) delivered") in summary
     assert SECRET_WORDS not in summary and SECRET_WORDS not in json.dumps(bundle.manifest)

@@ -95,12 +95,25 @@ def index_entries(recorded: Sequence[RecordedRequest]) -> list[dict[str, Any]]:
     } for r in recorded]
 
 
+def delivery_stopped(recorded: Sequence[RecordedRequest]) -> float | None:
+    """When delivery stopped, by the door's rule (``evidence.door.quiet_start``): the later of
+    the last token to anyone and the oldest request still waiting; None with none waiting."""
+    waiting = [r.arrived_mono for r in recorded if r.in_flight]
+    if not waiting:
+        return None
+    tokens = [r.last_token_mono for r in recorded if r.last_token_mono is not None]
+    return max(min(waiting), max(tokens)) if tokens else min(waiting)
+
+
 def manifest_entry(recorded: Sequence[RecordedRequest], at_verdict: float) -> dict[str, Any]:
-    """The manifest's ``requests``: how many, and the requests the server was working on when
-    delivery stopped (in flight at the verdict) and the ones just before them, described
-    without their words."""
-    working = [r for r in recorded if r.in_flight]
-    first = working[0].seq if working else None
+    """The manifest's ``requests``: how many, the requests the server was working on when
+    delivery stopped (in flight at the verdict, arrived by then), those that came after it (in
+    flight, waiting) and the ones just before, described without their words."""
+    stopped = delivery_stopped(recorded)
+    in_flight = [r for r in recorded if r.in_flight]
+    working = [r for r in in_flight if stopped is None or r.arrived_mono <= stopped]
+    after = [r for r in in_flight if r not in working]
+    first = in_flight[0].seq if in_flight else None
     before = [r for r in recorded if not r.in_flight and (first is None or r.seq < first)][-JUST_BEFORE:]
 
     def named(r: RecordedRequest) -> dict[str, Any]:
@@ -109,7 +122,9 @@ def manifest_entry(recorded: Sequence[RecordedRequest], at_verdict: float) -> di
 
     return {"recorded": len(recorded), "index": INDEX, "bodies": len(recorded),
             "bytes": sum(len(r.body) for r in recorded),
-            "in_flight": [named(r) for r in working], "just_before": [named(r) for r in before]}
+            "stopped_s_before_verdict": None if stopped is None else round(at_verdict - stopped, 3),
+            "in_flight": [named(r) for r in working], "arrived_after": [named(r) for r in after],
+            "just_before": [named(r) for r in before]}
 
 
 def summary_lines(entry: dict[str, Any] | None) -> list[str]:
@@ -130,9 +145,14 @@ def summary_lines(entry: dict[str, Any] | None) -> list[str]:
                 f"{r.get('tokens', 0)} token(s) delivered" + (f", {r['outcome']}" if r.get("outcome") else ""))
 
     working = entry.get("in_flight") or []
-    out += ["", "The server was working on these when delivery stopped:" if working else
+    stopped = entry.get("stopped_s_before_verdict")
+    when = f" ({stopped:g}s before the verdict)" if isinstance(stopped, (int, float)) else ""
+    out += ["", f"The server was working on these when delivery stopped{when}:" if working else
             "No recorded request was in flight at the verdict."]
     out += [line(r) for r in working]
+    if entry.get("arrived_after"):
+        out += ["", "Arrived after delivery had stopped (waiting at the verdict):"]
+        out += [line(r) for r in entry["arrived_after"]]
     if entry.get("just_before"):
         out += ["", "Just before them:"] + [line(r) for r in entry["just_before"]]
     return out

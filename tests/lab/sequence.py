@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from pathlib import Path
 
 import httpx
@@ -77,7 +78,7 @@ async def record_hang(server_url: str, pid: int, out_dir: Path) -> Path:
         await asyncio.sleep(2.0)  # the last ones are in flight (hung)
         bundle = await capture_bundle(CaptureRequest(pid=pid, out_dir=out_dir, label="lab", url=server_url, snapshots=1,
                                                      spacing=0.1, ceiling=20.0, recorded=door.recorded(),
-                                                     probe_first_token_timeout=1.0))
+                                                     recorded_at=time.monotonic(), probe_first_token_timeout=1.0))
         if bundle.lingering is not None:
             bundle.lingering.cancel()
         door.fail_in_flight("recorded")
