@@ -72,7 +72,7 @@ def test_the_daemon_records_the_sequence_and_replay_launch_brings_the_hang_back(
     held = load_requests(bundle)
     assert [r.body for r in held] == [body(i) for i in range(1, len(held) + 1)] and len(held) >= B_AT
     summary = (bundle / "summary.md").read_text()
-    working = summary.split("working on these when delivery stopped:", 1)[1].split("\n\n", 1)[0]
+    working = summary.split("working on these when delivery stopped", 1)[1].split("\n\n", 1)[0]
     assert f"#{B_AT} " in working and "stream true" in working
     for text in (MARK_A, MARK_B):
         assert text not in caplog.text and text not in summary
