@@ -141,7 +141,8 @@ async def _door(upstream: str, ready: Path) -> None:
 
     logging.basicConfig(level=logging.INFO)  # as the daemon: INFO; the door logs nothing per chunk
     raise_open_files_limit()  # as `mlxwatch run` does before its doors size their connection caps
-    door = FrontDoor("bench", upstream, FrontConfig(listen=("127.0.0.1", 0)))
+    record = bool(os.environ.get("MLXWATCH_BENCH_RECORD"))  # door+record: front.record on (bench/replay.py)
+    door = FrontDoor("bench", upstream, FrontConfig(listen=("127.0.0.1", 0), record=record))
     await door.start()
     try:
         await _serve_until_term(ready, door.address[1])
@@ -286,8 +287,9 @@ def _wait_port(proc: Proc, port: int, timeout: float = 30.0) -> None:
 def start_proxy(kind: str, upstream: str, work: Path, nginx: str | None) -> tuple[Proc, str]:
     """A fresh proxy process in front of ``upstream``; (the process, the URL to send to)."""
     d = Path(tempfile.mkdtemp(prefix=f"{kind.replace('+', '-')}-", dir=work))
-    if kind in ("door", "door+uvloop"):  # door+uvloop: an experiment (bench/front_hop.py), what that loop buys
-        env = {**os.environ, "MLXWATCH_BENCH_UVLOOP": "1"} if kind == "door+uvloop" else None
+    if kind in ("door", "door+uvloop", "door+record"):  # door+uvloop: an experiment (bench/front_hop.py)
+        env = {**os.environ, "MLXWATCH_BENCH_UVLOOP": "1"} if kind == "door+uvloop" else \
+            {**os.environ, "MLXWATCH_BENCH_RECORD": "1"} if kind == "door+record" else None
         proc = Proc(_role_argv("door", "--upstream", upstream, "--ready", str(d / "port")), d / "door.log", env=env)
         try:
             return proc, f"http://127.0.0.1:{_wait_ready(proc, d / 'port')}"

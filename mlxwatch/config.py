@@ -102,6 +102,9 @@ class FrontConfig:
     max_header: int = 64 * 1024  # request header limit (431)
     connect_ahead: bool = True  # keep a connection made ahead to a server that closes each one (mlx_lm.server)
     max_buffered: int = 128 * 1024**2  # request bodies held, all connections together (503 beyond)
+    record: bool = False  # keep the requests of the last record_max_age (bodies: users' words) for bundles and replay
+    record_max_age: float = 600.0  # the recorder keeps requests this long ...
+    record_max_bytes: int = 256 * 1024**2  # ... and at most this many bytes of them
 
 
 @dataclass(frozen=True)
@@ -1088,6 +1091,9 @@ def _front(sec: _Section) -> FrontConfig:
         "max_body": _size,
         "max_header": _size,
         "max_buffered": _size,
+        "record": _bool,
+        "record_max_age": _positive_duration,
+        "record_max_bytes": _size,
     }))
     sec.done()
     if front.replay and front.hold <= 0:

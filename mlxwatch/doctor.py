@@ -34,7 +34,7 @@ import psutil
 
 from mlxwatch.capture import macos, pyspy
 from mlxwatch.config import Config, InstanceConfig, default_bundles_dir
-from mlxwatch.durations import format_duration
+from mlxwatch.durations import format_duration, human_duration
 from mlxwatch.errors import StateError
 from mlxwatch.evidence.cadence import Speed
 from mlxwatch.host import kernlog, launchctl
@@ -262,6 +262,7 @@ async def check_instance(inst: InstanceConfig, config: Config, exe: str | None, 
     out.append(await py_spy_reads(inst, config, exe, server, env))
     out.append(await kernel_finding(inst, env))
     out.append(await memory_finding(inst, server, env))
+    out.append(recorder_finding(inst))
     out.append(log_finding(inst, server, found.log, env))
     out.append(await restart_finding(inst, server, env))
     return out
@@ -309,6 +310,20 @@ async def memory_finding(inst: InstanceConfig, server: ProcessIdentity | None, e
     limit = f" of {reading.limit / mib:.0f} MiB ({reading.bound})" if reading.limit else f" ({reading.bound})"
     measure = "physical footprint" if reading.measure == "phys_footprint" else "resident"
     return Finding("memory", OK, f"{reading.used / mib:.0f} MiB {measure}{limit}", instance=inst.name)
+
+
+def recorder_finding(inst: InstanceConfig) -> Finding:
+    """Does the front door keep the requests it passes (``front.record``: users' words, on disk
+    in bundles)? Said either way: it is a privacy decision."""
+    front = inst.front
+    if front is None:
+        return Finding("recorder", SKIP, "no front door (instances[].front): no requests recorded", instance=inst.name)
+    if not front.record:
+        return Finding("recorder", OK, "off (front.record): a bundle holds no request bodies; "
+                                       "`mlxwatch replay` has nothing to send", instance=inst.name)
+    return Finding("recorder", OK, f"on (front.record): the door keeps the last {human_duration(front.record_max_age)} "
+                                   f"of requests, at most {front.record_max_bytes / 1024**2:g} MiB, exact bodies "
+                                   "(users' words) into each bundle's private requests/", instance=inst.name)
 
 
 async def kernel_finding(inst: InstanceConfig, env: Env) -> Finding:

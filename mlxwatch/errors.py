@@ -58,5 +58,10 @@ class FrontError(MlxwatchError):
     """The front door cannot serve: ``str()`` is one line naming the address and why."""
 
 
+class ReplayError(MlxwatchError):
+    """A replay cannot run (no server to send to, a server that will not start): exit 2, as
+    ``git bisect run`` reads "could not test"; ``str()`` is one line."""
+
+
 class Terminated(KeyboardInterrupt):
     """SIGTERM arrived while a command that must clean up ran (``mlxwatch demo``); exit 143."""

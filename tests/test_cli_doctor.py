@@ -285,6 +285,21 @@ async def test_doctor_says_in_one_line_whether_kernel_sight_works():
     assert (await kernel_finding(_replace(inst, kernel="off"), seen)).status == SKIP
 
 
+def test_doctor_says_whether_the_door_records_requests():
+    """The recorder keeps users' words: doctor says whether it is on, and its bounds (issue 35)."""
+    from dataclasses import replace as _replace
+
+    from mlxwatch.config import FrontConfig, InstanceConfig
+    from mlxwatch.doctor import SKIP, recorder_finding
+
+    inst = InstanceConfig("lab", "http://127.0.0.1:8080")
+    assert recorder_finding(inst).status == SKIP
+    off = recorder_finding(_replace(inst, front=FrontConfig()))
+    assert (off.status, off.message.split(" (")[0]) == (OK, "off")
+    on = recorder_finding(_replace(inst, front=FrontConfig(record=True)))
+    assert on.message.startswith("on (front.record): the door keeps the last 10m of requests, at most 256 MiB")
+
+
 # --- a distributed server (an mlx.launch group), given at the discovery seam
 
 

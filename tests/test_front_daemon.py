@@ -8,12 +8,16 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import tarfile
 from dataclasses import replace
 from pathlib import Path
 
+import httpx
 import pytest
 
-from mlxwatch.capture import Bundle, CaptureRequest, capture_bundle
+from mlxwatch.capture import Bundle, CaptureRequest, capture_bundle, export_bundle
+from mlxwatch.capture.requests import load_requests
 from mlxwatch.capture.classify import Classification
 from mlxwatch.config import (
     CaptureConfig,
@@ -78,6 +82,9 @@ class FakeDoor:
     def reconfigure(self, cfg: FrontConfig) -> None:
         assert cfg.listen == self.cfg.listen
         self.cfg = cfg
+
+    def recorded(self, until=None):
+        return None  # front.record off
 
     def set_startup_timeout(self, seconds: float | None) -> None:
         self.startup_timeout = seconds
@@ -503,3 +510,29 @@ async def test_the_look_again_with_a_door_ends_at_the_first_token_deadline_at_a_
     probe = replace(FAST, interval=60.0, suspect_interval=60.0, first_token_timeout=2.0, timeout=14.0, failures=1)
     seconds = await _capture_to_restart(tmp_path, standin, probe, front=replace(FRONT, stall_timeout=10.0))
     assert seconds < probe.first_token_timeout + 4.0, "the look-again waited on past its deadline"
+
+
+async def test_the_verdict_bundle_keeps_recorded_bodies_privately_and_no_log_line_holds_one(tmp_path, standin, caplog):
+    """front.record on, the real door, a stand-in that hangs: the daemon's verdict bundle holds
+    the recorded request exactly (requests/), while no line the daemon logged (DEBUG included)
+    holds a word of it, nor does the default export (issue 35)."""
+    caplog.set_level(logging.DEBUG)
+    [url], mode_file, _ = standin("ok")
+    front = FrontConfig(listen=("127.0.0.1", free_port()), stall_timeout=0.5, record=True)
+    cfg = cfg_with(tmp_path / "state", url, front=front, probe=replace(FAST, interval=0.5))
+    secret = b'{"messages": [{"role": "user", "content": "private words 51c2"}], "stream": true}'
+    async with Running(cfg) as run:
+        await run.until(lambda: run.daemon.instance_state("gone").get("state") == "healthy", what="healthy")
+        mode_file.write_text("hang")
+        async with httpx.AsyncClient(trust_env=False, timeout=30) as client:
+            sent = asyncio.ensure_future(client.post(f"http://127.0.0.1:{front.listen[1]}/v1/chat/completions",
+                                                     content=secret))
+            await run.until(lambda: "captured" in run.events(), timeout=30, what="the capture")
+            await asyncio.gather(sent, return_exceptions=True)
+    bundle = Path(next(r for r in run.journal.records() if r["event"] == "captured")["bundle"])
+    assert [r.body for r in load_requests(bundle)] == [secret]
+    archive = export_bundle(bundle, tmp_path / "plain.tar.gz")
+    with tarfile.open(archive) as tar:
+        data = b"".join(tar.extractfile(m).read() for m in tar.getmembers() if m.isfile())
+    assert b"private words" not in data
+    assert "private words" not in caplog.text

@@ -41,6 +41,11 @@ streaming code. Faults (the file's first word; empty or missing file = healthy):
 Both mlx-lm 0.31.3 and 0.32.x read a chunk a prompt a step in ``BatchGenerator._next`` and
 count the tokens it read (0.32: ``_counters.prompt_tokens``; 0.31.3: ``_prompt_tokens_counter``),
 so ``prefill`` behaves the same on both.
+- ``sequence A B [SECONDS]`` a hang triggered by request content in sequence, as the field
+            report's was: a completion whose prompt holds the text ``A``, followed within
+            SECONDS (default 5) by a *streamed* completion whose prompt holds ``B``, livelocks
+            the server (``spin``, for good: until it is restarted); every other request, and
+            either one alone, is served normally.
 
 Once ``block`` has started it never returns; ``spin`` and ``slow`` follow the file each step.
 """
@@ -65,7 +70,10 @@ def read_fault(path: str) -> tuple[str, float | None]:
         return "", None
     if not words:
         return "", None
-    arg = float(words[1]) if len(words) > 1 else None
+    try:
+        arg = float(words[1]) if len(words) > 1 else None
+    except ValueError:  # ``sequence`` takes words (read_words)
+        arg = None
     return words[0], arg
 
 
@@ -186,6 +194,54 @@ def _leak_while_asked(fault_file: str) -> None:
         if fault == "leak":
             kept.append(b"\xa5" * int((arg if arg is not None else 4.0) * 1024 * 1024 * LEAK_TICK))
         time.sleep(LEAK_TICK)
+SEQUENCE_WINDOW = 5.0  # ``sequence``: seconds from a request holding A to a streamed one holding B
+
+
+def prompt_text(body: object) -> str:
+    """The prompt a completion request carries: ``prompt`` (text completions) or the messages'
+    text (chat), joined."""
+    if not isinstance(body, dict):
+        return ""
+    parts = [body["prompt"]] if isinstance(body.get("prompt"), str) else []
+    for message in body.get("messages") or []:
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, str):
+            parts.append(content)
+        elif isinstance(content, list):
+            parts += [p.get("text", "") for p in content if isinstance(p, dict) and isinstance(p.get("text"), str)]
+    return "\n".join(parts)
+
+
+class SequenceTrigger:
+    """The ``sequence`` fault's memory: when a prompt holding A last arrived, and whether the
+    streamed B that followed it in time has set the livelock off (for the process's life)."""
+
+    def __init__(self) -> None:
+        self.a_at: float | None = None
+        self.tripped = False
+        self.lock = threading.Lock()
+
+    def arrived(self, fault: str, args: list[str], body: object) -> None:
+        if fault != "sequence" or len(args) < 2:
+            return
+        marker_a, marker_b = args[0], args[1]
+        window = float(args[2]) if len(args) > 2 else SEQUENCE_WINDOW
+        text = prompt_text(body)
+        now = time.monotonic()
+        with self.lock:
+            streamed = isinstance(body, dict) and body.get("stream") is True
+            if streamed and marker_b in text and self.a_at is not None and now - self.a_at <= window:
+                self.tripped = True
+            if marker_a in text:
+                self.a_at = now
+
+
+def read_words(path: str) -> list[str]:
+    try:
+        with open(path, encoding="utf-8") as fh:
+            return fh.read().split()
+    except OSError:
+        return []
 
 
 def install(fault_file: str) -> None:
@@ -195,6 +251,7 @@ def install(fault_file: str) -> None:
     threading.Thread(target=_leak_while_asked, args=(fault_file,), name="lab-leak", daemon=True).start()
 
     base = server.BatchGenerator
+    trigger = SequenceTrigger()
 
     class FaultyBatchGenerator(base):  # type: ignore[misc, valid-type]
         def next(self, *args, **kwargs):
@@ -205,7 +262,7 @@ def install(fault_file: str) -> None:
                 _block_forever()
             if fault == "gil":
                 _hold_gil_forever()
-            if fault == "spin":
+            if fault == "spin" or trigger.tripped:
                 return _spin_step()
             if fault == "slow":
                 time.sleep(arg if arg is not None else 0.5)
@@ -230,6 +287,17 @@ def install(fault_file: str) -> None:
             return prompt_responses, generation_responses
 
     server.BatchGenerator = FaultyBatchGenerator  # type: ignore[misc]  # the fault, patched in place
+
+    handler = server.APIHandler
+    handle_completion = handler.handle_completion  # called once per completion, its body parsed
+
+    def watched_completion(self, *args, **kwargs):
+        words = read_words(fault_file)
+        if words:
+            trigger.arrived(words[0], words[1:], getattr(self, "body", None))
+        return handle_completion(self, *args, **kwargs)
+
+    handler.handle_completion = watched_completion  # type: ignore[method-assign]  # the fault, patched in place
 
     single = server.stream_generate  # a request that cannot be batched (a seed) is served by it
 

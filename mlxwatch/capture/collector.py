@@ -55,6 +55,8 @@ from mlxwatch.capture.bundle import BundleWriter, adopt_partials, prune
 from mlxwatch.capture.delivery import watch_delivery
 from mlxwatch.capture.classify import Classification, Evidence, RankEvidence, classify
 from mlxwatch.capture.procstats import describe_process, sample_process
+from mlxwatch.capture.requests import INDEX as REQUESTS_INDEX
+from mlxwatch.capture.requests import index_entries, manifest_entry, write_requests
 from mlxwatch.capture.redact import (
     NONE,
     PRIVATE,
@@ -83,6 +85,7 @@ from mlxwatch.capture.summary import render_summary
 from mlxwatch.capture.versions import server_versions
 from mlxwatch.config import CaptureConfig, ProbeConfig, url_port
 from mlxwatch.errors import ProcessGoneError
+from mlxwatch.front.recorder import RecordedRequest
 from mlxwatch.host.commands import CommandResult, Runner, run_command
 from mlxwatch.host.group import SSH_OPTIONS, Group, Rank, refresh
 from mlxwatch.host.process import ProcessIdentity
@@ -148,6 +151,10 @@ class CaptureRequest:
     group: Group | None = None  # the mlx.launch group whose rank 0 ``pid`` is: every rank is captured
     kernel: bool = True  # read what the server sends its clients over the window (instances[].kernel)
     gone: death.GoneProcess | None = None  # the server last seen, when ``pid`` is None: why it died is asked about it
+    # The door's recorded requests up to the verdict (front.record), arrival order, and when
+    # they were taken (monotonic): the bundle's private requests/ (capture.requests module).
+    recorded: tuple[RecordedRequest, ...] | None = None
+    recorded_at: float | None = None
 
     @property
     def kernel_port(self) -> int | None:
@@ -497,6 +504,9 @@ async def _probe(req: CaptureRequest, files: _Files, first_token_timeout: float)
         await files.write_json("probes-before.json", req.prior_probes)
     if req.front_requests is not None:  # data the daemon passed: capture reads no door itself
         await files.write_json("front/requests.json", req.front_requests)
+    if req.recorded:  # the bodies exact (never redacted: a replay sends them again), the index redacted
+        await asyncio.to_thread(write_requests, files.writer, req.recorded)
+        await files.write_json(REQUESTS_INDEX, index_entries(req.recorded))
     if not req.url:
         return ProbeResult(outcome="skipped", error="no URL given (--url or --instance)")
     client = probes.make_client()
@@ -789,6 +799,9 @@ def _finish(req: CaptureRequest, steps: StepRunner, files: _Files, found: Captur
         "group": _group_entry(req, found),
         "kernel": found.delivery.delivery.to_dict() if req.kernel_port is not None else None,
     }
+    if req.recorded:
+        manifest["requests"] = manifest_entry(req.recorded, req.recorded_at if req.recorded_at is not None
+                                              else req.recorded[-1].arrived_mono)
     manifest = redact_json(manifest, files.redaction)  # the command line, the verdict, step errors
     markers = found.log.markers
     summary = redact_text(render_summary(manifest, list(found.stacks.snapshots), markers.to_dict() if markers else None),

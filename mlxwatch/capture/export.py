@@ -12,6 +12,11 @@ own level): secrets in command lines, URLs, headers, exception messages and stac
 environment value, home-directory paths. The manifest lists the files' new hashes and says
 ``"redacted": true``; ``redact=False`` (``--no-redact``) exports the bundle as it is, and its
 manifest says ``"redacted": false``.
+
+The front door's recorded request bodies (``requests/body-*.bin``, ``capture.requests``
+module) are users' words, exact: an export leaves them out, redacted or not, unless
+``request_bodies`` (``--with-request-bodies``) asks for them; then they go in as recorded
+(a replay needs the exact bytes) and the manifest says ``"request_bodies": true``.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from mlxwatch.capture.bundle import (
     read_bounded,
 )
 from mlxwatch.capture.redact import PUBLIC, redact_bytes, redact_json
+from mlxwatch.capture.requests import is_body_file
 from mlxwatch.errors import BundleError
 from mlxwatch.probes.generation import DESCRIPTIONS
 
@@ -237,7 +243,7 @@ def archive_name(bundle: Path, redact: bool = False) -> str:
 
 
 def export_bundle(bundle: Path, out: Path | None = None, redact: bool = True,
-                  on_skip: Callable[[str], None] | None = None) -> Path:
+                  on_skip: Callable[[str], None] | None = None, request_bodies: bool = False) -> Path:
     """Write the bundle as ``.tar.gz``, redacted unless ``redact`` is False, and return its
     path; never overwrites (FileExistsError).
 
@@ -269,14 +275,14 @@ def export_bundle(bundle: Path, out: Path | None = None, redact: bool = True,
     members: list[tuple[str, bytes]] = []
     quoted = quoted_log_lines(_member(bundle, MARKERS) if MARKERS in listed else None)
     for relname in sorted(listed):
-        if relname == MANIFEST:
+        if relname == MANIFEST or (is_body_file(relname) and not request_bodies):
             continue
         data = _member(bundle, relname)
         if data is None:
             if on_skip is not None:
                 on_skip(relname)
             continue
-        if redact:
+        if redact and not is_body_file(relname):
             data = redact_file(relname, data, manifest.get("verdict"), quoted)
         files[relname] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
         members.append((relname, data))
@@ -288,6 +294,7 @@ def export_bundle(bundle: Path, out: Path | None = None, redact: bool = True,
         manifest.update(files=files, redacted=True, redaction=REDACTED_FILES_NOTE)
     else:
         manifest = {**manifest, "files": files, "redacted": False, "redaction": RAW_FILES_NOTE}  # what the archive holds
+    manifest["request_bodies"] = request_bodies
     members.append((MANIFEST, json.dumps(manifest, indent=2, sort_keys=True).encode()))
     buffer = io.BytesIO()
     with tarfile.open(fileobj=buffer, mode="w:gz") as tar:

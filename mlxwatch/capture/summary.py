@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from mlxwatch.capture.requests import summary_lines
 from mlxwatch.stacks import ThreadStack, generation_thread
 
 NO_COMPLETION = ("none known (mlx-lm logs no line when it finishes a request, except 'Outgoing Response' "
@@ -50,6 +51,7 @@ def render_summary(manifest: dict[str, Any], snapshots: list[tuple[float, list[T
     if c.get("competing"):
         out += ["", "Competing evidence:", ""] + [f"- {line}" for line in c["competing"]]
 
+    out += summary_lines(manifest.get("requests"))
     out += ["", "## Generation thread across snapshots", ""]
     if not snapshots:
         out.append("No stack snapshots (see 'Not captured').")

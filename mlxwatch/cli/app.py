@@ -23,8 +23,18 @@ from mlxwatch.cli.common import EXIT_UNHEALTHY, EXIT_USAGE, err_console, out_con
 from mlxwatch.cli.config import cmd_config
 from mlxwatch.cli.daemon import cmd_resume, cmd_run, cmd_status
 from mlxwatch.cli.parser import build_parser, parse
+from mlxwatch.cli.replay import cmd_replay
 from mlxwatch.cli.setup import cmd_demo, cmd_doctor, cmd_launch, cmd_launchd
-from mlxwatch.errors import BundleError, ConfigError, MlxwatchError, ProcessGoneError, StateError, Terminated, UsageError
+from mlxwatch.errors import (
+    BundleError,
+    ConfigError,
+    MlxwatchError,
+    ProcessGoneError,
+    ReplayError,
+    StateError,
+    Terminated,
+    UsageError,
+)
 
 EXIT_PIPE = 141  # stdout closed by the reader (`| head`): what a shell reports for SIGPIPE
 EXIT_INTERRUPTED, EXIT_TERMINATED = 130, 143  # Ctrl-C, SIGTERM (demo): what a shell reports for them
@@ -42,6 +52,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace, Console], int]] = {
     "demo": cmd_demo,
     "launchd": cmd_launchd,
     "launch": cmd_launch,
+    "replay": cmd_replay,
 }
 
 
@@ -77,7 +88,7 @@ def run(argv: Sequence[str] | None = None, out: Console | None = None) -> int:
         return EXIT_UNHEALTHY
     except MlxwatchError as exc:
         err.print(f"mlxwatch: {exc}", markup=False)
-        return EXIT_USAGE if isinstance(exc, BundleError) else EXIT_UNHEALTHY
+        return EXIT_USAGE if isinstance(exc, (BundleError, ReplayError)) else EXIT_UNHEALTHY
     except Terminated:
         err.print("mlxwatch: terminated")
         return EXIT_TERMINATED

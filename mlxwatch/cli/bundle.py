@@ -130,11 +130,12 @@ def _bundle_export(args: argparse.Namespace, out: Console) -> int:
     skipped: list[str] = []
     try:
         with writing_in(target_dir, "bundle export", args.out):
-            written = export_bundle(path, archive or out_dir, redact=args.redact, on_skip=skipped.append)
+            written = export_bundle(path, archive or out_dir, redact=args.redact, on_skip=skipped.append,
+                                    request_bodies=args.with_request_bodies)
     except FileExistsError as exc:
         raise UsageError(f"bundle export: {exc} (give --out a new name or another directory)") from None
     if skipped:
         render_skipped(err_console(), skipped)
     print(written)
-    render_redaction(err_console(), args.redact)
+    render_redaction(err_console(), args.redact, request_bodies=args.with_request_bodies)
     return EXIT_OK

@@ -17,8 +17,10 @@ from mlxwatch import __version__
 from mlxwatch.config import MAX_COUNT, STACK_SOURCES, CaptureConfig, ProbeConfig
 from mlxwatch.durations import DURATION_FORM, NOT_A_DURATION, human_duration, parse_duration
 from mlxwatch.errors import UsageError
+from mlxwatch.replay.options import Budget, ReplayOptions
 
 _PROBE, _CAPTURE = ProbeConfig(), CaptureConfig()  # the one source of every default shown in --help
+_REPLAY, _BUDGET = ReplayOptions(), Budget()  # mlxwatch replay's (they start from the config's)
 
 help_duration = human_duration  # a default in --help, as a config file would say it
 
@@ -41,6 +43,16 @@ def _count_arg(text: str) -> int:
         raise argparse.ArgumentTypeError(f"must be a whole number: {text!r}") from None
     if not 0 < value <= MAX_COUNT:
         raise argparse.ArgumentTypeError(f"must be a whole number from 1 to {MAX_COUNT}: {text!r}")
+    return value
+
+
+def _speed_arg(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number above 0, such as 2 or 0.5 (got {text!r})") from None
+    if not 0 < value <= 1000:
+        raise argparse.ArgumentTypeError(f"must be a number above 0 and at most 1000 (got {text!r})")
     return value
 
 
@@ -159,9 +171,44 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--redact", action=_OneWay, default=True,
                         help="remove secrets, message contents, environment values and home paths, for a public "
                              "issue (the default); --no-redact exports the bundle as captured (keep it private)")
+    export.add_argument("--with-request-bodies", action="store_true",
+                        help="also put in the front door's recorded request bodies (front.record), exact and not "
+                             "redacted: the archive then holds users' words (left out by default)")
     export.add_argument("--out", metavar="DIR|FILE.tar.gz",
                         help="a directory (created with its parents if missing), or a new FILE.tar.gz "
                              "(default: beside the bundle)")
+
+    rep = _leaf(sub, "replay", "send a bundle's recorded requests again and say whether the hang came back; "
+                               "exit 0 it did, 1 it did not, 2 could not run")
+    rep.add_argument("bundle", metavar="BUNDLE", help="a bundle directory holding recorded requests (front.record)")
+    where = rep.add_mutually_exclusive_group()
+    where.add_argument("--to", metavar="URL", help="the server to send them to, e.g. http://127.0.0.1:8090")
+    where.add_argument("--launch", action="store_true",
+                       help="start a server from the bundle's recorded command line on a free loopback port "
+                            "(this environment inherited), replay, stop it")
+    rep.add_argument("--allow-bundle-url", action="store_true",
+                     help="allow --to to be the server the bundle came from (refused by default: it may hang it again)")
+    rep.add_argument("--speed", type=_speed_arg, metavar="X",
+                     help=f"replay X times as fast: the gaps between requests divided by X (default {_REPLAY.speed:g})")
+    rep.add_argument("--repeat", type=_count_arg, metavar="N",
+                     help=f"send the whole sequence N times, each after the last ended, until a hang "
+                          f"(default {_REPLAY.repeat})")
+    rep.add_argument("--stall-timeout", type=_duration_arg, metavar="DURATION",
+                     help=f"requests in flight and no token to anyone this long: the server is suspect, and a "
+                          f"probe decides, as the daemon does behind a front door (default {d(_REPLAY.stall_timeout)}, "
+                          "front.stall_timeout's)")
+    rep.add_argument("--startup-timeout", type=_duration_arg, metavar="DURATION",
+                     help=f"how long a launched server may take to answer (default {d(P.startup_timeout)})")
+    rep.add_argument("--out", metavar="DIR",
+                     help="where the replay's own bundle (and --shrink's) is written (default: beside BUNDLE)")
+    rep.add_argument("--shrink", action="store_true",
+                     help="find the fewest requests (and chat messages) that still hang a fresh server (ddmin; "
+                          "one launched server per trial) and write them as a bundle")
+    rep.add_argument("--max-trials", type=_count_arg, metavar="N",
+                     help=f"--shrink: at most N trials (default {_BUDGET.trials})")
+    rep.add_argument("--max-time", type=_duration_arg, metavar="DURATION",
+                     help=f"--shrink: at most this long in all (default {d(_BUDGET.seconds)})")
+    rep.add_argument("--json", action="store_true", help="print the result as JSON (no progress lines)")
 
     run_p = _leaf(sub, "run", "run the watchdog daemon in the foreground")
     run_p.add_argument("--state-dir", metavar="DIR", help="journal and state (default: config state_dir, else the platform's)")

@@ -645,12 +645,15 @@ class InstanceWatcher:
         # the policy's failure() made it hung; the pace says what the silence was held against
         self._change(Event.VERDICT, pace=self._pace_record())
         self.shared.notifier.fire("verdict", inc.to_dict())
+        recorded = self.door.recorded() if self.door is not None else None  # front.record: before they are failed
+        recorded_at = self.shared.clock.monotonic()
         front_requests = self.front.at_verdict(self.shared.capture, restarting=self.inst.restart.method != "none")
 
         self._change(Event.CAPTURING, self.detect.capturing())
         await self._end_linger()  # the capture makes its own probe
         self.gone_server = last if server is None else None
-        await self._capture(inc, server, front_requests, gone=self.gone_server)
+        await self._capture(inc, server, front_requests, gone=self.gone_server, recorded=recorded,
+                            recorded_at=recorded_at)
         if inc.kind == "busy" and await self._works_on(inc):
             return
         if self.inst.restart.method == "none":
@@ -769,7 +772,8 @@ class InstanceWatcher:
         return found
 
     async def _capture(self, inc: Incident, server: ProcessIdentity | None,
-                       front_requests: list[dict] | None = None, gone: ProcessIdentity | None = None) -> None:
+                       front_requests: list[dict] | None = None, gone: ProcessIdentity | None = None,
+                       recorded: tuple | None = None, recorded_at: float | None = None) -> None:
         cap, p = self.shared.capture, self.inst.probe
         group = await self._group_of(server)
         request = CaptureRequest(
@@ -780,7 +784,7 @@ class InstanceWatcher:
             prior_probes=[r.to_dict() for r in self.failed_reports],
             keep=cap.keep, max_bytes=cap.max_bytes, keep_days=cap.keep_days, min_free_bytes=cap.min_free_bytes,
             verdict=_verdict_text(self.failed_reports, inc.stranger), front_requests=front_requests, group=group,
-            kernel=self.inst.kernel != "off",
+            kernel=self.inst.kernel != "off", recorded=recorded, recorded_at=recorded_at,
             gone=GoneProcess(gone.pid, gone.create_time) if gone is not None else None,
         )
         try:

@@ -103,6 +103,7 @@ class Ledger:
     _outcomes: dict[str, int] = field(default_factory=lambda: dict.fromkeys(OUTCOMES, 0))
     _latencies: deque = field(default_factory=lambda: deque(maxlen=OBSERVATIONS_KEPT))
     _rates: deque = field(default_factory=lambda: deque(maxlen=OBSERVATIONS_KEPT))
+    on_close: Callable[[RequestView, str], None] | None = None  # told each flight's last view and outcome
 
     def open(self, method: str, path: str, *, stream: bool, max_tokens: int | None, prompt_bytes: int,
              generation: bool = True, body: bytes = b"") -> str:
@@ -137,6 +138,8 @@ class Ledger:
     def close(self, fid: str, outcome: str) -> None:
         flight = self._flights.pop(fid, None)
         self.count(outcome)
+        if flight is not None and self.on_close is not None:
+            self.on_close(flight.snapshot(), outcome)
         if flight is None or flight.first_token_mono is None:
             return
         self._latencies.append(flight.first_token_mono - flight.view.started_mono)

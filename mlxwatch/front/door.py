@@ -13,6 +13,7 @@ loudly when the server has stopped delivering instead of letting the client read
     door.fail_in_flight("server hung")     # every request in flight ends with an explicit error
     door.set_gate(Gate.OPEN)
     door.take_stalled_requests()           # requests the door failed alone (no token while others flowed)
+    door.recorded()                        # front.record: the recent requests, exact bodies (front.recorder)
     await door.stop(drain=5.0)
 
 The HTTP is ``http1`` (asyncio's transports, httptools' parser): each chunk from the server is
@@ -43,7 +44,8 @@ from mlxwatch.front.delivery import (
     CANCELLED, FAILED_LOUDLY, OK, REFUSED_RESTARTING, REJECTED, TIMEOUT, DeliveryView, Ledger, Observations,
     RequestView,
 )
-from mlxwatch.front.tokens import MAX_BODY_READ, StreamReader, body_tokens
+from mlxwatch.front.recorder import RecordedRequest, Recorder
+from mlxwatch.front.tokens import MAX_BODY_READ, StreamReader, body_tokens, finish_reason
 from mlxwatch.host.memory import give_back
 
 log = logging.getLogger(__name__)
@@ -94,6 +96,8 @@ class _Live:
     replay_due: bool = False  # failed by the verdict with nothing sent to its client: held to be sent again
     final_at: int | None = None  # the client's byte offset where the answer was whole (final SSE event, or body)
     tracking: bool = True  # False after a bug in counting: bytes keep flowing, tokens stop counting
+    status: int | None = None  # the server's answer status, once its head came
+    finish_reason: str | None = None  # a non-streaming answer's, read when it is recorded
 
 
 @dataclass(frozen=True)
@@ -134,6 +138,10 @@ class FrontDoor:
         self._cap = MAX_CONNECTIONS
         self._monitor: asyncio.Task | None = None
         self._cut_off_said = -math.inf
+        self._recorder: Recorder | None = None
+        self._conn_labels: dict[http1.ClientConnection, str] = {}  # recorded connections: number and peer
+        self._conn_count = 0
+        self._record(cfg)
 
     # -- life ----------------------------------------------------------------------------------
 
@@ -203,8 +211,32 @@ class FrontDoor:
         if cfg.listen != self._cfg.listen:
             raise ValueError(f"front door {self.name}: a new address ({cfg.listen}) needs a new door")
         self._cfg = cfg
+        self._record(cfg)
         if self._pool is not None:
             self._pool.set_connect_ahead(cfg.connect_ahead)
+
+    def _record(self, cfg: FrontConfig) -> None:
+        """front.record on (a recorder, or new bounds for the one there) or off (what it held is let go)."""
+        if not cfg.record:
+            self._recorder, self._ledger.on_close = None, None
+            self._conn_labels.clear()
+        elif self._recorder is None:
+            self._recorder = Recorder(cfg.record_max_age, cfg.record_max_bytes, monotonic=self._clock.monotonic,
+                                      wall=self._clock.wall)
+            self._ledger.on_close = self._recorded_end
+        else:
+            self._recorder.set_bounds(cfg.record_max_age, cfg.record_max_bytes)
+
+    def recorded(self, until: float | None = None) -> tuple[RecordedRequest, ...] | None:
+        """The requests recorded (``front.record``), arrival order, those arrived by ``until``
+        (monotonic) if given; None when the door does not record."""
+        if self._recorder is None:
+            return None
+        return self._recorder.requests(self._ledger.view(), until=until)
+
+    @property
+    def recorder(self) -> Recorder | None:
+        return self._recorder
 
     # -- what the daemon reads and decides -------------------------------------------------------
 
@@ -340,6 +372,8 @@ class FrontDoor:
             await asyncio.sleep(min(1.0, max(0.05, self._cfg.request_stall_timeout / 4)))  # a reconfigure may change it
             try:
                 self.sweep()
+                if self._recorder is not None:
+                    self._recorder.trim()  # the age bound holds while no request comes
             except Exception:  # the watchdog side never stops the door
                 log.exception("front door %s: stall sweep failed", self.name)
 
@@ -412,6 +446,7 @@ class FrontDoor:
 
     def closed(self, conn: http1.ClientConnection) -> None:
         self._conns.discard(conn)
+        self._conn_labels.pop(conn, None)
         if conn.admitted:
             conn.admitted = False
             left = self._per_address.get(conn.address, 0) - 1
@@ -439,6 +474,8 @@ class FrontDoor:
                                 prompt_bytes=len(request.body), generation=parsed.generation, body=request.body)
         live = _Live(fid, conn)
         self._live[fid] = live
+        if self._recorder is not None:
+            self._record_arrival(fid, conn, request, parsed)
         self._idle.clear()
         try:
             await self._serve(conn, request, parsed, live)
@@ -460,6 +497,36 @@ class FrontDoor:
         """A client closed its connection with a request sent in part (a head or body cut
         short): it went away first, so it is counted cancelled."""
         self._ledger.count(CANCELLED)
+
+    def _record_arrival(self, fid: str, conn: http1.ClientConnection, request: http1.Request,
+                        parsed: _Parsed) -> None:
+        assert self._recorder is not None
+        try:
+            label = self._conn_labels.get(conn)
+            if label is None:
+                self._conn_count += 1
+                peer = conn.transport.get_extra_info("peername") if conn.transport is not None else None
+                where = f" {peer[0]}:{peer[1]}" if isinstance(peer, tuple) and len(peer) >= 2 else ""
+                label = self._conn_labels[conn] = f"c{self._conn_count}{where}"
+            self._recorder.arrived(fid, label, request.method, request.target, request.headers, request.body,
+                                   stream=parsed.stream, max_tokens=parsed.max_tokens)
+        except Exception:  # the recorder is evidence: a bug there never stops a request
+            log.exception("front door %s: recording request %s failed", self.name, fid)
+
+    def _recorded_end(self, view: RequestView, outcome: str) -> None:
+        """The ledger closed a flight: what came back goes to its recorded request."""
+        if self._recorder is None:
+            return
+        live = self._live.get(view.id)
+        try:
+            status = live.status if live is not None else None
+            finish = None
+            if live is not None:
+                finish = live.finish_reason or (live.sse.finish_reason if live.sse is not None else None)
+            gone = outcome == CANCELLED or (live is not None and live.conn is not None and live.conn.gone)
+            self._recorder.ended(view, outcome, status=status, finish_reason=finish, client_gone=gone)
+        except Exception:
+            log.exception("front door %s: recording the end of %s failed", self.name, view.id)
 
     def cut_off(self, why: str, after: float | None) -> None:
         """A connection closed by the door before any request went through: counted as timeout
@@ -573,6 +640,8 @@ class FrontDoor:
             return FAILED_LOUDLY
         if relay.collected is not None:
             self._delivered(live, self._guarded(live, body_tokens, bytes(relay.collected)) or 0, 0)
+            if self._recorder is not None:
+                live.finish_reason = self._guarded(live, finish_reason, bytes(relay.collected))
         conn.end()
         if conn.eof and not (live.final_at is not None and conn.took(live.final_at)) and conn.reset:
             conn.abort()  # it shut its side before the answer was whole, and it is gone: it never read it
@@ -635,7 +704,7 @@ class _Relay:
     def on_head(self, status: int, reason: str, headers: list[tuple[str, str]], length: int | None) -> None:
         if self.live.failure is not None:
             return  # the door has failed this request: what the server sends now goes nowhere
-        self.status = status
+        self.status = self.live.status = status
         ctype = next((v for k, v in headers if k.lower() == "content-type"), "")
         # an answer to HEAD has no body: no stream to judge, whatever its type says
         is_sse = not self.head_only and ctype.split(";", 1)[0].strip().lower() == "text/event-stream"

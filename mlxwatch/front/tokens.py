@@ -33,6 +33,7 @@ class StreamReader:
         self._overflow = False
         self.ended = False  # [DONE] or a finish_reason seen
         self.errored = False  # the server sent an error event itself
+        self.finish_reason: str | None = None  # the stream's finish_reason, once seen
         self.at_boundary = True  # the bytes so far end between events (after a blank line)
         self._after_cr = False  # the last chunk ended with CR: an LF starting the next one is its CRLF's
 
@@ -107,6 +108,7 @@ class StreamReader:
                 continue
             if choice.get("finish_reason"):
                 self.ended = True
+                self.finish_reason = str(choice["finish_reason"])
                 token = True
             if choice.get("text") or _delta_has_token(choice.get("delta")):
                 token = True
@@ -117,6 +119,18 @@ def _delta_has_token(delta: Any) -> bool:
     if not isinstance(delta, dict):
         return False
     return any(value for key, value in delta.items() if key != "role")
+
+
+def finish_reason(body: bytes) -> str | None:
+    """A complete non-streaming answer's first ``finish_reason``, if it has one."""
+    try:
+        data = json.loads(body) if len(body) <= MAX_BODY_READ else None
+    except ValueError:
+        return None
+    choices = data.get("choices") if isinstance(data, dict) else None
+    first = choices[0] if isinstance(choices, list) and choices and isinstance(choices[0], dict) else {}
+    reason = first.get("finish_reason")
+    return str(reason) if reason else None
 
 
 def body_tokens(body: bytes) -> int:

@@ -66,8 +66,12 @@ def render_skipped(err: Console, skipped: list[str]) -> None:
               f"the bundle and were left out: {', '.join(skipped[:5])}", markup=False)
 
 
-def render_redaction(err: Console, redacted: bool) -> None:
+def render_redaction(err: Console, redacted: bool, request_bodies: bool = False) -> None:
     """``bundle export``: whether the archive may be shared (on stderr, after its path)."""
+    if request_bodies:  # said first and plainly: the redaction below does not cover them
+        err.print("mlxwatch: bundle export: the archive HOLDS USERS' WORDS: the recorded requests' bodies, "
+                  "exact and not redacted (--with-request-bodies); share it only with whom may read them",
+                  markup=False)
     err.print("mlxwatch: bundle export: " + (
         "redacted for sharing (secrets, environment values, prompts and message texts, home paths removed; "
         "--no-redact exports the bundle as captured)" if redacted else

@@ -1,0 +1,218 @@
+"""The front door's recorded requests in a bundle: the private part ``requests/`` (issue 35).
+
+A hang set off by a sequence of requests comes back only when that sequence is sent again,
+byte for byte. At a verdict the door's recorder (``front.record``) hands over the requests of
+its window that had arrived by then, in arrival order: those in flight and those before them.
+The bundle keeps
+
+- ``requests/body-NNNNNN.bin``: each body exactly as the client sent it (never redacted: a
+  replay must send the same bytes; files 0600 as every bundle file);
+- ``requests/requests.json``: per request, when it came (``t``: seconds after the first),
+  its connection, method, target, headers (credentials were never recorded), the body's file,
+  size and SHA-256, and what came back (status, first and last token, tokens, finish reason,
+  outcome, client gone);
+- in the manifest (``requests``): the requests the server was working on when delivery
+  stopped and the few just before them, described without their words (prompt size,
+  ``max_tokens``, ``stream``, sampling parameters): the summary names them.
+
+``bundle export`` leaves the bodies out unless asked (``--with-request-bodies``);
+``mlxwatch replay`` reads them back with ``load_requests``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+from mlxwatch.errors import BundleError
+from mlxwatch.front.recorder import RecordedRequest
+
+DIRECTORY = "requests"
+INDEX = f"{DIRECTORY}/requests.json"
+BODY_PREFIX = f"{DIRECTORY}/body-"
+JUST_BEFORE = 3  # requests named in the summary before those in flight
+MAX_INDEX_BYTES = 64 * 1024**2
+MAX_BODY_BYTES = 1024**3
+# What a request asks of the sampler, named in the summary (OpenAI's and mlx-lm's own fields).
+SAMPLING = ("temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty", "presence_penalty",
+            "frequency_penalty", "logit_bias", "stop", "n", "logprobs", "top_logprobs")
+
+
+def body_file(seq: int) -> str:
+    return f"{BODY_PREFIX}{seq:06d}.bin"
+
+
+def is_body_file(relname: str) -> bool:
+    return relname.startswith(BODY_PREFIX) and relname.endswith(".bin")
+
+
+def describe_body(body: bytes) -> dict[str, Any]:
+    """What a request asks, without its words: prompt size, max_tokens, stream, sampling."""
+    try:
+        data = json.loads(body)
+    except (ValueError, RecursionError):
+        return {"json": False, "body_bytes": len(body)}
+    if not isinstance(data, dict):
+        return {"json": False, "body_bytes": len(body)}
+    out: dict[str, Any] = {"body_bytes": len(body), "stream": data.get("stream") is True,
+                           "max_tokens": data.get("max_completion_tokens", data.get("max_tokens"))}
+    messages = data.get("messages")
+    if isinstance(messages, list):
+        out["messages"] = len(messages)
+        out["prompt_chars"] = sum(len(m["content"]) for m in messages
+                                  if isinstance(m, dict) and isinstance(m.get("content"), str))
+    elif isinstance(data.get("prompt"), str):
+        out["prompt_chars"] = len(data["prompt"])
+    sampling = {k: data[k] for k in SAMPLING if k in data}
+    if sampling:
+        out["sampling"] = sampling
+    return out
+
+
+def index_entries(recorded: Sequence[RecordedRequest]) -> list[dict[str, Any]]:
+    """``requests/requests.json``: one entry per request, arrival order, times relative to the first."""
+    if not recorded:
+        return []
+    t0 = recorded[0].arrived_mono
+
+    def rel(mono: float | None, base: float) -> float | None:
+        return None if mono is None else round(mono - base, 4)
+
+    return [{
+        "seq": r.seq, "id": r.id, "t": round(r.arrived_mono - t0, 4), "arrived_at": r.arrived_wall,
+        "connection": r.connection, "method": r.method, "target": r.target,
+        "headers": [list(h) for h in r.headers], "dropped_headers": list(r.dropped_headers),
+        "stream": r.stream, "max_tokens": r.max_tokens,
+        "body_file": body_file(r.seq), "body_bytes": len(r.body), "body_sha256": hashlib.sha256(r.body).hexdigest(),
+        "in_flight": r.in_flight, "status": r.status, "outcome": r.outcome, "client_gone": r.client_gone,
+        "tokens": r.tokens, "finish_reason": r.finish_reason,
+        "first_token_after_s": rel(r.first_token_mono, r.arrived_mono),
+        "last_token_after_s": rel(r.last_token_mono, r.arrived_mono),
+        "ended_after_s": rel(r.ended_mono, r.arrived_mono),
+    } for r in recorded]
+
+
+def delivery_stopped(recorded: Sequence[RecordedRequest]) -> float | None:
+    """When delivery stopped, by the door's rule (``evidence.door.quiet_start``): the later of
+    the last token to anyone and the oldest request still waiting; None with none waiting."""
+    waiting = [r.arrived_mono for r in recorded if r.in_flight]
+    if not waiting:
+        return None
+    tokens = [r.last_token_mono for r in recorded if r.last_token_mono is not None]
+    return max(min(waiting), max(tokens)) if tokens else min(waiting)
+
+
+def manifest_entry(recorded: Sequence[RecordedRequest], at_verdict: float) -> dict[str, Any]:
+    """The manifest's ``requests``: how many, the requests the server was working on when
+    delivery stopped (in flight at the verdict, arrived by then), those that came after it (in
+    flight, waiting) and the ones just before, described without their words."""
+    stopped = delivery_stopped(recorded)
+    in_flight = [r for r in recorded if r.in_flight]
+    working = [r for r in in_flight if stopped is None or r.arrived_mono <= stopped]
+    after = [r for r in in_flight if r not in working]
+    first = in_flight[0].seq if in_flight else None
+    before = [r for r in recorded if not r.in_flight and (first is None or r.seq < first)][-JUST_BEFORE:]
+
+    def named(r: RecordedRequest) -> dict[str, Any]:
+        return {"seq": r.seq, "id": r.id, "age_s": round(at_verdict - r.arrived_mono, 3), "path": r.target.split("?")[0],
+                "tokens": r.tokens, "outcome": r.outcome, **describe_body(r.body)}
+
+    return {"recorded": len(recorded), "index": INDEX, "bodies": len(recorded),
+            "bytes": sum(len(r.body) for r in recorded),
+            "stopped_s_before_verdict": None if stopped is None else round(at_verdict - stopped, 3),
+            "in_flight": [named(r) for r in working], "arrived_after": [named(r) for r in after],
+            "just_before": [named(r) for r in before]}
+
+
+def summary_lines(entry: dict[str, Any] | None) -> list[str]:
+    """The summary's section on the recorded requests (from the manifest's ``requests``)."""
+    if not entry:
+        return []
+    out = ["", "## Requests (recorded by the front door)", "",
+           f"{entry.get('recorded', 0)} request(s) in `{entry.get('index', INDEX)}`, bodies exact and private "
+           "(`bundle export` leaves them out; `mlxwatch replay` sends them again)."]
+
+    def line(r: dict[str, Any]) -> str:
+        prompt = f"{r['prompt_chars']} chars" if "prompt_chars" in r else f"{r.get('body_bytes', '?')} bytes"
+        if "messages" in r:
+            prompt += f" in {r['messages']} message(s)"
+        sampling = ", ".join(f"{k}={v}" for k, v in (r.get("sampling") or {}).items()) or "server defaults"
+        return (f"- #{r['seq']} `{r['path']}` {r['age_s']:g}s before the verdict: prompt {prompt}, "
+                f"max_tokens {r.get('max_tokens')}, stream {str(r.get('stream')).lower()}, sampling {sampling}; "
+                f"{r.get('tokens', 0)} token(s) delivered" + (f", {r['outcome']}" if r.get("outcome") else ""))
+
+    working = entry.get("in_flight") or []
+    stopped = entry.get("stopped_s_before_verdict")
+    when = f" ({stopped:g}s before the verdict)" if isinstance(stopped, (int, float)) else ""
+    out += ["", f"The server was working on these when delivery stopped{when}:" if working else
+            "No recorded request was in flight at the verdict."]
+    out += [line(r) for r in working]
+    if entry.get("arrived_after"):
+        out += ["", "Arrived after delivery had stopped (waiting at the verdict):"]
+        out += [line(r) for r in entry["arrived_after"]]
+    if entry.get("just_before"):
+        out += ["", "Just before them:"] + [line(r) for r in entry["just_before"]]
+    return out
+
+
+@dataclass(frozen=True)
+class StoredRequest:
+    """A recorded request read back from a bundle, for a replay."""
+
+    seq: int
+    t: float  # seconds after the first request
+    method: str
+    target: str
+    headers: tuple[tuple[str, str], ...]
+    body: bytes
+    in_flight: bool  # in flight at the verdict
+    meta: dict[str, Any]
+
+
+def load_requests(bundle: Path) -> list[StoredRequest]:
+    """The bundle's recorded requests, arrival order, each body checked against its hash.
+    BundleError (one line) when the bundle has none or they are damaged."""
+    index = bundle / INDEX
+    try:
+        if index.stat().st_size > MAX_INDEX_BYTES:
+            raise BundleError(f"{index}: larger than {MAX_INDEX_BYTES} bytes")
+        entries = json.loads(index.read_bytes())
+    except FileNotFoundError:
+        raise BundleError(f"{bundle}: holds no recorded requests ({INDEX} is missing: was front.record on?)") from None
+    except (OSError, ValueError) as exc:
+        raise BundleError(f"{index}: unreadable ({exc})") from None
+    if not isinstance(entries, list):
+        raise BundleError(f"{index}: not a list of requests")
+    out = []
+    for n, e in enumerate(entries):
+        try:
+            name = str(e["body_file"])
+            if not is_body_file(name) or "/" in name[len(BODY_PREFIX):]:
+                raise ValueError(f"body_file {name!r} is not a body of this bundle")
+            path = bundle / name
+            if path.is_symlink() or path.stat().st_size > MAX_BODY_BYTES:
+                raise ValueError(f"{name} is a link or too large")
+            body = path.read_bytes()
+            if hashlib.sha256(body).hexdigest() != e["body_sha256"]:
+                raise ValueError(f"{name} does not match its SHA-256 (changed since the capture)")
+            headers = tuple((str(k), str(v)) for k, v in e["headers"])
+            out.append(StoredRequest(int(e["seq"]), float(e["t"]), str(e["method"]), str(e["target"]), headers, body,
+                                     bool(e.get("in_flight")), e))
+        except FileNotFoundError as exc:
+            raise BundleError(f"{index}: request {n + 1}: its body is missing ({exc.filename})") from None
+        except (KeyError, TypeError, ValueError, OSError) as exc:
+            raise BundleError(f"{index}: request {n + 1}: {exc}") from None
+    if not out:
+        raise BundleError(f"{index}: no requests recorded")
+    return out
+
+
+def write_requests(writer: Any, recorded: Sequence[RecordedRequest]) -> None:
+    """Write the bodies as they were received (blocking): ``writer`` is the bundle's
+    ``BundleWriter``, whose files are 0600. The index goes through the bundle's redaction with
+    every other file (the caller's); the bodies do not: a replay needs the exact bytes."""
+    for r in recorded:
+        writer.write(body_file(r.seq), r.body)

@@ -1,0 +1,172 @@
+"""The front door's recorder: the exact requests that reached a server lately, and what came back.
+
+A hang is often set off by a sequence of requests (issue 35: two small cache-priming requests
+right before one long streamed prompt, with that exact content), and an imitation of its shape
+does not bring it back. The door already holds every request body whole while it is in flight;
+with ``front.record: true`` it keeps them after, within bounds, so that a bundle can carry the
+sequence that led to a verdict and ``mlxwatch replay`` can send it again byte for byte::
+
+    rec = Recorder(max_age=600, max_bytes=256 * 1024**2, monotonic=clock.monotonic, wall=clock.wall)
+    rec.arrived("r12", "c3 127.0.0.1:53412", "POST", "/v1/chat/completions", headers, body,
+                stream=True, max_tokens=64)                  # at arrival
+    rec.ended(view, "ok", status=200, finish_reason="stop", client_gone=False)   # at its end
+    rec.requests(ledger_view)                                 # RecordedRequest, arrival order
+
+Bounded like a flight recorder (Java Flight Recorder keeps the last N minutes and bytes): the
+oldest request goes once it is older than ``max_age`` or the bytes held pass ``max_bytes``.
+Bodies are the door's own bytes objects (no copy), so memory stays at the bound under load.
+
+Credentials never enter it (``Authorization``, cookies, API keys: dropped by name, the names
+kept). Bodies and headers are never in a ``repr``, so never in a log line by accident.
+"""
+
+from __future__ import annotations
+
+import collections
+import re
+from dataclasses import dataclass, field, replace
+from typing import Callable
+
+from mlxwatch.front.delivery import DeliveryView, RequestView
+
+ENTRY_OVERHEAD = 512  # bytes an entry costs beyond its body, head and target (the objects themselves)
+# Header names that carry credentials (RFC 9110 Authorization, cookies, the API-key headers
+# OpenAI-style clients send): dropped at arrival, their names kept.
+CREDENTIAL = re.compile(r"(authorization|cookie|api[-_]?key|token|secret|password|session)", re.IGNORECASE)
+
+
+@dataclass(frozen=True)
+class RecordedRequest:
+    """One request as the door received it, and what came back (None: not known yet)."""
+
+    seq: int  # arrival order, from 1 since the door started
+    id: str  # the door's request id (``r12``), as in front/requests.json
+    arrived_wall: float
+    arrived_mono: float
+    connection: str  # the door's connection number and the client's address
+    method: str
+    target: str  # path and query as sent
+    stream: bool
+    max_tokens: int | None
+    headers: tuple[tuple[str, str], ...] = field(repr=False)  # without credentials
+    dropped_headers: tuple[str, ...]  # names of credential headers left out
+    body: bytes = field(repr=False)  # exactly as received
+    status: int | None = None
+    first_token_mono: float | None = None
+    last_token_mono: float | None = None
+    tokens: int = 0
+    finish_reason: str | None = None
+    outcome: str | None = None  # the door's outcome (ok, cancelled, failed_loudly...); None: in flight
+    client_gone: bool = False
+    ended_mono: float | None = None
+
+    @property
+    def in_flight(self) -> bool:
+        return self.outcome is None
+
+
+@dataclass
+class _Entry:
+    """A request as it arrived, and what came back, set in place at its end (the frozen
+    ``RecordedRequest`` is made only when someone reads the recorder: arrivals stay cheap)."""
+
+    request: RecordedRequest
+    size: int
+    end: tuple[int | None, float | None, float | None, int, str | None, str, bool, float] | None = None
+
+
+class Recorder:
+    """The requests of the last ``max_age`` seconds, at most ``max_bytes`` of them; see the module docstring."""
+
+    def __init__(self, max_age: float, max_bytes: int, *, monotonic: Callable[[], float],
+                 wall: Callable[[], float]) -> None:
+        self.max_age = max_age
+        self.max_bytes = max_bytes
+        self._monotonic, self._wall = monotonic, wall
+        self._entries: collections.deque[_Entry] = collections.deque()
+        self._by_id: dict[str, _Entry] = {}
+        self._seq = 0
+        self._held = 0
+        self._credential: dict[str, bool] = {}  # header name -> is a credential (names repeat: one regex each)
+        self.dropped = 0  # requests let go before their time: over max_bytes (or one larger than it)
+
+    @property
+    def held_bytes(self) -> int:
+        return self._held
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def set_bounds(self, max_age: float, max_bytes: int) -> None:
+        self.max_age, self.max_bytes = max_age, max_bytes
+        self.trim()
+
+    def arrived(self, fid: str, connection: str, method: str, target: str, headers: list[tuple[str, str]],
+                body: bytes, *, stream: bool, max_tokens: int | None) -> bool:
+        """Record a request as it arrives; False when it alone is larger than ``max_bytes``."""
+        kept: list[tuple[str, str]] = []
+        dropped: list[str] = []
+        size = len(body) + len(target) + ENTRY_OVERHEAD
+        for k, v in headers:
+            secret = self._credential.get(k)
+            if secret is None:
+                if len(self._credential) > 1000:  # names a client invents per request: bounded
+                    self._credential.clear()
+                secret = self._credential[k] = CREDENTIAL.search(k) is not None
+            if secret:
+                dropped.append(k)
+            else:
+                kept.append((k, v))
+                size += len(k) + len(v)
+        self._seq += 1
+        if size > self.max_bytes:
+            self.dropped += 1
+            return False
+        entry = _Entry(RecordedRequest(self._seq, fid, self._wall(), self._monotonic(), connection, method, target,
+                                       stream, max_tokens, tuple(kept), tuple(dropped), body), size)
+        self._entries.append(entry)
+        self._by_id[fid] = entry
+        self._held += size
+        self.trim()
+        return True
+
+    def ended(self, view: RequestView, outcome: str, *, status: int | None, finish_reason: str | None,
+              client_gone: bool) -> None:
+        """What came back for a recorded request, at its end (``view``: the ledger's last word on it)."""
+        entry = self._by_id.get(view.id)
+        if entry is None:
+            return
+        entry.end = (status, view.first_token_mono, view.last_token_mono, view.tokens, finish_reason, outcome,
+                     client_gone, self._monotonic())
+        del self._by_id[view.id]
+
+    def trim(self) -> None:
+        """Let go of what is past the bounds, oldest first."""
+        oldest = self._monotonic() - self.max_age
+        while self._entries and (self._held > self.max_bytes or self._entries[0].request.arrived_mono < oldest):
+            entry = self._entries.popleft()
+            self._held -= entry.size
+            if entry.request.arrived_mono >= oldest:
+                self.dropped += 1
+            if self._by_id.get(entry.request.id) is entry:
+                del self._by_id[entry.request.id]
+
+    def requests(self, view: DeliveryView | None = None, *, until: float | None = None) -> tuple[RecordedRequest, ...]:
+        """Every request held, in arrival order (those arrived by ``until``, monotonic, if
+        given); one still in flight carries what ``view`` (the ledger's) says it has had so far."""
+        self.trim()
+        live = {r.id: r for r in view.in_flight} if view is not None else {}
+        out = []
+        for entry in self._entries:
+            req = entry.request
+            if until is not None and req.arrived_mono > until:
+                break
+            if entry.end is not None:
+                status, first, last, tokens, finish, outcome, gone, ended = entry.end
+                req = replace(req, status=status, first_token_mono=first, last_token_mono=last, tokens=tokens,
+                              finish_reason=finish, outcome=outcome, client_gone=gone, ended_mono=ended)
+            elif (now := live.get(req.id)) is not None:
+                req = replace(req, first_token_mono=now.first_token_mono, last_token_mono=now.last_token_mono,
+                              tokens=now.tokens)
+            out.append(req)
+        return tuple(out)

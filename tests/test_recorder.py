@@ -1,0 +1,148 @@
+"""The front door's recorder (issue 35): the exact requests that passed through the door, what
+came back, credentials never kept, bounded by age and bytes, off by default."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+
+import httpx
+
+from mlxwatch.config import FrontConfig
+from mlxwatch.front import FrontDoor
+from mlxwatch.front.delivery import RequestView
+from mlxwatch.front.recorder import Recorder
+
+BOUND = 15.0
+
+
+def _cfg(**over) -> FrontConfig:
+    return dataclasses.replace(FrontConfig(listen=("127.0.0.1", 0)), **over)
+
+
+def _body(i: int, stream: bool = True) -> bytes:
+    # odd spacing and key order: the bytes recorded must be the client's, not a re-encoding
+    return (b'{"messages":[{"role":"user","content":"request %d \\u00e9"}],  "stream": %s, "max_tokens":4}'
+            % (i, b"true" if stream else b"false"))
+
+
+async def _send(base: str, body: bytes, headers: dict[str, str] | None = None) -> int:
+    async with httpx.AsyncClient(trust_env=False, timeout=BOUND) as client:
+        response = await client.post(base + "/v1/chat/completions", content=body,
+                                     headers={"Content-Type": "application/json", **(headers or {})})
+        return response.status_code
+
+
+def test_the_door_records_nothing_by_default():
+    assert FrontConfig().record is False
+    assert FrontDoor("t", "http://127.0.0.1:1", _cfg()).recorded() is None
+
+
+async def test_recorded_requests_are_the_exact_bytes_in_order_with_what_came_back(standin, caplog):
+    """Bodies byte for byte, arrival order, method and path, headers without credentials, and
+    the answer: status, tokens, first and last token, finish reason; no body in any log line."""
+    urls, _, _ = standin()
+    caplog.set_level(logging.DEBUG)
+    door = FrontDoor("t", urls[0], _cfg(record=True))
+    await door.start()
+    try:
+        host, port = door.address
+        base = f"http://{host}:{port}"
+        for i in range(5):
+            assert await _send(base, _body(i), {"Authorization": "Bearer sk-secret-1", "X-Api-Key": "k2",
+                                                "X-Trace": f"t{i}"}) == 200
+        recorded = door.recorded()
+    finally:
+        await door.stop(drain=0.5)
+    assert recorded is not None and [r.body for r in recorded] == [_body(i) for i in range(5)]
+    assert [r.seq for r in recorded] == [1, 2, 3, 4, 5]
+    first = recorded[0]
+    assert (first.method, first.target, first.stream, first.max_tokens) == ("POST", "/v1/chat/completions", True, 4)
+    names = [k.lower() for k, _ in first.headers]
+    assert "authorization" not in names and "x-api-key" not in names and ("X-Trace", "t0") in first.headers
+    assert sorted(n.lower() for n in first.dropped_headers) == ["authorization", "x-api-key"]
+    assert all("sk-secret-1" not in v for _, v in first.headers)
+    for r in recorded:
+        assert r.status == 200 and r.outcome == "ok" and r.tokens == 4 and r.finish_reason == "length"
+        assert r.first_token_mono is not None and r.last_token_mono is not None and not r.client_gone
+        assert r.connection.startswith("c") and "127.0.0.1:" in r.connection
+    assert "request 0" not in repr(recorded) and "request 0" not in caplog.text
+
+
+def test_the_bounds_hold_under_a_thousand_requests():
+    """1,000 requests of 64 KiB into a recorder bounded at 4 MiB and 60 s: never more than the
+    bound held, the newest kept in order, the oldest let go first; then the age bound empties it."""
+    now = [0.0]
+    rec = Recorder(60.0, 4 * 1024**2, monotonic=lambda: now[0], wall=lambda: 1e9 + now[0])
+    body = b"x" * 65536
+    highest = 0
+    for i in range(1000):
+        now[0] = i * 0.01
+        assert rec.arrived(f"r{i + 1}", "c1", "POST", "/v1/completions", [("A", "b")], body, stream=False,
+                           max_tokens=1)
+        highest = max(highest, rec.held_bytes)
+        if i % 2 == 0:
+            rec.ended(RequestView(f"r{i + 1}", "POST", "/v1/completions", now[0], False, 1, len(body), None, None,
+                                  0, 0), "ok", status=200, finish_reason="stop", client_gone=False)
+    assert highest <= 4 * 1024**2
+    kept = rec.requests()
+    assert 50 <= len(kept) < 64 and [r.seq for r in kept] == list(range(1001 - len(kept), 1001))
+    assert rec.dropped == 1000 - len(kept)
+    assert kept[-2].outcome == "ok" and kept[-1].in_flight  # r999 ended (an even i), r1000 not
+    now[0] += 61.0
+    assert rec.requests() == () and rec.held_bytes == 0
+
+
+def test_a_request_larger_than_the_bound_alone_is_not_kept():
+    rec = Recorder(60.0, 1000, monotonic=lambda: 0.0, wall=lambda: 0.0)
+    assert not rec.arrived("r1", "c1", "POST", "/v1/completions", [], b"x" * 2000, stream=False, max_tokens=None)
+    assert rec.requests() == () and rec.dropped == 1
+
+
+async def test_a_request_in_flight_is_recorded_as_in_flight_then_as_failed(standin):
+    """A hung request is held while in flight (a verdict's bundle takes it then), and its end
+    is what the door did to it."""
+    urls, mode_file, _ = standin()
+    mode_file.write_text("hang")
+    door = FrontDoor("t", urls[0], _cfg(record=True))
+    await door.start()
+    try:
+        host, port = door.address
+        reader, writer = await asyncio.open_connection(host, port)
+        body = _body(7)
+        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s"
+                     % (len(body), body))
+        await writer.drain()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + BOUND
+        while not door.view().in_flight:
+            assert loop.time() < deadline
+            await asyncio.sleep(0.02)
+        in_flight = door.recorded()
+        assert door.fail_in_flight("test") == 1
+        while (rec := door.recorded()) and rec[0].in_flight:
+            assert loop.time() < deadline
+            await asyncio.sleep(0.02)
+        writer.close()
+    finally:
+        await door.stop(drain=0.5)
+    assert in_flight is not None and in_flight[0].in_flight and in_flight[0].body == body
+    assert rec is not None and rec[0].outcome == "failed_loudly" and rec[0].status is None and rec[0].tokens == 0
+
+
+async def test_reconfigure_turns_the_recorder_on_and_off(standin):
+    urls, _, _ = standin()
+    door = FrontDoor("t", urls[0], _cfg())
+    await door.start()
+    try:
+        host, port = door.address
+        base = f"http://{host}:{port}"
+        await _send(base, _body(1))
+        door.reconfigure(_cfg(record=True))
+        await _send(base, _body(2))
+        assert [r.body for r in door.recorded() or ()] == [_body(2)]
+        door.reconfigure(_cfg(record=False))
+        assert door.recorded() is None
+    finally:
+        await door.stop(drain=0.5)
