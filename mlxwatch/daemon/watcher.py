@@ -610,10 +610,35 @@ class InstanceWatcher:
             if self.stop.is_set():
                 return lookagain.LookAgain()
         looked = lookagain.decide(server, answered=answered, alive=alive, now_server=found.identity or found.loading)
+        if looked.replaced is not None:
+            looked = await self._await_replacement(looked.replaced)
+            if self.stop.is_set():
+                return lookagain.LookAgain()
         if not looked.recovered:
             log.info("%s: looked again before restarting: %s; %s", self.name, _one_line(report.reason),
                      looked.act_on.describe() if looked.act_on else f"no server process to name ({found.detail or 'none'})")
         return looked
+
+    async def _await_replacement(self, newcomer: ProcessIdentity) -> lookagain.LookAgain:
+        """Another server process took the verdict's one's place (someone else restarted it) and
+        does not answer: recovered only at its first delivery, waited for while it may still be
+        loading (its ``startup_timeout`` from its start); after that it is the server that does
+        not deliver, and this daemon acts on it (the flap guard still counts every restart)."""
+        inc = self.incident
+        assert inc is not None
+        left = lookagain.startup_left(newcomer, wall_now=self.shared.clock.wall(),
+                                      startup_timeout=self.inst.probe.startup_timeout)
+        who = f"new server PID {newcomer.pid} (someone else restarted it)"
+        if left > 0:
+            log.info("%s: %s does not answer yet: waiting up to %.0fs for its first delivery", self.name, who, left)
+            self._change(Event.RECOVERING, self.detect.recovering(), by=who)
+            if await self._await_delivery(left):
+                return lookagain.LookAgain(recovered=lookagain.delivered_after_replacement(newcomer), answered=True)
+            if self.stop.is_set():
+                return lookagain.LookAgain()
+        log.warning("%s: %s has not delivered %.0fs after it started: acting on it", self.name, who,
+                    self.inst.probe.startup_timeout)
+        return lookagain.LookAgain(act_on=newcomer if await asyncio.to_thread(newcomer.alive) else None)
 
     async def _settle(self, found: ServerLookup) -> ServerLookup:
         """The verdict's server is gone and none other is there: watch the instance's address for
@@ -685,26 +710,33 @@ class InstanceWatcher:
 
     async def _await_recovery(self, inc: Incident) -> bool:
         self._change(Event.RECOVERING, self.detect.recovering())
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.inst.probe.startup_timeout
-        while not self.stop.is_set() and loop.time() < deadline:
-            self.promise(min(RECOVERY_PROBE_EVERY, self.inst.probe.interval))
-            report = await self.probe()
-            self.shared.state.update(self.name, quiet=True, last_probe=_probe_summary(report, self.shared.clock.wall()))
-            if report.healthy:
-                await self._recovered(self.shared.clock.monotonic(), "recovery verified by a probe")
-                return True
-            self.streams.count(self.shared.clock.monotonic())  # lets go of the failed probes' streams that ended
-            await self._sleep(min(RECOVERY_PROBE_EVERY, self.inst.probe.interval))
+        if await self._await_delivery(self.inst.probe.startup_timeout):
+            await self._recovered(self.shared.clock.monotonic(), "recovery verified by a probe")
+            return True
         if not self.stop.is_set():
             log.error("%s: not healthy %.0fs after the restart", self.name, self.inst.probe.startup_timeout)
             self._change(Event.NOT_RECOVERED)
         return False
 
+    async def _await_delivery(self, within: float) -> bool:
+        """Probe every few seconds for ``within`` seconds: True at the first delivery (recovery
+        is delivery, never a new PID), False when the time ran out or the daemon stops."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + within
+        while not self.stop.is_set() and loop.time() < deadline:
+            self.promise(min(RECOVERY_PROBE_EVERY, self.inst.probe.interval))
+            report = await self.probe()
+            self.shared.state.update(self.name, quiet=True, last_probe=_probe_summary(report, self.shared.clock.wall()))
+            if report.healthy:
+                return True
+            self.streams.count(self.shared.clock.monotonic())  # lets go of the failed probes' streams that ended
+            await self._sleep(min(RECOVERY_PROBE_EVERY, self.inst.probe.interval, max(0.0, deadline - loop.time())))
+        return False
+
     async def _recovered(self, now: float, how: str, answered: bool = True) -> None:
-        """Close the incident as recovered. ``answered`` False: another server process replaced
-        the one the verdict was about and does not answer yet (loading): it starts over as
-        ``starting``, with its startup allowance."""
+        """Close the incident as recovered: only once the instance delivered (``answered`` False
+        is kept for a caller that knows better; none does: a new PID that does not answer is
+        waited for, then acted on, never called recovered)."""
         inc = self.incident
         assert inc is not None
         inc.recovered_at = self.shared.clock.wall_of(now)  # now: monotonic, as every ``now`` here
