@@ -144,7 +144,7 @@ async def test_a_stopped_rank_is_a_stall_that_ends_a_probes_wait(monkeypatch):
     from mlxwatch.evidence import group as source
 
     found = _group()
-    monkeypatch.setattr(source, "find_group", lambda pid: found)
+    monkeypatch.setattr(source, "find_group", lambda pid, **kw: found)
     monkeypatch.setattr(source, "refresh", lambda g: replace(g, ranks=(g.ranks[0], replace(g.ranks[1], state="stopped"))))
     rank0 = ProcessIdentity(101, 9.0, ("python", "mlx_lm.server"), started=9.0, boot="b")
     looks = source.GroupSource(lambda: rank0)

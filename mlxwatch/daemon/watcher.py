@@ -146,7 +146,8 @@ class InstanceWatcher:
                 self.identity = None
         self.log_source = LogSource(ProgressTracker(self.inst.log, writer_pid=self._server_pid), self.shared.clock.monotonic)
         self.streams = ProbeStreams()
-        self.group_source = GroupSource(identity=lambda: self.identity)
+        self.group_source = GroupSource(identity=lambda: self.identity, locate=lambda: self._lookup().identity,
+                                        followed=self._follow_group)
         sources: list = [
             self.streams, self.log_source, self.group_source,
             ShimSource(identity=lambda: self.identity, mode=lambda: self.inst.shim,
@@ -882,6 +883,14 @@ class InstanceWatcher:
         if known is not None and self.group_source.found_for == (server.pid, server.create_time):
             return await asyncio.to_thread(refresh, known)
         return await asyncio.to_thread(find_group, server.pid)
+
+    def _follow_group(self, rank0: ProcessIdentity) -> None:
+        """The group source found the live group again (its rank 0 went: a relaunch by someone
+        else, a new launcher): outside an incident, that rank 0 is the server from now on, so that
+        every source and the state file describe the group that serves."""
+        if self.incident is None and self.identity is not None and not self.identity.same_process(rank0):
+            log.info("%s: following the live group: server is %s", self.name, rank0.describe())
+            self.identity = rank0
 
     def _saved_group(self) -> dict | None:
         self.saved_group = self.group_source.group.to_dict() if self.group_source.group is not None else None
