@@ -451,12 +451,13 @@ async def test_a_server_restarted_by_someone_else_that_binds_a_second_later_is_n
                             endpoint_timeout=0.5, startup_timeout=30.0)
         cfg = _config(tmp_path, probe, RestartConfig("command", argv=("hook", "{pid}"), backoff=0.1, budget=1))
         pending: list[asyncio.Task] = []
+        delivers_from: dict[str, float] = {}
 
         async def new_server_binds():
             await asyncio.sleep(1.0)
             found["now"] = ServerLookup(identity=new)  # it does not answer yet: loading
             await asyncio.sleep(1.0)
-            server.delay = 0.0  # ... then it delivers
+            server.delay, delivers_from["at"] = 0.0, time.time()  # ... then it delivers
 
         async def someone_restarts_it(request):
             _end(old_proc)  # the old server exits ...
@@ -481,6 +482,12 @@ async def test_a_server_restarted_by_someone_else_that_binds_a_second_later_is_n
     assert restarts == [] and "restarting" not in _events(journal), _events(journal)
     recovered = next(r for r in journal.records() if r["event"] == "recovered")
     assert recovered["how"] == f"recovered before restart: new server PID {new.pid} (someone else restarted it) delivered"
+    # honest times: recovered at the first delivery, measured from the first failed probe's
+    # sending (its failure is judged first_token_timeout later at least); before, from that
+    # judgement, and at the new PID (measured: "recovered" 5 s after the onset, first listening at 13 s)
+    assert recovered["recovered_at"] >= delivers_from["at"]
+    assert recovered["seconds_to_recovery"] >= recovered["recovered_at"] - recovered["first_failure_at"] \
+        + probe.first_token_timeout - 0.05
 
 
 @pytest.mark.parametrize("age", ["older than startup_timeout", "young, never delivering"])

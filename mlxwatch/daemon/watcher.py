@@ -128,6 +128,7 @@ class InstanceWatcher:
     door: FrontDoor | None = None  # the instance's front door (the daemon starts and stops it; see "front door" below)
     alive_at: float | None = None  # monotonic: the last sign of life (a cycle done, an incident step begun)
     alive_within: float = 0.0  # ... and the most it promised to take until the next one
+    delivered_at: float | None = None  # monotonic: the first token of the probe that proved recovery
 
     def __post_init__(self) -> None:
         p, r = self.inst.probe, self.inst.restart
@@ -147,7 +148,7 @@ class InstanceWatcher:
         self.log_source = LogSource(ProgressTracker(self.inst.log, writer_pid=self._server_pid), self.shared.clock.monotonic)
         self.streams = ProbeStreams()
         self.group_source = GroupSource(identity=lambda: self.identity, locate=lambda: self._lookup().identity,
-                                        followed=self._follow_group)
+                                        followed=self._follow_group, log=lambda: self.inst.log or self.log_source.tracker.log)
         sources: list = [
             self.streams, self.log_source, self.group_source,
             ShimSource(identity=lambda: self.identity, mode=lambda: self.inst.shim,
@@ -593,6 +594,8 @@ class InstanceWatcher:
         report = await self.probe()
         self.shared.state.update(self.name, quiet=True, last_probe=_probe_summary(report, self.shared.clock.wall()))
         answered = report.healthy
+        if answered:
+            self.delivered_at = _first_token_at(report, self.shared.clock.monotonic())
         if not answered and not self.cut:  # a token within `timeout` of sending is a delivery:
             # wait for it before acting. Not when the evidence ended the probe's wait: nothing
             # flowed to anyone (with a front door, its clients' requests were failed at the
@@ -729,6 +732,7 @@ class InstanceWatcher:
             report = await self.probe()
             self.shared.state.update(self.name, quiet=True, last_probe=_probe_summary(report, self.shared.clock.wall()))
             if report.healthy:
+                self.delivered_at = _first_token_at(report, self.shared.clock.monotonic())
                 return True
             self.streams.count(self.shared.clock.monotonic())  # lets go of the failed probes' streams that ended
             await self._sleep(min(RECOVERY_PROBE_EVERY, self.inst.probe.interval, max(0.0, deadline - loop.time())))
@@ -740,10 +744,16 @@ class InstanceWatcher:
         waited for, then acted on, never called recovered)."""
         inc = self.incident
         assert inc is not None
-        inc.recovered_at = self.shared.clock.wall_of(now)  # now: monotonic, as every ``now`` here
+        # Honest times: from the onset (the first failed probe's sending: its failure was judged
+        # only when its wait ended) to the first delivered token of the probe that proved it.
+        at, self.delivered_at = (min(now, self.delivered_at) if self.delivered_at is not None else now), None
+        inc.recovered_at = self.shared.clock.wall_of(at)  # monotonic readings, as every ``now`` here
         began = self.incident_began if self.incident_began is not None else now
-        inc.seconds_to_recovery = round(now - began, 3)
-        log.warning("%s: recovered (%s) %.1fs after the first failed probe", self.name, how, inc.seconds_to_recovery)
+        first = self.failed_reports[0].generation if self.failed_reports else None
+        onset = began - (first.total or 0.0) if first is not None else began
+        inc.seconds_to_recovery = round(max(0.0, at - onset), 3)
+        log.warning("%s: recovered (%s) %.1fs after the first failed probe was sent", self.name, how,
+                    inc.seconds_to_recovery)
         self._front_gate(Gate.OPEN, "recovered")
         self.shared.journal.record(Event.RECOVERED, inc, how=how)
         self.shared.notifier.fire("recovered", inc.to_dict())
@@ -924,6 +934,12 @@ def _one_line(text: str, limit: int = 300) -> str:
 def _verdict_text(reports: list[CheckReport], stranger: str | None) -> str:
     text = f"{len(reports)} failed probe(s), the last: {reports[-1].reason}" if reports else "failed probes"
     return f"{text}; {stranger}" if stranger else text
+
+
+def _first_token_at(report: CheckReport, now: float) -> float:
+    """When ``report``'s first token arrived, on the monotonic clock of ``now`` (its end)."""
+    g = report.generation
+    return now - max(0.0, (g.total or 0.0) - (g.ttft or 0.0))
 
 
 def _probe_summary(report: CheckReport, at: float) -> dict:

@@ -26,12 +26,13 @@ is gone, the probes say so. A launcher that is gone while its ranks run is said 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 from mlxwatch.evidence import Evidence, Stall, Window
-from mlxwatch.host.group import GONE, STOPPED, ZOMBIE, Group, Rank, find_group, refresh
+from mlxwatch.host.group import GONE, STOPPED, ZOMBIE, Group, Rank, find_group, read_exits, refresh
 from mlxwatch.host.process import ProcessIdentity
 
 POLL_SUSPECT = 2.0
@@ -49,11 +50,20 @@ class GroupJudgement:
     unknown: tuple[int, ...] = ()  # ranks whose state could not be read (their host did not answer)
 
 
-def judge_group(ranks: Iterable[Rank], dead_generation: Collection[int] = ()) -> GroupJudgement:
+def judge_group(ranks: Iterable[Rank], dead_generation: Collection[int] = (),
+                exited: Sequence[int] = ()) -> GroupJudgement:
     """Hung when a rank is stopped, gone or a zombie, or its generation thread is known dead
-    (``dead_generation``: rank numbers) while it still runs; the lowest such rank is the culprit."""
+    (``dead_generation``: rank numbers) while it still runs. The culprit: the first rank the
+    launcher's log says exited on its own (``exited``, ``host.group.launcher_exits``) among those
+    not running, else the lowest such rank (measured on main: rank 1 exited and the launcher
+    ended rank 0, and the lowest, rank 0, was named)."""
     ranks = sorted(ranks, key=lambda r: r.rank)
     unknown = tuple(r.rank for r in ranks if r.state not in (*_WHY, "running"))
+    by_number = {r.rank: r for r in ranks}
+    first = next((by_number[n] for n in exited if n in by_number and by_number[n].state in (GONE, ZOMBIE)), None)
+    if first is not None:
+        return GroupJudgement(True, first.rank, f"{first.where} exited (the launcher's log says so first); the "
+                                                "other ranks wait for it in the collective or went with it", unknown)
     for r in ranks:
         if r.state in _WHY:
             return GroupJudgement(True, r.rank, f"{r.where} {_WHY[r.state]}; the other ranks wait for it "
@@ -65,6 +75,14 @@ def judge_group(ranks: Iterable[Rank], dead_generation: Collection[int] = ()) ->
         return GroupJudgement(False, None, "rank(s) " + ", ".join(map(str, unknown))
                               + " could not be asked (their host did not answer): no evidence either way", unknown)
     return GroupJudgement(False)
+
+
+def _size(path: Path | None) -> int:
+    """A log's size now: where this group's lines start (0: no log, or unreadable)."""
+    try:
+        return path.stat().st_size if path is not None else 0
+    except OSError:
+        return 0
 
 
 def _key(ident: ProcessIdentity) -> tuple[int, float]:
@@ -82,6 +100,8 @@ class GroupSource:
     identity: Callable[[], ProcessIdentity | None]  # the proven server: rank 0, if it is a group's
     locate: Callable[[], ProcessIdentity | None] = lambda: None  # who serves the address now (blocking)
     followed: Callable[[ProcessIdentity], None] = lambda ident: None  # told the rank 0 it follows now
+    log: Callable[[], Path | None] = lambda: None  # the launcher's output (the instance's log), if known
+    log_from: int = 0  # its size when the group was found: exits logged since are this group's
     name: str = "group"
     group: Group | None = None
     found_for: tuple[int, float] | None = None  # the server process the group was looked up for
@@ -98,6 +118,7 @@ class GroupSource:
             self.proven_for = _key(ident)
             if _key(ident) != self.found_for:
                 self.found_for, self.read_at, self.lost = _key(ident), window.end, False
+                self.log_from = await asyncio.to_thread(_size, self.log())
                 self.group = await asyncio.to_thread(find_group, ident.pid, known=self.group)
         elif (self.group is not None or self.lost) and (self.read_at is None or window.end - self.read_at >= (
                 POLL_SUSPECT if window.suspect or window.probe is not None else POLL_HEALTHY)):
@@ -108,7 +129,8 @@ class GroupSource:
                 await self._follow()
         if self.group is None:
             return Evidence()
-        judged = judge_group(self.group.ranks)
+        exits = await asyncio.to_thread(read_exits, self.log(), self.log_from) if self.group.missing() else []
+        judged = judge_group(self.group.ranks, exited=exits)
         detail = {"group": self.group.to_dict()}
         orphans = self.group.orphan_note()
         if not judged.hung:
@@ -131,5 +153,6 @@ class GroupSource:
             self.group, self.lost = None, True
             return
         self.found_for, self.lost = _key(ident), False
+        self.log_from = await asyncio.to_thread(_size, self.log())
         self.group = await asyncio.to_thread(find_group, ident.pid, known=self.group)
         self.followed(ident)

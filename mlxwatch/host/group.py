@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import signal as signals
 import subprocess
@@ -594,6 +595,38 @@ def wait_ranks_gone(group: Group, timeout: float, ssh: SshRunner = run_ssh, poll
         if not left or time.monotonic() >= deadline:
             return left
         time.sleep(poll)
+
+
+# mlx.launch's own lines when a rank's process ends (its thread for that rank logs them):
+# "Node with rank 1 exited with code 1", "Node with rank 0 was killed".
+_EXIT_LINE = re.compile(r"Node with rank (\d+) (?:exited with code (-?\d+)|was killed)")
+_ENDED_BY_LAUNCHER = -signals.SIGTERM  # the launcher ends the other ranks with SIGTERM
+
+
+def launcher_exits(text: str) -> list[int]:
+    """The ranks the launcher's log says exited, in the order it logged them, those it ended
+    itself last (``was killed``, or SIGTERM's code): the first is the rank that exited on its
+    own, the others went with it."""
+    own: list[int] = []
+    ended: list[int] = []
+    for match in _EXIT_LINE.finditer(text):
+        rank, code = int(match.group(1)), match.group(2)
+        (ended if code is None or int(code) == _ENDED_BY_LAUNCHER else own).append(rank)
+    return list(dict.fromkeys(own + ended))
+
+
+def read_exits(log: Path | None, start: int, limit: int = 256 * 1024) -> list[int]:
+    """``launcher_exits`` of what ``log`` gained since byte ``start`` (all of it when it was
+    truncated or rotated since; at most its last ``limit`` bytes)."""
+    if log is None:
+        return []
+    try:
+        with open(log, "rb") as fh:
+            size = fh.seek(0, os.SEEK_END)
+            fh.seek(max(start if size >= start else 0, size - limit))
+            return launcher_exits(fh.read().decode("utf-8", "replace"))
+    except OSError:
+        return []
 
 
 def describe_rank(rank: Rank) -> str:
