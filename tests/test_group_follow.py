@@ -218,3 +218,21 @@ async def test_a_relaunched_group_is_followed_and_a_slow_one_draws_no_verdict(fa
     assert [r["pid"] for r in followed["ranks"]] == [r.pid for r in new.ranks]
     assert [state for _, _, state in group_ranks(_instance(config)["group"])] == ["running", "running"]
     assert collect_status(config, config.state_dir)["instances"][0]["group"]["launcher_pid"] == new.launcher.pid
+
+
+async def test_jaccl_ranks_get_sigterm_before_sigkill(tmp_path):
+    """A SIGKILLed JACCL process is reported to leave RDMA unusable until the Mac restarts
+    (exo-explore/exo PR #1889): with `restart.signal: SIGKILL`, a JACCL group's ranks are sent
+    SIGTERM first (each rank here records it); a ring group's get SIGKILL as configured."""
+    for backend, expected in (("jaccl", ["rank 0 SIGTERM", "rank 1 SIGTERM"]), ("ring", [])):
+        group = FakeGroup.start(tmp_path / backend, backend=backend)
+        try:
+            found = group.group()
+            assert found is not None and found.backend == backend
+            method = RestartConfig("signal", signal_name="SIGKILL", grace=2.0)
+            inst = InstanceConfig("g", group.url, group.log_path, restart=method)
+            outcome = await restart(RestartContext(inst, found.rank(0).identity, None, group=found))
+            assert outcome.result == OK and _alive(found) == [], outcome
+            assert sorted(group.signals()) == expected, (backend, group.signals())
+        finally:
+            group.stop()

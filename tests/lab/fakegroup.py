@@ -71,6 +71,12 @@ args = sys.argv[1:]
 port = int(args[args.index("--port") + 1])
 mode_file = args[args.index("--mode-file") + 1]
 rank = int(os.environ["MLX_RANK"])
+import signal
+def on_term(signum, frame):  # the signals a rank got, in a file (its output pipe may be broken)
+    with open(os.path.join(os.path.dirname(mode_file), "signals"), "a") as fh:
+        fh.write("rank %d %s\n" % (rank, signal.Signals(signum).name))
+    os._exit(0)
+signal.signal(signal.SIGTERM, on_term)
 def say(text):
     print("rank %d: %s" % (rank, text), flush=True)
 def mode():
@@ -132,16 +138,17 @@ class FakeGroup:
     port: int
     ring_port: int
     ranks: int = 2
+    backend: str = "ring"  # as the launcher's command line says (what mlxwatch reads)
     _popen: subprocess.Popen | None = field(default=None, repr=False)
 
     @classmethod
-    def start(cls, workdir: Path, ranks: int = 2, ready_timeout: float = 30.0) -> "FakeGroup":
+    def start(cls, workdir: Path, ranks: int = 2, ready_timeout: float = 30.0, backend: str = "ring") -> "FakeGroup":
         bindir = workdir / "bin"
         bindir.mkdir(parents=True, exist_ok=True)
         for name, text in (("mlx.launch", LAUNCHER), ("mlx_lm.server", SERVER)):
             (bindir / name).write_text(f"#!{sys.executable}\n{text}")
             (bindir / name).chmod(0o755)
-        group = cls(workdir, free_port(), free_port(), ranks)
+        group = cls(workdir, free_port(), free_port(), ranks, backend)
         group.set_mode("ok")
         group.launch(ready_timeout)
         return group
@@ -156,7 +163,7 @@ class FakeGroup:
 
     def command(self) -> list[str]:
         bindir = self.workdir / "bin"
-        return [sys.executable, str(bindir / "mlx.launch"), "-n", str(self.ranks), "--backend", "ring",
+        return [sys.executable, str(bindir / "mlx.launch"), "-n", str(self.ranks), "--backend", self.backend,
                 "--starting-port", str(self.ring_port), "--", sys.executable, str(bindir / "mlx_lm.server"),
                 "--port", str(self.port), "--mode-file", str(self.workdir / "mode")]
 
@@ -193,6 +200,13 @@ class FakeGroup:
     def group(self) -> Group | None:
         found = lookup_server(self.url)
         return find_group(found.identity.pid) if found.identity else None
+
+    def signals(self) -> list[str]:
+        """"rank N SIGNAME" for each SIGTERM a rank got (a SIGKILL leaves no line)."""
+        try:
+            return (self.workdir / "signals").read_text().splitlines()
+        except FileNotFoundError:
+            return []
 
     def kill(self, pid: int) -> None:
         os.kill(pid, signal.SIGKILL)
