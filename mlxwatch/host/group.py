@@ -503,20 +503,23 @@ def instance_groups(port: int, ssh: SshRunner = run_ssh) -> list[Group]:
     whose command line names the port, loading or unable to bind): the orphans of a dead
     launcher and a group a supervisor started meanwhile alike. Local processes only are searched
     for them (rank 0 serves HTTP on this host); each group's remote ranks are asked as usual."""
-    seeds = set(listening_pids(port))
+    listening = sorted(listening_pids(port))
+    started_for = []
     for proc in psutil.process_iter(["pid", "cmdline"]):
         try:
             cmdline = proc.info["cmdline"] or []
-            if is_mlx_server(cmdline) and server_port(cmdline) == port:
-                seeds.add(proc.info["pid"])
+            if is_mlx_server(cmdline) and server_port(cmdline) == port and proc.info["pid"] not in listening:
+                started_for.append(proc.info["pid"])
         except (psutil.Error, TypeError):
             continue
     groups: list[Group] = []
-    for pid in sorted(seeds):
+    for pid in [*listening, *sorted(started_for)]:  # rank 0 first: its group names its other ranks
         if any(pid in g.pids for g in groups):
             continue
         found = find_group(pid, ssh)
-        if found is not None and not any(found.key == g.key and found.same_group(g) for g in groups):
+        # A rank already in a group found (a "remote" rank that runs on this host, under sshd
+        # rather than the launcher) is that group's, not a group of its own.
+        if found is not None and not any(set(found.pids) & set(g.pids) for g in groups):
             groups.append(found)
     return groups
 
