@@ -352,8 +352,8 @@ async def group_findings(inst: InstanceConfig, server: ProcessIdentity, env: Env
         return [f("group", WARN, f"could not look for an mlx.launch group: {type(exc).__name__}: {exc}")]
     if group is None:
         return []
-    out = [f("group", OK, f"rank 0 of an mlx.launch group of {group.size} ranks ({group.backend}), "
-                          f"launcher PID {group.launcher.pid}")]
+    launcher = f"launcher PID {group.launcher_pid}" if not group.launcher_gone else group.orphan_note() or "launcher gone"
+    out = [f("group", OK, f"rank 0 of an mlx.launch group of {group.size} ranks ({group.backend}), {launcher}")]
     for r in group.ranks:
         where = f"on {r.host}" + (f", PID {r.pid}" if r.pid else "")
         if r.state == RUNNING:

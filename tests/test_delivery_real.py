@@ -128,3 +128,49 @@ async def test_a_server_someone_else_restarted_during_capture_is_left_alone(serv
     finally:
         server.refresh()
         server.stop()
+
+
+@pytest.mark.newest_server_only  # mlxwatch's own look-again; the server behaviours are tested on each version elsewhere
+@pytest.mark.timeout(600)
+async def test_a_replacement_that_never_delivers_is_not_recovery(server_python, lab_root, tmp_path):
+    """Recovery is delivery, for a single server too. Measured on main (with a group): a
+    replacement that never delivered was "recovered before restart: new server PID N (someone
+    else restarted it)", then judged again and again, never restarted. Here someone else
+    replaces the hung server during the capture with one that listens but never delivers (its
+    first step blocks): the incident stays open while it may load (`startup_timeout` from its
+    start), then this daemon restarts it, and recovery is proven by a delivery."""
+    server = LabServer.start(server_python, lab_root / f"replaced-{Path(server_python).parts[-3]}")
+    try:
+        probe = ProbeConfig(interval=1.0, first_token_timeout=2.0, timeout=4.0, failures=2, grace_ceiling=60.0,
+                            endpoint_timeout=2.0, startup_timeout=30.0)
+        config = lab_config(server, tmp_path, probe)
+        replacement: dict[str, ProcessIdentity] = {}
+
+        async def capture_while_someone_replaces_it(request):
+            bundle = await capture_bundle(request)
+
+            def someone_else():
+                server.stop()
+                server.launch(ready_timeout=0)  # listens once loaded ...
+                server.set_fault("block")  # ... and its first step blocks: it never delivers
+
+            await asyncio.to_thread(someone_else)
+            replacement["server"] = ProcessIdentity.of(server.pid)
+            return bundle
+
+        journal = await run_daemon_until(
+            config, lambda j: any(r.get("event") in ("recovered", "gave_up") for r in j.records()),
+            timeout=400, after_healthy=lambda: server.set_fault("block"),
+            overrides={"capture_fn": capture_while_someone_replaces_it})
+        records = [r for r in journal.records() if r.get("instance") == "lab" and "id" in r]
+        events = [r["event"] for r in records]
+        assert events.count("verdict") == 1 and "restart" in events, events
+        assert events.index("restart") < events.index("recovered"), events
+        waited = next(r for r in records if r["event"] == "recovering")
+        assert waited.get("by") == f"new server PID {replacement['server'].pid} (someone else restarted it)", waited
+        recovered = next(r for r in records if r["event"] == "recovered")
+        assert recovered["how"] == "recovery verified by a probe"
+        assert not replacement["server"].alive()  # the replacement that never delivered was restarted
+    finally:
+        server.refresh()
+        server.stop()

@@ -5,6 +5,7 @@ stand-in HTTP transport (tokens that arrive late, a server someone else restarte
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import subprocess
 import sys
@@ -30,7 +31,7 @@ from mlxwatch.journal.incidents import Journal
 from mlxwatch.probes import CheckReport
 from mlxwatch.probes.endpoints import EndpointResult
 from mlxwatch.probes.generation import GenerationProbeResult
-from mlxwatch.restart.lookagain import decide
+from mlxwatch.restart.lookagain import decide, startup_left
 from mlxwatch.restart.methods import (
     OK,
     RestartContext,
@@ -105,24 +106,35 @@ NEW = ProcessIdentity(200, 2000.0, ("mlx_lm.server",))
 REUSED = ProcessIdentity(100, 3000.0, ("mlx_lm.server",))  # the old PID, another process
 
 
-@pytest.mark.parametrize("verdict, answered, alive, now, recovered, act_on", [
-    (OLD, False, True, OLD, None, OLD),                        # still the hung server: act on it
-    (OLD, False, True, None, None, OLD),                       # wedged, no listener found: still ours
-    (OLD, False, False, None, None, None),                     # gone, nothing new: act, but name no PID
-    (OLD, False, False, NEW, "new server PID 200", None),      # someone else restarted it
-    (OLD, False, False, REUSED, "new server PID 100", None),   # PID reused by another server
-    (OLD, True, False, NEW, "answers again (new server PID 200)", None),
-    (OLD, True, True, OLD, "answers again (same server PID 100)", None),
-    (None, False, False, None, None, None),                    # crashed, nothing since: restart, {pid} empty
-    (None, False, False, NEW, "new server PID 200", None),     # launchd's KeepAlive was quicker
+@pytest.mark.parametrize("verdict, answered, alive, now, recovered, act_on, replaced", [
+    (OLD, False, True, OLD, None, OLD, None),                  # still the hung server: act on it
+    (OLD, False, True, None, None, OLD, None),                 # wedged, no listener found: still ours
+    (OLD, False, False, None, None, None, None),               # gone, nothing new: act, but name no PID
+    (OLD, False, False, NEW, None, None, NEW),                 # someone else restarted it: not delivering yet
+    (OLD, False, False, REUSED, None, None, REUSED),           # PID reused by another server
+    (OLD, True, False, NEW, "answers again (new server PID 200)", None, None),
+    (OLD, True, True, OLD, "answers again (same server PID 100)", None, None),
+    (None, False, False, None, None, None, None),              # crashed, nothing since: restart, {pid} empty
+    (None, False, False, NEW, None, None, NEW),                # launchd's KeepAlive was quicker: it must deliver
 ])
-def test_look_again_decides_by_answer_and_identity(verdict, answered, alive, now, recovered, act_on):
+def test_look_again_decides_by_answer_and_identity(verdict, answered, alive, now, recovered, act_on, replaced):
+    """Recovery is delivery: a new PID that does not answer is never "recovered" (measured on
+    main: a replacement rank 0 that never listened was called recovered, then judged again
+    every ~44 s); it is ``replaced``, waited for while it may be loading."""
     looked = decide(verdict, answered=answered, alive=alive, now_server=now)
+    assert looked.replaced == replaced
     if recovered is None:
         assert looked.recovered is None and looked.act_on == act_on
     else:
         assert looked.recovered.startswith("recovered before restart") and recovered in looked.recovered
-        assert looked.act_on is None and looked.answered == answered
+        assert looked.act_on is None and looked.answered
+
+
+def test_a_replacement_may_load_for_startup_timeout_from_its_own_start():
+    young = ProcessIdentity(300, 1000.0, ("mlx_lm.server",))
+    assert startup_left(young, wall_now=1010.0, startup_timeout=600.0) == 590.0
+    assert startup_left(young, wall_now=1700.0, startup_timeout=600.0) == 0.0  # had its allowance
+    assert startup_left(young, wall_now=900.0, startup_timeout=600.0) == 600.0  # a start "later" than now: now
 
 
 async def test_a_hook_is_never_given_a_dead_pid():
@@ -433,16 +445,19 @@ async def test_a_server_restarted_by_someone_else_that_binds_a_second_later_is_n
     restarts: list = []
     try:
         old = ProcessIdentity.of(old_proc.pid)
-        new = ProcessIdentity.of(psutil.Process().pid)
+        new = dataclasses.replace(ProcessIdentity.of(psutil.Process().pid), create_time=time.time())  # just started
         server, found = StandIn(), {"now": ServerLookup(identity=old)}
         probe = ProbeConfig(interval=0.5, suspect_interval=1.0, first_token_timeout=0.3, timeout=0.6, failures=2,
                             endpoint_timeout=0.5, startup_timeout=30.0)
         cfg = _config(tmp_path, probe, RestartConfig("command", argv=("hook", "{pid}"), backoff=0.1, budget=1))
         pending: list[asyncio.Task] = []
+        delivers_from: dict[str, float] = {}
 
         async def new_server_binds():
             await asyncio.sleep(1.0)
             found["now"] = ServerLookup(identity=new)  # it does not answer yet: loading
+            await asyncio.sleep(1.0)
+            server.delay, delivers_from["at"] = 0.0, time.time()  # ... then it delivers
 
         async def someone_restarts_it(request):
             _end(old_proc)  # the old server exits ...
@@ -466,4 +481,55 @@ async def test_a_server_restarted_by_someone_else_that_binds_a_second_later_is_n
         _end(old_proc)
     assert restarts == [] and "restarting" not in _events(journal), _events(journal)
     recovered = next(r for r in journal.records() if r["event"] == "recovered")
-    assert recovered["how"] == f"recovered before restart: new server PID {new.pid} (someone else restarted it)"
+    assert recovered["how"] == f"recovered before restart: new server PID {new.pid} (someone else restarted it) delivered"
+    # honest times: recovered at the first delivery, measured from the first failed probe's
+    # sending (its failure is judged first_token_timeout later at least); before, from that
+    # judgement, and at the new PID (measured: "recovered" 5 s after the onset, first listening at 13 s)
+    assert recovered["recovered_at"] >= delivers_from["at"]
+    assert recovered["seconds_to_recovery"] >= recovered["recovered_at"] - recovered["first_failure_at"] \
+        + probe.first_token_timeout - 0.05
+
+
+@pytest.mark.parametrize("age", ["older than startup_timeout", "young, never delivering"])
+async def test_a_replacement_that_does_not_deliver_is_acted_on_never_called_recovered(tmp_path, age):
+    """Measured on main (a group relaunched while the killed launcher's orphans held the port):
+    the new rank 0 never listened, yet the look-again said "recovered before restart: new server
+    PID N (someone else restarted it)"; from then on a verdict, a bundle and that same line every
+    ~44 s, and no restart for 20 minutes. Now a replacement is recovered only by its first
+    delivery: a young one is waited for up to its startup_timeout from its start, then, as one
+    that has had it, it is the server this daemon restarts (within the flap guard)."""
+    old_proc, replacement_proc = _sleeper(), _sleeper()
+    restarts: list = []
+    try:
+        old = ProcessIdentity.of(old_proc.pid)
+        started = time.time() - (1000.0 if age.startswith("older") else 0.0)
+        replacement = dataclasses.replace(ProcessIdentity.of(replacement_proc.pid), create_time=started)
+        server, found = StandIn(), {"now": ServerLookup(identity=old)}
+        probe = ProbeConfig(interval=0.5, suspect_interval=0.2, first_token_timeout=0.3, timeout=0.6, failures=2,
+                            endpoint_timeout=0.5, startup_timeout=3.0)
+        cfg = _config(tmp_path, probe, RestartConfig("command", argv=("hook", "{pid}"), backoff=0.1, budget=3))
+
+        async def someone_relaunches_it(request):
+            _end(old_proc)  # the old server is gone ...
+            found["now"] = ServerLookup(loading=replacement)  # ... and its replacement never listens
+            return Bundle(tmp_path / "bundle", Classification("crashed", "high", []), {})
+
+        async def our_restart(ctx):
+            restarts.append(ctx)
+            server.delay = 0.0  # the server this daemon started delivers
+            return RestartOutcome(OK, "ran hook")
+
+        daemon = Daemon(cfg, cfg.state_dir, shared_overrides={
+            "make_client": server.client, "lookup_fn": lambda *a, **k: found["now"],
+            "capture_fn": someone_relaunches_it, "restart_fn": our_restart})
+        journal = Journal(cfg.state_dir)
+        await _run_until(daemon, journal, _hang_after_healthy(server, cfg, lambda j: "recovered" in _events(j)))
+    finally:
+        _end(old_proc)
+        _end(replacement_proc)
+    events = _events(journal)
+    assert events.count("verdict") == 1 and events.index("restart") < events.index("recovered"), events
+    assert [ctx.identity.pid for ctx in restarts] == [replacement.pid]
+    assert custom_command(cfg.instances[0].restart, restarts[0]) == ["hook", str(replacement.pid)]
+    recovered = next(r for r in journal.records() if r["event"] == "recovered")
+    assert recovered["how"] == "recovery verified by a probe"

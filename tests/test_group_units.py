@@ -115,9 +115,12 @@ def test_rank0_that_left_a_non_batched_generation_is_the_culprit():
     ev.snapshots = [[ThreadStack("Thread-1 (_generate)", 1, False, False, single.frames)], [WAITING], [WAITING]]
     c = classify(ev)
     assert (c.kind, c.culprit_rank, c.confidence) == ("collective_wait", 0, "high"), c
-    # rank 1 elsewhere in the model step but not in a non-batched generation: rank 1 went astray
+    # rank 1 inside a batched model step while rank 0 waits in the next pass's exchange: rank 0
+    # went round its loop without the step (measured: a livelock on rank 0 alone; this case
+    # blamed rank 1, "went astray", before that was measured)
     batched = ThreadStack("Thread-1 (_generate)", 1, False, False, single.frames[:2] + single.frames[3:])
-    assert classify(_evidence("running", [[batched]] * 3)).culprit_rank == 1
+    c = classify(_evidence("running", [[batched]] * 3))
+    assert (c.culprit_rank, c.confidence) == (0, "high"), c
 
 
 def test_group_judgement_from_rank_states():
@@ -144,7 +147,7 @@ async def test_a_stopped_rank_is_a_stall_that_ends_a_probes_wait(monkeypatch):
     from mlxwatch.evidence import group as source
 
     found = _group()
-    monkeypatch.setattr(source, "find_group", lambda pid: found)
+    monkeypatch.setattr(source, "find_group", lambda pid, **kw: found)
     monkeypatch.setattr(source, "refresh", lambda g: replace(g, ranks=(g.ranks[0], replace(g.ranks[1], state="stopped"))))
     rank0 = ProcessIdentity(101, 9.0, ("python", "mlx_lm.server"), started=9.0, boot="b")
     looks = source.GroupSource(lambda: rank0)
@@ -153,3 +156,47 @@ async def test_a_stopped_rank_is_a_stall_that_ends_a_probes_wait(monkeypatch):
     later = await looks.look(Window(0.0, 1.0 + source.POLL_SUSPECT, suspect=True))
     assert later.stall is not None and later.stall.event == "group_stall" and later.stall.cut_after == 0.0
     assert later.stall.journal["culprit_rank"] == 1 and "rank 1 on mac2 (PID 7) is stopped" in later.stall.reason
+
+
+def test_a_rank_that_steps_without_entering_the_collective_is_the_culprit():
+    """Measured on main (a livelock on rank 0 alone, both versions): rank 0 in `_share_object`
+    and rank 1 in `PromptProcessingBatch.prompt`, idle, in every snapshot; the bundle said
+    "culprit rank 1, medium: rank 1 skipped or repeated a step". Both passed the exchange
+    before that step together, so rank 0 went round without entering the step's collective:
+    rank 0, high confidence when the stacks agree; medium when they do not (one snapshot of
+    rank 1, or rank 0 seen elsewhere too)."""
+    waiting = ThreadStack("Thread-1 (_generate)", 1, False, False, [
+        Frame("ResponseGenerator._share_object", "mlx_lm/server.py", 595),
+        Frame("ResponseGenerator._generate", "mlx_lm/server.py", 1014)])
+    prompt = ThreadStack("Thread-1 (_generate)", 1, False, False, [
+        Frame("PromptProcessingBatch.prompt", "mlx_lm/generate.py", 1229),
+        Frame("BatchGenerator._next", "mlx_lm/generate.py", 1886),
+        Frame("ResponseGenerator._generate", "mlx_lm/server.py", 1014)])
+    ev = _evidence("running", [[prompt]] * 3)
+    ev.snapshots = [[waiting]] * 3
+    c = classify(ev)
+    assert (c.kind, c.culprit_rank, c.confidence) == ("collective_wait", 0, "high"), c
+    assert any("went round its loop without entering the collective" in line for line in c.evidence), c.evidence
+    ev.ranks[1].snapshots = [[prompt]]
+    assert (classify(ev).culprit_rank, classify(ev).confidence) == (0, "medium")
+
+
+def test_the_rank_that_exited_is_the_culprit_by_the_launchers_log():
+    """Measured on main: rank 1 exited while a request was in flight, mlx.launch ended rank 0,
+    and the group was journaled with culprit_rank 0 (the lowest rank not running). The launcher
+    logs each rank's end in order, those it ended itself with SIGTERM's code: rank 1 first."""
+    from mlxwatch.evidence.group import judge_group
+    from mlxwatch.host.group import launcher_exits
+
+    r0, r1 = _group().ranks
+    ranks = [replace(r0, state="zombie"), replace(r1, state="gone")]
+    assert judge_group(ranks).culprit_rank == 0  # without the log: the lowest, as before
+    log = ("\x1b[33m[WARN] Node with rank 1 exited with code -6 \x1b[0m\n"
+           "\x1b[33m[WARN] Node with rank 0 exited with code -15 \x1b[0m\n")
+    assert launcher_exits(log) == [1, 0]
+    judged = judge_group(ranks, exited=launcher_exits(log))
+    assert (judged.hung, judged.culprit_rank) == (True, 1) and "exited" in judged.reason
+    # the launcher's own ending logged first still names the rank that exited on its own
+    assert launcher_exits("Node with rank 0 was killed\nNode with rank 1 exited with code 1\n") == [1, 0]
+    # a rank that runs again is no culprit, whatever an old line says
+    assert judge_group([r0, r1], exited=[1]).hung is False

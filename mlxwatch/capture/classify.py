@@ -312,9 +312,13 @@ def _collective_wait(ev: Evidence) -> Classification | None:
         # unless rank 0 left a non-batched generation the others are still in (a distributed cancel).
         odd = next((r for r in waiters if r is not first and places[r.rank] != places[first.rank]), None)
         left = _left_single(first, waiters, gens)
+        stepping = _steps_alone(waiters, gens)
         if left is not None:
             culprits.append(left)
             waiters = [r for r in waiters if r is not first]
+        elif stepping is not None:
+            culprits.append(stepping)
+            waiters = [r for r in waiters if r is not stepping[0]]
         elif odd is not None:
             culprits.append((odd, f"{odd.where} waits in another collective than {first.where} "
                                   f"({places[odd.rank]} against {places[first.rank]}): it skipped or "
@@ -332,6 +336,36 @@ def _collective_wait(ev: Evidence) -> Classification | None:
     competing = [f"{len(culprits)} ranks are not in the collective: rank {culprit.rank} is named first"] \
         if len(culprits) > 1 else []
     return Classification("collective_wait", confidence, lines, competing, culprit_rank=culprit.rank)
+
+
+SHARE_FUNCTION = "_share_object"  # mlx-lm's per-pass exchange of the next request, before each step
+
+
+def _in_share(thread: ThreadStack) -> bool:
+    return any(f.name.rsplit(".", 1)[-1] == SHARE_FUNCTION for f in thread.frames[:3])
+
+
+def _steps_alone(waiters: list[RankEvidence],
+                 gens: dict[int, list[ThreadStack]]) -> tuple[RankEvidence, str, str] | None:
+    """A rank waits in the per-pass exchange (``_share_object``) while a peer waits inside the
+    model step: both passed the exchange before that step together, so the rank in the
+    exchange went round its loop without entering the step's collective its peer waits in
+    (measured on 0.31.3 and 0.32.2: a livelock on rank 0 alone, rank 0 in ``_share_object``
+    and rank 1 in ``PromptProcessingBatch.prompt`` in every snapshot; before this rule the
+    bundle blamed rank 1 as a rank that "skipped or repeated a step"). High confidence only
+    when the stacks agree: every such rank in one place in at least two snapshots."""
+    sharing = [r for r in waiters if _in_share(gens[r.rank][-1])]
+    stepping = [r for r in waiters if r not in sharing and _in_model(gens[r.rank][-1])]
+    if not sharing or not stepping:
+        return None
+    culprit = sharing[0]
+    agree = all(len(gens[r.rank]) >= 2 and len({g.signature() for g in gens[r.rank]}) == 1
+                for r in (*sharing, *stepping))
+    others = ", ".join(f"rank {r.rank}" for r in stepping)
+    return (culprit, f"{culprit.where} waits in the next pass's exchange ({_place(gens[culprit.rank][-1])}) "
+                     f"while {others} {'waits' if len(stepping) == 1 else 'wait'} inside the model step "
+                     f"({_place(gens[stepping[0].rank][-1])}): it went round its loop without entering the "
+                     "collective of the step", "high" if agree else "medium")
 
 
 def _left_single(first: RankEvidence, waiters: list[RankEvidence],

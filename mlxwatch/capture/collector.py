@@ -832,8 +832,12 @@ def _group_entry(req: CaptureRequest, found: CaptureResults) -> dict[str, Any] |
             ("no generation thread" if snaps else None)
         ranks.append({**rank.to_dict(), "innermost": innermost, "snapshots": len(snaps),
                       "stacks": "stacks/" if rank.pid == req.pid and rank.local else f"ranks/rank-{rank.rank}/stacks/"})
-    return {"launcher": {"pid": group.launcher.pid, "cmdline": list(group.launcher.cmdline)},
-            "backend": group.backend, "hosts": list(group.hosts), "hostfile": group.hostfile, "ranks": ranks}
+    launcher = None if group.launcher is None else {"pid": group.launcher.pid, "cmdline": list(group.launcher.cmdline)}
+    entry: dict[str, Any] = {"launcher": launcher, "backend": group.backend, "hosts": list(group.hosts),
+                             "hostfile": group.hostfile, "ranks": ranks}
+    if group.launcher_gone:  # named in the bundle: nothing will end these ranks but a restart of them all
+        entry.update(launcher_gone=True, orphaned=group.orphan_note())
+    return entry
 
 
 async def _snapshot_schedule(snapshots: int, spacing: float) -> AsyncIterator[int]:

@@ -43,8 +43,9 @@ def render_summary(manifest: dict[str, Any], snapshots: list[tuple[float, list[T
                    + f", Python {versions.get('python') or '?'}")
     group = manifest.get("group")
     if group:
-        out.append(f"- group: mlx.launch ({group['backend']}) PID {group['launcher']['pid']}, "
-                   f"{len(group['ranks'])} ranks")
+        launcher = group.get("launcher") or {}
+        out.append(f"- group: mlx.launch ({group['backend']}) PID {launcher.get('pid') or '?'}, "
+                   f"{len(group['ranks'])} ranks" + (f"; {group['orphaned']}" if group.get("orphaned") else ""))
         out += [f"  - rank {r['rank']} on {r['host']}: PID {r['pid'] or '-'}, {r['state']}, innermost: "
                 f"{r.get('innermost') or 'no stacks'}" for r in group["ranks"]]
     out += ["", "## Why", ""] + [f"- {line}" for line in c["evidence"]]

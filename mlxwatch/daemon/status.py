@@ -203,7 +203,7 @@ def group_status(saved: Any) -> dict | None:
     hosts, errors = _list(g.get("hosts")), _list(g.get("errors"))
     return {"launcher_pid": _count(_dict(g.get("launcher")).get("pid")), "backend": _text(g.get("backend")),
             "size": max(len(hosts), len(ranks)), "ranks": sorted(ranks, key=lambda r: r["rank"]),
-            "errors": [str(e) for e in errors]}
+            "errors": [str(e) for e in errors], "orphaned": _text(g.get("orphaned"))}
 
 
 def _front_status(s: dict) -> dict | None:

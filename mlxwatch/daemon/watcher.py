@@ -137,6 +137,7 @@ class InstanceWatcher:
     memory: MemoryWatch = field(init=False)  # the server's memory trend (memory.*)
     memory_pid: int | None = None  # the process the trend is about
     gone_server: ProcessIdentity | None = None  # the verdict's server, found stopped: its memory is awaited before a restart
+    delivered_at: float | None = None  # monotonic: the first token of the probe that proved recovery
 
     def __post_init__(self) -> None:
         p, r = self.inst.probe, self.inst.restart
@@ -155,9 +156,11 @@ class InstanceWatcher:
                 self.identity = None
         self.front = FrontWatch(self.name, lambda: self.door if self.inst.front is not None else None,
                                 lambda: self.inst.front, self.shared.journal, self.shared.clock.monotonic)
+        group = GroupSource(identity=lambda: self.identity, locate=lambda: self._lookup().identity,
+                            followed=self._follow_group, log=lambda: self.inst.log or self.log_source.tracker.log)
         self.sources = sources.build(Seeing(inst=lambda: self.inst, identity=lambda: self.identity,
                                             door=lambda: self.door, kernel=self.shared.kernel,
-                                            clock=self.shared.clock.monotonic))
+                                            clock=self.shared.clock.monotonic), group)
         self.streams, self.log_source, self.group_source = self.sources.streams, self.sources.log, self.sources.group
         self.cadence = Cadence(Speed.from_dict(saved.get("cadence")) if saved.get("url") == self.inst.url else Speed())
         self.sight = Sight(self.sources.all, self.cadence)
@@ -729,6 +732,8 @@ class InstanceWatcher:
         report = await self.probe()
         self.shared.state.update(self.name, quiet=True, last_probe=_probe_summary(report, self.shared.clock.wall()))
         answered = report.healthy
+        if answered:
+            self.delivered_at = _first_token_at(report, self.shared.clock.monotonic())
         if not answered:  # a token within `timeout` of sending is a delivery:
             # wait for it before acting. Not when the evidence ended the probe's wait: nothing
             # flowed to anyone (with a front door, its clients' requests were failed at the
@@ -749,10 +754,35 @@ class InstanceWatcher:
             if self.stop.is_set():
                 return lookagain.LookAgain()
         looked = lookagain.decide(server, answered=answered, alive=alive, now_server=found.identity or found.loading)
+        if looked.replaced is not None:
+            looked = await self._await_replacement(looked.replaced)
+            if self.stop.is_set():
+                return lookagain.LookAgain()
         if not looked.recovered:
             log.info("%s: looked again before restarting: %s; %s", self.name, _one_line(report.reason),
                      looked.act_on.describe() if looked.act_on else f"no server process to name ({found.detail or 'none'})")
         return looked
+
+    async def _await_replacement(self, newcomer: ProcessIdentity) -> lookagain.LookAgain:
+        """Another server process took the verdict's one's place (someone else restarted it) and
+        does not answer: recovered only at its first delivery, waited for while it may still be
+        loading (its ``startup_timeout`` from its start); after that it is the server that does
+        not deliver, and this daemon acts on it (the flap guard still counts every restart)."""
+        inc = self.incident
+        assert inc is not None
+        left = lookagain.startup_left(newcomer, wall_now=self.shared.clock.wall(),
+                                      startup_timeout=self.inst.probe.startup_timeout)
+        who = f"new server PID {newcomer.pid} (someone else restarted it)"
+        if left > 0:
+            log.info("%s: %s does not answer yet: waiting up to %.0fs for its first delivery", self.name, who, left)
+            self._change(Event.RECOVERING, self.detect.recovering(), by=who)
+            if await self._await_delivery(left) is not None:
+                return lookagain.LookAgain(recovered=lookagain.delivered_after_replacement(newcomer), answered=True)
+            if self.stop.is_set():
+                return lookagain.LookAgain()
+        log.warning("%s: %s has not delivered %.0fs after it started: acting on it", self.name, who,
+                    self.inst.probe.startup_timeout)
+        return lookagain.LookAgain(act_on=newcomer if await asyncio.to_thread(newcomer.alive) else None)
 
     async def _settle(self, found: ServerLookup) -> ServerLookup:
         """The verdict's server is gone and none other is there: watch the instance's address for
@@ -840,36 +870,54 @@ class InstanceWatcher:
         late token on a probe's stream, an answer to a client) verifies it too: measured,
         `not_recovered` while a slow server answered 6 requests, and a second restart."""
         self._change(Event.RECOVERING, self.detect.recovering())
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.inst.probe.startup_timeout
-        restarted = self.shared.clock.monotonic()
-        while not self.stop.is_set() and loop.time() < deadline:
-            self.promise(min(RECOVERY_PROBE_EVERY, self.inst.probe.interval))
-            report = await self.probe()
-            self.shared.state.update(self.name, quiet=True, last_probe=_probe_summary(report, self.shared.clock.wall()))
-            if report.healthy:
-                await self._recovered(self.shared.clock.monotonic(), "recovery verified by a probe")
-                return True
-            self.streams.count(self.shared.clock.monotonic())  # lets go of the failed probes' streams that ended
-            if delivered := (await self._look(restarted)).delivered:
-                await self._recovered(self.shared.clock.monotonic(), f"recovery verified by a delivery: {delivered[0]}")
-                return True
-            await self._sleep(min(RECOVERY_PROBE_EVERY, self.inst.probe.interval))
+        how = await self._await_delivery(self.inst.probe.startup_timeout)
+        if how is not None:
+            await self._recovered(self.shared.clock.monotonic(), how)
+            return True
         if not self.stop.is_set():
             log.error("%s: not healthy %.0fs after the restart", self.name, self.inst.probe.startup_timeout)
             self._change(Event.NOT_RECOVERED)
         return False
 
+    async def _await_delivery(self, within: float) -> str | None:
+        """Probe every few seconds for ``within`` seconds: how it delivered, at the first
+        delivery (recovery is delivery, never a new PID): a probe's token, or an answer or
+        tokens to any client since the wait began (measured: `not_recovered` while a slow server
+        answered 6 requests, and a second restart). None when the time ran out or the daemon
+        stops."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + within
+        since = self.shared.clock.monotonic()
+        while not self.stop.is_set() and loop.time() < deadline:
+            self.promise(min(RECOVERY_PROBE_EVERY, self.inst.probe.interval))
+            report = await self.probe()
+            self.shared.state.update(self.name, quiet=True, last_probe=_probe_summary(report, self.shared.clock.wall()))
+            if report.healthy:
+                self.delivered_at = _first_token_at(report, self.shared.clock.monotonic())
+                return "recovery verified by a probe"
+            self.streams.count(self.shared.clock.monotonic())  # lets go of the failed probes' streams that ended
+            if delivered := (await self._look(since)).delivered:
+                self.delivered_at = self.shared.clock.monotonic()
+                return f"recovery verified by a delivery: {delivered[0]}"
+            await self._sleep(min(RECOVERY_PROBE_EVERY, self.inst.probe.interval, max(0.0, deadline - loop.time())))
+        return None
+
     async def _recovered(self, now: float, how: str, answered: bool = True) -> None:
-        """Close the incident as recovered. ``answered`` False: another server process replaced
-        the one the verdict was about and does not answer yet (loading): it starts over as
-        ``starting``, with its startup allowance."""
+        """Close the incident as recovered: only once the instance delivered (``answered`` False
+        is kept for a caller that knows better; none does: a new PID that does not answer is
+        waited for, then acted on, never called recovered)."""
         inc = self.incident
         assert inc is not None
-        inc.recovered_at = self.shared.clock.wall_of(now)  # now: monotonic, as every ``now`` here
+        # Honest times: from the onset (the first failed probe's sending: its failure was judged
+        # only when its wait ended) to the first delivered token of the probe that proved it.
+        at, self.delivered_at = (min(now, self.delivered_at) if self.delivered_at is not None else now), None
+        inc.recovered_at = self.shared.clock.wall_of(at)  # monotonic readings, as every ``now`` here
         began = self.incident_began if self.incident_began is not None else now
-        inc.seconds_to_recovery = round(now - began, 3)
-        log.warning("%s: recovered (%s) %.1fs after the first failed probe", self.name, how, inc.seconds_to_recovery)
+        first = self.failed_reports[0].generation if self.failed_reports else None
+        onset = began - (first.total or 0.0) if first is not None else began
+        inc.seconds_to_recovery = round(max(0.0, at - onset), 3)
+        log.warning("%s: recovered (%s) %.1fs after the first failed probe was sent", self.name, how,
+                    inc.seconds_to_recovery)
         self.front.open("recovered")
         self.shared.journal.record(Event.RECOVERED, inc, how=how)
         self.shared.notifier.fire("recovered", inc.to_dict())
@@ -975,6 +1023,14 @@ class InstanceWatcher:
             return await asyncio.to_thread(refresh, known)
         return await asyncio.to_thread(find_group, server.pid)
 
+    def _follow_group(self, rank0: ProcessIdentity) -> None:
+        """The group source found the live group again (its rank 0 went: a relaunch by someone
+        else, a new launcher): outside an incident, that rank 0 is the server from now on, so that
+        every source and the state file describe the group that serves."""
+        if self.incident is None and self.identity is not None and not self.identity.same_process(rank0):
+            log.info("%s: following the live group: server is %s", self.name, rank0.describe())
+            self.identity = rank0
+
     def _saved_group(self) -> dict | None:
         self.saved_group = self.group_source.group.to_dict() if self.group_source.group is not None else None
         return self.saved_group
@@ -1037,6 +1093,12 @@ def _pace_text(evidence: Evidence, quiet_window: float) -> str:
 def _verdict_text(reports: list[CheckReport], stranger: str | None) -> str:
     text = f"{len(reports)} failed probe(s), the last: {reports[-1].reason}" if reports else "failed probes"
     return f"{text}; {stranger}" if stranger else text
+
+
+def _first_token_at(report: CheckReport, now: float) -> float:
+    """When ``report``'s first token arrived, on the monotonic clock of ``now`` (its end)."""
+    g = report.generation
+    return now - max(0.0, (g.total or 0.0) - (g.ttft or 0.0))
 
 
 def _probe_summary(report: CheckReport, at: float) -> dict:

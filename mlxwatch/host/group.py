@@ -13,6 +13,15 @@ From the PID of the server at an instance's address (rank 0, the one that answer
     group.launcher, group.backend, group.hosts
     for rank in group.ranks: rank.rank, rank.host, rank.pid, rank.state
     group.same_group(find_group(pid))  # False when any rank was replaced behind our back
+    group.orphaned                     # its launcher is gone and ranks still run
+    instance_groups(port)              # every group that holds the port or waits for it
+
+**Orphans.** A launcher that dies (SIGKILL, an OOM kill, ``launchctl kickstart -k``) leaves its
+ranks running, reparented (measured: both ranks kept the HTTP port, every request closed with
+no response). Such a rank has no launcher above it: its group is found by its key among every
+local process (``launcher`` is then the one seen before, marked gone, or None when never seen),
+and a supervisor's relaunch meanwhile cannot bind (``Address already in use``) and never exits.
+``instance_groups`` finds both, so that a restart can end every one of them first.
 
 Local ranks come from the launcher's process tree (psutil). Remote ranks are reached the way
 ``mlx.launch`` reaches them: ``ssh HOST`` with the hostfile's names (the user's keys and
@@ -28,6 +37,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import signal as signals
 import subprocess
@@ -39,7 +49,7 @@ from typing import Callable
 import psutil
 
 from mlxwatch.errors import ProcessGoneError
-from mlxwatch.host.process import ProcessIdentity, short_cmdline
+from mlxwatch.host.process import ProcessIdentity, is_mlx_server, listening_pids, server_port, short_cmdline
 
 LOCAL_HOST = "127.0.0.1"  # the one host mlx.launch runs without ssh
 RUNNING, STOPPED, ZOMBIE, GONE = "running", "stopped", "zombie", "gone"
@@ -138,7 +148,7 @@ class Rank:
 class Group:
     """An ``mlx.launch`` group as found: its launcher, how it was launched, every rank."""
 
-    launcher: ProcessIdentity
+    launcher: ProcessIdentity | None  # None: gone before it was ever seen (ranks found orphaned)
     backend: str
     hosts: tuple[str, ...]  # the ssh name of each rank's host, by rank
     hostfile: str | None
@@ -146,6 +156,26 @@ class Group:
     ranks: tuple[Rank, ...]
     python: str | None = None  # the interpreter the remote script runs with
     errors: tuple[str, ...] = ()  # hosts that could not be asked, and why
+    launcher_gone: bool = False  # the launcher exited or was killed: its ranks are orphans
+
+    @property
+    def launcher_pid(self) -> int | None:
+        return self.launcher.pid if self.launcher is not None else None
+
+    @property
+    def orphaned(self) -> list[Rank]:
+        """Ranks still running (or stopped) whose launcher is gone: nothing will end them."""
+        if not self.launcher_gone:
+            return []
+        return [r for r in self.ranks if r.pid and r.state in (RUNNING, STOPPED, "unknown")]
+
+    def orphan_note(self) -> str | None:
+        """"launcher PID N is gone; 2 ranks orphaned" (None: the launcher runs, or no rank does)."""
+        left = self.orphaned
+        if not left:
+            return None
+        who = f"launcher PID {self.launcher.pid}" if self.launcher is not None else "its launcher"
+        return f"{who} is gone; {len(left)} rank{'s' if len(left) != 1 else ''} orphaned"
 
     @property
     def size(self) -> int:
@@ -168,21 +198,28 @@ class Group:
 
     def same_group(self, other: "Group | None") -> bool:
         """The same launcher and the very same rank processes (PID and start each)."""
-        if other is None or not self.launcher.same_process(other.launcher):
+        if other is None or (self.launcher is None) != (other.launcher is None) or (
+                self.launcher is not None and not self.launcher.same_process(other.launcher)):
             return False
         mine = {(r.rank, r.host, r.pid, r.start) for r in self.ranks if r.pid}
         theirs = {(r.rank, r.host, r.pid, r.start) for r in other.ranks if r.pid}
         return mine == theirs
 
     def describe(self) -> str:
-        return (f"mlx.launch group of {self.size} ({self.backend}) launched by PID {self.launcher.pid}: "
+        by = f"launched by PID {self.launcher_pid}" if self.launcher is not None else "launcher unknown"
+        return (f"mlx.launch group of {self.size} ({self.backend}) {by}"
+                + (" (gone)" if self.launcher_gone else "") + ": "
                 + ", ".join(f"rank {r.rank} {r.host} {r.state}" for r in self.ranks))
 
     def to_dict(self) -> dict:
-        return {"launcher": {"pid": self.launcher.pid, "create_time": self.launcher.create_time,
-                             "cmdline": list(self.launcher.cmdline)},
-                "backend": self.backend, "hosts": list(self.hosts), "hostfile": self.hostfile,
-                "ranks": [r.to_dict() for r in self.ranks], "errors": list(self.errors)}
+        launcher = None if self.launcher is None else {
+            "pid": self.launcher.pid, "create_time": self.launcher.create_time, "cmdline": list(self.launcher.cmdline)}
+        out: dict = {"launcher": launcher, "backend": self.backend, "hosts": list(self.hosts), "hostfile": self.hostfile,
+               "ranks": [r.to_dict() for r in self.ranks], "errors": list(self.errors)}
+        if self.launcher_gone:
+            out["launcher_gone"] = True
+            out["orphaned"] = self.orphan_note()
+        return out
 
 
 SshRunner = Callable[[str, list[str], float], "subprocess.CompletedProcess[str]"]
@@ -323,10 +360,11 @@ def _interpreter(command: list[str], python: str | None) -> str:
     return "python3"
 
 
-def find_group(pid: int, ssh: SshRunner = run_ssh) -> Group | None:
-    """The ``mlx.launch`` group whose rank ``pid`` is, or None (not a rank, or no launcher above
-    it). Remote hosts that cannot be asked are named in ``Group.errors``; their ranks are
-    ``gone`` only when the host answered without them."""
+def find_group(pid: int, ssh: SshRunner = run_ssh, known: Group | None = None) -> Group | None:
+    """The ``mlx.launch`` group whose rank ``pid`` is, or None (not a rank of one). A rank with no
+    launcher above it is an orphan (``orphan_group``; ``known``: the group as seen before, whose
+    launcher and hosts it keeps). Remote hosts that cannot be asked are named in
+    ``Group.errors``; their ranks are ``gone`` only when the host answered without them."""
     try:
         proc = psutil.Process(pid)
         env = _environ(proc)
@@ -336,7 +374,7 @@ def find_group(pid: int, ssh: SshRunner = run_ssh) -> Group | None:
     except psutil.Error:
         return None
     if launcher_proc is None:
-        return None
+        return orphan_group(env, known, ssh)
     try:
         launcher = ProcessIdentity.of(launcher_proc.pid)
         cwd = launcher_proc.cwd()
@@ -383,6 +421,107 @@ def _cmdline(proc: psutil.Process) -> list[str]:
         return proc.cmdline()
     except psutil.Error:
         return []
+
+
+def _orphan(proc: psutil.Process) -> bool:
+    """No ``mlx.launch`` above it. (A relaunch with the same ring ports has the same key: its
+    ranks, under their live launcher, are another group.)"""
+    try:
+        return not any(is_launcher(_cmdline(p)) for p in proc.parents())
+    except psutil.Error:
+        return False
+
+
+def _local_ranks_of(key: str) -> dict[int, Rank]:
+    """Every local orphaned process of the group ``key``, by rank."""
+    ranks: dict[int, Rank] = {}
+    for proc in psutil.process_iter():
+        env = _environ(proc)
+        if "MLX_RANK" not in env or group_key(env) != key or not _orphan(proc):
+            continue
+        try:
+            number = int(env["MLX_RANK"])
+        except ValueError:
+            continue
+        found = _local_rank(proc, number)
+        if found is not None and found.state != ZOMBIE:
+            ranks.setdefault(number, found)
+    return ranks
+
+
+def _ring_size(hostfile_text: str) -> int | None:
+    """How many ranks a ring's ``MLX_HOSTFILE`` names (a JSON list, one entry a rank)."""
+    try:
+        ring = json.loads(hostfile_text)
+    except ValueError:
+        return None
+    return len(ring) if isinstance(ring, list) else None
+
+
+def orphan_group(env: dict[str, str], known: Group | None = None, ssh: SshRunner = run_ssh) -> Group | None:
+    """The group of a rank with no launcher above it (``env``: that rank's environment): its
+    ranks found by the group's key among every local process. ``known``: the same group as seen
+    before (same key), whose launcher, hosts and remote ranks it keeps; else the hosts are
+    ``127.0.0.1`` as many times as the ring's hostfile names ranks (or as local ranks were
+    found). None when the rank carries no group key."""
+    key = group_key(env)
+    if not key:
+        return None
+    local = _local_ranks_of(key)
+    same = known if known is not None and known.key == key else None
+    if same is not None:
+        hosts = list(same.hosts)
+    else:
+        size = _ring_size(key.removeprefix("hostfile:")) if key.startswith("hostfile:") else None
+        hosts = [LOCAL_HOST] * max(size or 0, max(local, default=-1) + 1, 1)
+    ranks: dict[int, Rank] = {n: r for n, r in local.items() if n < len(hosts) and hosts[n] == LOCAL_HOST}
+    errors = []
+    python = same.python if same is not None else None
+    for host in dict.fromkeys(h for h in hosts if h != LOCAL_HOST):
+        found_remote, error = remote_ranks(host, key, python or "python3", ssh)
+        if error:
+            errors.append(f"{host}: {error}")
+            ranks.update({n: Rank(n, host, None, "", "unknown") for n, h in enumerate(hosts) if h == host})
+            continue
+        for r in found_remote:
+            if r.rank < len(hosts) and hosts[r.rank] == host:
+                ranks.setdefault(r.rank, r)
+    for number, host in enumerate(hosts):
+        ranks.setdefault(number, Rank(number, host, None, "", GONE))
+    launcher = same.launcher if same is not None else None
+    return Group(launcher, same.backend if same is not None else _backend_of(key), tuple(hosts),
+                 same.hostfile if same is not None else None, key, tuple(ranks[n] for n in sorted(ranks)),
+                 python, tuple(errors), launcher_gone=True)
+
+
+def _backend_of(key: str) -> str:
+    return {"hostfile": "ring", "jaccl": "jaccl", "nccl": "nccl"}.get(key.partition(":")[0], "ring")
+
+
+def instance_groups(port: int, ssh: SshRunner = run_ssh) -> list[Group]:
+    """Every group with a rank that listens on ``port`` or was started for it (an mlx-lm server
+    whose command line names the port, loading or unable to bind): the orphans of a dead
+    launcher and a group a supervisor started meanwhile alike. Local processes only are searched
+    for them (rank 0 serves HTTP on this host); each group's remote ranks are asked as usual."""
+    listening = sorted(listening_pids(port))
+    started_for = []
+    for proc in psutil.process_iter(["pid", "cmdline"]):
+        try:
+            cmdline = proc.info["cmdline"] or []
+            if is_mlx_server(cmdline) and server_port(cmdline) == port and proc.info["pid"] not in listening:
+                started_for.append(proc.info["pid"])
+        except (psutil.Error, TypeError):
+            continue
+    groups: list[Group] = []
+    for pid in [*listening, *sorted(started_for)]:  # rank 0 first: its group names its other ranks
+        if any(pid in g.pids for g in groups):
+            continue
+        found = find_group(pid, ssh)
+        # A rank already in a group found (a "remote" rank that runs on this host, under sshd
+        # rather than the launcher) is that group's, not a group of its own.
+        if found is not None and not any(set(found.pids) & set(g.pids) for g in groups):
+            groups.append(found)
+    return groups
 
 
 def remote_ranks(host: str, key: str, python: str, ssh: SshRunner = run_ssh) -> tuple[list[Rank], str | None]:
@@ -461,6 +600,38 @@ def wait_ranks_gone(group: Group, timeout: float, ssh: SshRunner = run_ssh, poll
         time.sleep(poll)
 
 
+# mlx.launch's own lines when a rank's process ends (its thread for that rank logs them):
+# "Node with rank 1 exited with code 1", "Node with rank 0 was killed".
+_EXIT_LINE = re.compile(r"Node with rank (\d+) (?:exited with code (-?\d+)|was killed)")
+_ENDED_BY_LAUNCHER = -signals.SIGTERM  # the launcher ends the other ranks with SIGTERM
+
+
+def launcher_exits(text: str) -> list[int]:
+    """The ranks the launcher's log says exited, in the order it logged them, those it ended
+    itself last (``was killed``, or SIGTERM's code): the first is the rank that exited on its
+    own, the others went with it."""
+    own: list[int] = []
+    ended: list[int] = []
+    for match in _EXIT_LINE.finditer(text):
+        rank, code = int(match.group(1)), match.group(2)
+        (ended if code is None or int(code) == _ENDED_BY_LAUNCHER else own).append(rank)
+    return list(dict.fromkeys(own + ended))
+
+
+def read_exits(log: Path | None, start: int, limit: int = 256 * 1024) -> list[int]:
+    """``launcher_exits`` of what ``log`` gained since byte ``start`` (all of it when it was
+    truncated or rotated since; at most its last ``limit`` bytes)."""
+    if log is None:
+        return []
+    try:
+        with open(log, "rb") as fh:
+            size = fh.seek(0, os.SEEK_END)
+            fh.seek(max(start if size >= start else 0, size - limit))
+            return launcher_exits(fh.read().decode("utf-8", "replace"))
+    except OSError:
+        return []
+
+
 def describe_rank(rank: Rank) -> str:
     return f"{rank.where}: {rank.state}" + (f" ({short_cmdline(rank.cmdline, 60)})" if rank.cmdline else "")
 
@@ -482,7 +653,7 @@ def refresh(group: Group, ssh: SshRunner = run_ssh) -> Group:
                 proc = psutil.Process(r.pid)
                 if r.identity is not None and r.identity.alive():
                     state = _state(proc)
-                elif proc.status() == psutil.STATUS_ZOMBIE and proc.ppid() == group.launcher.pid:
+                elif proc.status() == psutil.STATUS_ZOMBIE and proc.ppid() == group.launcher_pid:
                     state = ZOMBIE  # ended, not yet reaped by its launcher
             except psutil.Error:
                 state = GONE
@@ -491,4 +662,5 @@ def refresh(group: Group, ssh: SshRunner = run_ssh) -> Group:
             now, error = answers[r.host]
             match = now.get((r.pid, r.start))
             ranks.append(replace(r, state="unknown" if error else match.state if match else GONE))
-    return replace(group, ranks=tuple(ranks))
+    gone = group.launcher_gone or (group.launcher is not None and not group.launcher.alive())
+    return replace(group, ranks=tuple(ranks), launcher_gone=gone)

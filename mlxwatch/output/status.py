@@ -96,6 +96,8 @@ def group_lines(group: dict[str, Any]) -> list[Text]:
         pid = f"PID {r['pid']}" if r.get("pid") else "no PID"
         lines.append(Text(f"    rank {r['rank']}  {r['host']}  {pid}  {r['state']}",
                           style="" if r["state"] == "running" else "red"))
+    if group.get("orphaned"):  # "launcher PID N is gone; 2 ranks orphaned"
+        lines.append(Text(f"    {group['orphaned']}", style="red"))
     for error in group.get("errors") or []:
         lines.append(Text(f"    not asked: {error}", style="yellow"))
     return lines

@@ -7,10 +7,19 @@ healthy server). So right before each restart the watcher probes once more and p
 server's identity again, and this module decides::
 
     decision = decide(verdict_server, answered=report.healthy, now_server=found)
-    if decision.recovered:      # close the incident: "recovered before restart: new server PID N"
+    if decision.recovered:      # it delivered: close the incident, "recovered before restart: ..."
         ...
+    elif decision.replaced:     # another server process, not answering: wait for its first delivery
+        ...                     # while it may still be loading (startup_left), else act on it
     else:                       # act on decision.act_on: alive and the same process, or None
         ...
+
+Recovery is delivery: a new PID is no proof. Measured on main: a group relaunched while the old
+one's orphans held the port had a rank 0 that never listened; it was called "recovered (someone
+else restarted it)" after ``startup_timeout``, and then, every ~44 s, a verdict, a bundle and
+"recovered before restart" naming the same dead-on-arrival PID, with no restart for ever. A
+replacement is waited for while it may still be loading (``startup_left``); one that has had its
+``startup_timeout`` and does not answer is a failure this daemon acts on, within the flap guard.
 
 ``act_on`` is never a dead process or another one than the verdict was about: a restart hook
 gets an empty ``{pid}`` when there is none (documented in docs/deciding.md).
@@ -33,8 +42,9 @@ class LookAgain:
     """What the last look found: close the incident (``recovered`` says why), or act on ``act_on``."""
 
     recovered: str | None = None  # "recovered before restart: ..." (None: go on with the restart)
-    answered: bool = False  # the probe just made was healthy
+    answered: bool = False  # the probe just made was healthy (``recovered`` is set only then)
     act_on: ProcessIdentity | None = None  # the verdict's server, alive now; None: no process to name
+    replaced: ProcessIdentity | None = None  # another server process took its place and does not answer
 
 
 SETTLE_CAP = 60.0  # the longest wait for someone else's restart to show its new server
@@ -70,6 +80,17 @@ def decide(verdict_server: ProcessIdentity | None, *, answered: bool, alive: boo
             f"same server PID {verdict_server.pid}" if verdict_server is not None and alive else "server unproven")
         return LookAgain(recovered=f"recovered before restart: the instance answers again ({who})", answered=True)
     if newcomer is not None:
-        return LookAgain(recovered=f"recovered before restart: new server PID {newcomer.pid} "
-                                   "(someone else restarted it)")
+        return LookAgain(replaced=newcomer)
     return LookAgain(act_on=verdict_server if alive else None)
+
+
+def startup_left(server: ProcessIdentity, *, wall_now: float, startup_timeout: float) -> float:
+    """Seconds ``server`` may still be loading: ``startup_timeout`` from its start (a start later
+    than now counts as now). 0: it has had its allowance; not answering is a failure."""
+    age = max(0.0, wall_now - server.create_time)
+    return max(0.0, startup_timeout - age)
+
+
+def delivered_after_replacement(newcomer: ProcessIdentity) -> str:
+    """The reason a replaced server's incident closes: its first delivery, never its PID alone."""
+    return f"recovered before restart: new server PID {newcomer.pid} (someone else restarted it) delivered"

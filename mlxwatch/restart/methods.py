@@ -20,6 +20,19 @@ SIGTERM to rank 0 while rank 1 is stopped leaves ``mlx.launch`` spinning for eve
 methods are followed by the same sweep of the old group's ranks that outlive them. Every
 signal to a rank is preceded by proof that it is the very process found (PID and start; for a
 remote rank, checked on its host in the same ssh run).
+
+**A dead launcher** (SIGKILL, an OOM kill, ``launchctl kickstart -k``) leaves its ranks running,
+orphaned, holding the ports; a supervisor's relaunch meanwhile cannot bind (``Address already in
+use``) and never exits (measured on 0.32.2: its rank 0 waits in ``threading._shutdown``, its
+rank 1 in ``ResponseGenerator.join``). No restart method alone brings that back. So when the
+verdict's group is orphaned, or more than one group holds or waits for the instance's port
+(``groups.instance_groups``), every one of them is ended first (ranks, then each live launcher),
+proven gone, and only then does the method run and start one group (``signal``: the supervisor
+does, once the launcher it watches has exited). docs/distributed.md says what each method does.
+
+**JACCL** ranks always get SIGTERM before SIGKILL (``restart.signal: SIGKILL`` included): a
+public report says a SIGKILLed JACCL process leaks its RDMA protection domain (docs/distributed.md
+cites it).
 """
 
 from __future__ import annotations
@@ -81,7 +94,7 @@ def custom_command(cfg: RestartConfig, ctx: RestartContext) -> list[str]:
         "pid": str(ctx.identity.pid) if ctx.identity else "",
         "url": ctx.instance.url,
         "bundle": ctx.bundle or "",
-        "launcher_pid": str(ctx.group.launcher.pid) if ctx.group else "",
+        "launcher_pid": str(ctx.group.launcher_pid or "") if ctx.group else "",
         "pids": ",".join(str(r.pid or "") for r in ctx.group.ranks) if ctx.group else "",
         "hosts": ",".join(r.host for r in ctx.group.ranks) if ctx.group else "",
     }
@@ -103,6 +116,14 @@ async def restart(ctx: RestartContext, runner: Runner = run_command) -> RestartO
     cfg = ctx.instance.restart
     if cfg.method == "none":
         return RestartOutcome(NOTHING_TO_RESTART, "no restart configured (capture and notify only)")
+    ended = ""
+    if ctx.group is not None:
+        stale = await asyncio.to_thread(_stale_groups, ctx.group, ctx.instance.port)
+        if stale:
+            ended = await asyncio.to_thread(_end_groups, stale, cfg)
+            if cfg.method == "signal":
+                return RestartOutcome(OK, ended + "; the supervisor starts the launcher again")
+            ctx = replace(ctx, identity=None, group=None)  # all ended and proven gone: nothing to name
     if cfg.method == "signal":
         if ctx.group is not None:
             return await asyncio.to_thread(_signal_group, ctx.group, cfg)
@@ -118,7 +139,7 @@ async def restart(ctx: RestartContext, runner: Runner = run_command) -> RestartO
     result = await runner(argv, cfg.timeout)
     if not result.ok:
         raise RestartError(f"{argv[0]}: {result.error}")
-    detail = f"ran {' '.join(argv)}"
+    detail = (ended + "; then " if ended else "") + f"ran {' '.join(argv)}"
     if released is not None and released.slow:
         detail = f"{released.detail}; then {detail}"
     if ctx.group is not None:
@@ -130,13 +151,48 @@ def _ranks_text(ranks: list[groups.Rank]) -> str:
     return ", ".join(r.where for r in ranks)
 
 
+def _stale_groups(group: groups.Group, port: int) -> list[groups.Group]:
+    """The groups to end before any restart method runs (blocking): none while ``group`` has
+    its launcher and is the only group on ``port``; else ``group`` and every other group that
+    holds the port or waits for it (the orphans of a dead launcher, a relaunch that cannot
+    bind), each as found now."""
+    now = groups.refresh(group)
+    others = [g for g in groups.instance_groups(port) if not g.same_group(now) and not set(g.pids) <= set(now.pids)]
+    if not now.launcher_gone and not others:
+        return []
+    return [now, *others]
+
+
+def _end_groups(found: list[groups.Group], cfg: RestartConfig) -> str:
+    """End every group of ``found`` (ranks, then its launcher if alive) and prove each gone
+    (blocking). Raises RestartError naming what is left."""
+    steps = []
+    for group in found:
+        orphan = f" ({group.orphan_note()})" if group.orphan_note() else ""
+        try:
+            outcome = _signal_group(group, cfg)
+        except RestartError as exc:
+            raise RestartError(f"the instance's groups not all ended: {exc}") from None
+        steps.append(f"{group.describe()}{orphan}: {outcome.detail}")
+    return f"ended {len(found)} group(s) holding or waiting for port: " + " | ".join(steps)
+
+
+def _first_signal(group: groups.Group, signame: str) -> str:
+    """SIGTERM before SIGKILL for a JACCL rank (its RDMA protection domain leaks on SIGKILL)."""
+    return "SIGTERM" if group.backend == "jaccl" and signame == "SIGKILL" else signame
+
+
 def _sweep(group: groups.Group, grace: float) -> str:
     """After a restart method: the old group's ranks still running after ``grace`` are
-    continued and killed (proven first). What it did, for the outcome's detail."""
+    continued and killed (proven first; a JACCL rank is sent SIGTERM first, ``grace`` more).
+    What it did, for the outcome's detail."""
     left = groups.wait_ranks_gone(group, grace)
     if not left:
         return "; every rank of the old group is gone"
     groups.signal_ranks(group, left, "SIGCONT")
+    if group.backend == "jaccl":
+        groups.signal_ranks(group, left, "SIGTERM")
+        left = groups.wait_ranks_gone(group, grace) or []
     killed = groups.signal_ranks(group, left, "SIGKILL")
     still = groups.wait_ranks_gone(group, 10.0)
     if still:
@@ -148,35 +204,40 @@ def _signal_group(group: groups.Group, cfg: RestartConfig) -> RestartOutcome:
     """The whole group (see the module docstring); blocking: run in a worker thread."""
     now = groups.refresh(group)
     running = [r for r in now.ranks if r.state in (groups.RUNNING, groups.STOPPED, "unknown") and r.pid]
-    launcher_alive = group.launcher.alive()
-    if not running and not launcher_alive:
+    launcher = group.launcher
+
+    def launcher_alive() -> bool:
+        return launcher is not None and launcher.alive()
+    if not running and not launcher_alive():
         return RestartOutcome(NOTHING_TO_RESTART, "every rank and the launcher already gone; nothing to signal")
     steps = []
     stopped = [r for r in running if r.state == groups.STOPPED]
     if stopped:  # SIGTERM stays pending on a stopped process
         groups.signal_ranks(now, stopped, "SIGCONT")
         steps.append(f"continued stopped {_ranks_text(stopped)}")
-    sent = groups.signal_ranks(now, running, cfg.signal_name)
-    steps.append(f"sent {cfg.signal_name} to {len(sent)} rank(s)")
+    first = _first_signal(now, cfg.signal_name)
+    sent = groups.signal_ranks(now, running, first)
+    steps.append(f"sent {first} to {len(sent)} rank(s)")
     left = groups.wait_ranks_gone(now, cfg.grace)
     if left:
         groups.signal_ranks(now, left, "SIGCONT")
         killed = groups.signal_ranks(now, left, "SIGKILL")
         steps.append(f"SIGKILL to {_ranks_text(killed)} after {cfg.grace:g}s")
         left = groups.wait_ranks_gone(now, 10.0)
-    launcher = group.launcher
-    if launcher.alive() and not _wait(launcher.alive, 5.0):  # it exits once a rank exited non-zero
+    if launcher is not None and launcher_alive() and not _wait(launcher_alive, 5.0):  # it exits once a rank exited non-zero
         os.kill(launcher.pid, signals.SIGCONT)
         os.kill(launcher.pid, getattr(signals, cfg.signal_name))
         steps.append(f"sent {cfg.signal_name} to the launcher {launcher.pid}")
-        if not _wait(launcher.alive, cfg.grace) and launcher.alive():
+        if not _wait(launcher_alive, cfg.grace) and launcher_alive():
             os.kill(launcher.pid, signals.SIGKILL)
             steps.append("SIGKILL to the launcher")
-            _wait(launcher.alive, 10.0)
-    if left or launcher.alive():
-        what = _ranks_text(left) + (f"; launcher {launcher.pid}" if launcher.alive() else "")
+            _wait(launcher_alive, 10.0)
+    if left or launcher_alive():
+        what = _ranks_text(left) + (f"; launcher {launcher.pid}" if launcher is not None and launcher_alive() else "")
         raise RestartError(f"group not ended: still running: {what.strip('; ')}")
-    return RestartOutcome(OK, "; ".join(steps) + f"; all {len(group.ranks)} ranks and the launcher gone")
+    gone = "the launcher gone" if not now.launcher_gone else \
+        f"the launcher {'PID ' + str(launcher.pid) + ' ' if launcher is not None else ''}was already gone"
+    return RestartOutcome(OK, "; ".join(steps) + f"; all {len(group.ranks)} ranks and {gone}")
 
 
 def _wait(alive: Callable[[], bool], timeout: float) -> bool:

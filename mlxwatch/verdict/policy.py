@@ -53,7 +53,7 @@ ALLOWED_FROM: dict[str, tuple[str, ...]] = {
     "capturing": (HUNG,),
     "awaiting_recovery": (CAPTURING,),  # restart: none
     "restarting": (CAPTURING, RESTARTING, RECOVERING),  # the backoff, then the restart
-    "recovering": (RESTARTING,),
+    "recovering": (CAPTURING, RESTARTING, RECOVERING),  # after our restart, or someone else's (look-again)
     "recovered": (*INCIDENT, GAVE_UP),  # answered again, or another server process took over
     "gave_up": (STARTING, CAPTURING, RESTARTING, RECOVERING),  # starting: restored from the state file
     "resumed": (GAVE_UP,),

@@ -4,14 +4,16 @@
 with the lab's tiny model and the fault injector in every rank (``set_fault(fault, rank=1)``
 switches one rank's fault alone: ``mlxwatch/_lab/inject``). ``hosts`` other than 127.0.0.1 run
 through ssh, as mlx.launch does (``tests/lab/sshd.py`` gives a loopback sshd). With
-``supervised`` a keep-alive loop starts the launcher again whenever it exits, as launchd would::
+``supervised`` a keep-alive supervisor (``tests/lab/keepalive.py``) starts the launcher again
+whenever it exits, as launchd's KeepAlive would, and adopts the ranks a killed launcher leaves::
 
     group = LabGroup.start(python, tmp_path / "group")
     group.set_fault("block", rank=1)
     group.stop()
 
-Everything the group starts is in one process group (its session) that we created, and
-``stop`` ends that process group, stopped ranks continued first.
+Everything the group starts is in one process group (its session) that we created. ``stop``
+ends the supervisor by its PID (it ends every process below it by PID, orphans included), then
+that process group, stopped ranks continued first.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,8 +34,7 @@ from mlxwatch._lab.server import INJECT_DIR, LabFiles, make_tiny_model
 from mlxwatch.host.group import Group, find_group, signal_ranks, wait_ranks_gone
 from mlxwatch.host.process import lookup_server
 
-# A keep-alive loop, as launchd's KeepAlive: start the command again whenever it exits.
-KEEPALIVE = 'while :; do "$@"; sleep 0.5; done'
+KEEPALIVE = str(Path(__file__).with_name("keepalive.py"))  # a supervisor, as launchd's KeepAlive
 
 
 def _two_free_ports() -> int:
@@ -97,7 +99,7 @@ class LabGroup(LabFiles):
         (self.workdir / "hf-cache").mkdir(exist_ok=True)
         (self.workdir / "tmp").mkdir(exist_ok=True)
         env = {**os.environ, **self.rank_env(), "TMPDIR": str(self.workdir / "tmp"), **self.env}
-        argv = ["bash", "-c", KEEPALIVE, "keepalive", *self.command()] if self.supervised else self.command()
+        argv = [sys.executable, KEEPALIVE, "--", *self.command()] if self.supervised else self.command()
         with open(self.log_path, "ab") as log:
             # stdin a pipe we keep open: at EOF, mlx.launch's select loop spins on it
             self._popen = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.PIPE,
@@ -169,6 +171,12 @@ class LabGroup(LabFiles):
         if proc is None:
             return
         group = self.group() if proc.poll() is None else None
+        if self.supervised and proc.poll() is None:  # it ends, by PID, all it started or adopted
+            proc.terminate()
+            try:
+                proc.wait(grace + 15.0)
+            except subprocess.TimeoutExpired:
+                pass
         pgid = proc.pid  # start_new_session: the leader's PID names the process group
         for sig in (signal.SIGCONT, signal.SIGTERM):
             try:
