@@ -69,8 +69,10 @@ def big(server_python: str, lab_root: Path, big_servers: dict[str, LabServer]):
         big_servers[server_python] = server
     else:
         server.refresh()  # a restart hook may have relaunched it
-        if server.fault_file.read_text() != SPEED or not server.owned_process_alive():
+        hung = any(shape in server.fault_file.read_text() for shape in ("hang", "livelock"))
+        if hung or not server.owned_process_alive():
             server.relaunch()
+        server.set_fault(SPEED)  # the speed it started with (an idle test's fault off)
     yield server
 
 
