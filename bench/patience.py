@@ -107,8 +107,8 @@ def speed_row(python: str, workdir: Path, row: str, tokens: int, turns: int, ste
         elapsed = time.time() - t0
         verdicts = events(daemon, "verdict", t0)
         if verdicts:  # a restart under way: over before the server is stopped (its hook relaunches it)
-            daemon.wait_until(lambda: events(daemon, "recovered", t0) or events(daemon, "gave_up", t0), 300,
-                              "recovered after a false verdict")
+            daemon.wait_until(lambda: any(events(daemon, e, t0) for e in ("recovered", "gave_up", "closed")), 300,
+                              "the incident closed after a false verdict")
         slow = events(daemon, "slow", t0)
         stalls = events(daemon, "kernel_stall", t0)
         captured = events(daemon, "captured", t0)
