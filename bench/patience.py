@@ -203,10 +203,10 @@ def section(data: dict[str, Any]) -> str:
         r = rows.get(row)
         if r is None or row in GOALS:
             continue
-        met = r["verdicts"] == 0 and r["answered"] == r["requests"]
+        all_answered = r["answered"] == r["requests"]
         lines.append(f"| {r['ms_per_token']:g} | {r['chunk_s']:g} | {r['delivery']} | {r['mode']} | {r['mlx_lm']} | "
                      f"{r['prompt_tokens']:,} | {r['verdicts']}{'' if r['verdicts'] == 0 else ' **missed**'} | "
-                     f"{r['answered']} of {r['requests']}{'' if met else ' **missed**'} | {r['restarts']} | "
+                     f"{r['answered']} of {r['requests']}{'' if all_answered else ' **missed**'} | {r['restarts']} | "
                      f"{r['slow_episodes']} | {r['started_at'][:16]} {r['commit']} |")
     hangs = [rows[s] for s in GOALS if s in rows]
     if hangs:
