@@ -107,8 +107,8 @@ def speed_row(python: str, workdir: Path, row: str, tokens: int, turns: int, ste
         elapsed = time.time() - t0
         verdicts = events(daemon, "verdict", t0)
         if verdicts:  # a restart under way: over before the server is stopped (its hook relaunches it)
-            daemon.wait_until(lambda: events(daemon, "recovered", t0) or events(daemon, "gave_up", t0), 300,
-                              "recovered after a false verdict")
+            daemon.wait_until(lambda: any(events(daemon, e, t0) for e in ("recovered", "gave_up", "closed")), 300,
+                              "the incident closed after a false verdict")
         slow = events(daemon, "slow", t0)
         stalls = events(daemon, "kernel_stall", t0)
         captured = events(daemon, "captured", t0)
@@ -203,10 +203,10 @@ def section(data: dict[str, Any]) -> str:
         r = rows.get(row)
         if r is None or row in GOALS:
             continue
-        met = r["verdicts"] == 0 and r["answered"] == r["requests"]
+        all_answered = r["answered"] == r["requests"]
         lines.append(f"| {r['ms_per_token']:g} | {r['chunk_s']:g} | {r['delivery']} | {r['mode']} | {r['mlx_lm']} | "
                      f"{r['prompt_tokens']:,} | {r['verdicts']}{'' if r['verdicts'] == 0 else ' **missed**'} | "
-                     f"{r['answered']} of {r['requests']}{'' if met else ' **missed**'} | {r['restarts']} | "
+                     f"{r['answered']} of {r['requests']}{'' if all_answered else ' **missed**'} | {r['restarts']} | "
                      f"{r['slow_episodes']} | {r['started_at'][:16]} {r['commit']} |")
     hangs = [rows[s] for s in GOALS if s in rows]
     if hangs:

@@ -19,10 +19,8 @@ speed) are ``bench/patience.py``'s.
 
 from __future__ import annotations
 
-import json
 import re
 import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +28,7 @@ from pathlib import Path
 import pytest
 
 from lab.daemon import run_daemon_until
+from lab.procs import client, end, printed
 from lab.server import LabServer, relaunch_argv, relaunches_started
 from mlxwatch.config import Config, InstanceConfig, ProbeConfig, RestartConfig
 from mlxwatch.journal.incidents import Journal
@@ -69,8 +68,10 @@ def big(server_python: str, lab_root: Path, big_servers: dict[str, LabServer]):
         big_servers[server_python] = server
     else:
         server.refresh()  # a restart hook may have relaunched it
-        if server.fault_file.read_text() != SPEED or not server.owned_process_alive():
+        hung = any(shape in server.fault_file.read_text() for shape in ("hang", "livelock"))
+        if hung or not server.owned_process_alive():
             server.relaunch()
+        server.set_fault(SPEED)  # the speed it started with (an idle test's fault off)
     yield server
 
 
@@ -86,25 +87,7 @@ def events(journal: Journal) -> list[str]:
 
 
 def agents(url: str, *args: str, tokens: int = PROMPT_TOKENS) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, str(AGENT), url, "--tokens", str(tokens), *args],
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-
-
-def answers(proc: subprocess.Popen) -> list[dict]:
-    out = proc.stdout.read() if proc.stdout else ""
-    return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
-
-
-def end(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
-    if proc.stdout is not None:
-        proc.stdout.close()
+    return client(AGENT, url, "--tokens", str(tokens), *args)
 
 
 async def served_without_verdict(server: LabServer, tmp_path: Path, requests: int, tokens: int,
@@ -127,7 +110,7 @@ async def served_without_verdict(server: LabServer, tmp_path: Path, requests: in
     try:
         journal = await run_daemon_until(config_for(server, tmp_path / "state"), over, timeout=420,
                                          after_healthy=start)
-        got = answers(procs["agents"])
+        got = printed(procs["agents"])
     finally:
         for proc in procs.values():
             end(proc)

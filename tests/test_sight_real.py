@@ -17,7 +17,6 @@ import asyncio
 import json
 import re
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -26,6 +25,7 @@ import pytest
 from mlxwatch.config import CaptureConfig, Config, InstanceConfig, ProbeConfig, RestartConfig
 from mlxwatch.journal.incidents import Journal
 from lab.daemon import run_daemon_until
+from lab.procs import client, end, printed
 from lab.server import LabServer, relaunch_argv
 
 APP = Path(__file__).resolve().parent / "lab" / "app.py"
@@ -33,26 +33,7 @@ APP = Path(__file__).resolve().parent / "lab" / "app.py"
 
 def app(url: str, *args: str) -> subprocess.Popen:
     """The lab's app, in a process of its own: its connections are someone else's to the daemon."""
-    return subprocess.Popen([sys.executable, str(APP), url, *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.DEVNULL, text=True)
-
-
-def results(proc: subprocess.Popen) -> list[dict]:
-    """What the app printed: one JSON line a finished request (it has exited or been ended)."""
-    out = proc.stdout.read() if proc.stdout else ""
-    return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
-
-
-def end(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
-    if proc.stdout is not None:
-        proc.stdout.close()
+    return client(APP, url, *args)
 
 
 def config_for(lab: LabServer, state_dir: Path, probe: ProbeConfig, kernel: str = "auto") -> Config:
@@ -138,7 +119,7 @@ async def _slow_server_is_not_restarted(server: LabServer, tmp_path: Path, step:
         with open(server.log_path, "rb") as f:
             f.seek(log_before)
             logged = f.read().decode(errors="replace")
-        got = results(clients["app"])
+        got = printed(clients["app"])
         assert "verdict" not in events(journal), events(journal)
         # every answer complete (the tiny random model's tokens may detokenize to empty text)
         assert [r["finish"] for r in got] == ["length"] * answers and not any(r["error"] for r in got), got

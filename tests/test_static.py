@@ -23,6 +23,7 @@ ALLOWED = {
     "shim/agent.py": "runs inside the server (stdlib only): its one-line notes go to the server's stderr",
     "shim/boot/sitecustomize.py": "runs at the server's interpreter start, before mlxwatch exists there: stderr only",
     "_lab/inject/sitecustomize.py": "the lab server's fault hook: a lab without its fault says so on the server's stderr",
+    "_lab/fault_server.py": "runs inside the lab server (stdlib only): a fault's onset stamp goes to the server's log",
     "_lab/relaunch.py": "a script of its own (`python -m mlxwatch._lab.relaunch`), run as a separate process",
     "_lab/tiny_model.py": "a script of its own (writes the demo's tiny model), run as a separate process",
 }
