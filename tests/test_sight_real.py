@@ -158,7 +158,7 @@ async def test_answers_the_openai_sdk_gets_without_streaming_are_deliveries(lab)
         await asyncio.sleep(1.0)
         await asyncio.to_thread(source.sample)
         seen = source.answer(Window(start, time.monotonic()))
-        got = results(clients)
+        got = printed(clients)
     finally:
         lab.set_fault("")
         end(clients)
