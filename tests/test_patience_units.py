@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 
 from mlxwatch.config import ProbeConfig
 from mlxwatch.evidence import Evidence, Stall, Window
@@ -180,6 +181,23 @@ class _Reading:
         self.started = self.last = time.monotonic()  # type: ignore[assignment]
 
 
+def _daemon_that_learned(tmp_path, server: StandIn, kernel, chunk: float):
+    """The daemon at a fast config (quiet_window 1 s), its state file holding a pace an earlier
+    run learned: ``chunk`` seconds a chunk."""
+    probe = ProbeConfig(interval=60.0, suspect_interval=1.0, first_token_timeout=30.0, timeout=60.0,
+                        quiet_window=1.0, endpoint_timeout=0.5, startup_timeout=30.0)
+    daemon, journal, state = _daemon(tmp_path, probe, server, kernel)
+    _remember(state, chunk)
+    return daemon, journal, state
+
+
+def _remember(state: Path, chunk: float) -> None:
+    """A state file in which an earlier daemon run learned ``chunk`` seconds a chunk."""
+    saved = {"url": "http://127.0.0.1:9", "cadence": Speed(chunk=Estimate(chunk, chunk / 20, 8)).to_dict()}
+    state.parent.mkdir(parents=True, exist_ok=True)
+    state.write_text(json.dumps({"instances": {"x": saved}}))
+
+
 async def test_a_long_prompt_read_in_silent_chunks_draws_no_verdict_and_a_hang_mid_read_does(tmp_path):
     """Measured on main before this change (scaled down 8 times: quiet_window 1 s, a chunk
     3 s): a stream reading a long prompt, with nothing but a keepalive between its chunks, drew
@@ -187,12 +205,7 @@ async def test_a_long_prompt_read_in_silent_chunks_draws_no_verdict_and_a_hang_m
     the state file from an earlier run) allows a chunk's silence; when the keepalives stop (the
     read hung), the stall and the verdict come within about one chunk's bound."""
     server, kernel = StandIn(), _Reading(every=3.0)
-    probe = ProbeConfig(interval=60.0, suspect_interval=1.0, first_token_timeout=30.0, timeout=60.0,
-                        quiet_window=1.0, endpoint_timeout=0.5, startup_timeout=30.0)
-    daemon, journal, state = _daemon(tmp_path, probe, server, kernel)
-    saved = {"url": "http://127.0.0.1:9", "cadence": Speed(chunk=Estimate(3.0, 0.2, 8)).to_dict()}
-    state.parent.mkdir(parents=True, exist_ok=True)
-    state.write_text(json.dumps({"instances": {"x": saved}}))
+    daemon, journal, state = _daemon_that_learned(tmp_path, server, kernel, chunk=3.0)
     seen: dict[str, float] = {}
 
     def run(j: Journal) -> bool:
@@ -242,9 +255,7 @@ async def test_a_bundle_that_finds_the_server_busy_is_looked_at_again_and_never_
         "kernel": KernelCounters(kernel, max_age=0.0)})
     journal = Journal(cfg.state_dir)
     state = cfg.state_dir / "state.json"
-    saved = {"url": "http://127.0.0.1:9", "cadence": Speed(chunk=Estimate(3.0, 0.2, 8)).to_dict()}
-    state.parent.mkdir(parents=True, exist_ok=True)
-    state.write_text(json.dumps({"instances": {"x": saved}}))
+    _remember(state, 3.0)
 
     def run(j: Journal) -> bool:
         if _last_probe_ok(state) and server.delay is not None:
@@ -292,12 +303,7 @@ async def test_the_verdict_record_says_what_the_silence_was_held_against(tmp_pat
     """status and the journal say what the daemon waited for: the verdict carries the learned
     pace and what the server owed at the last look."""
     server, kernel = StandIn(), _Reading(every=3.0)
-    probe = ProbeConfig(interval=60.0, suspect_interval=1.0, first_token_timeout=30.0, timeout=60.0,
-                        quiet_window=1.0, endpoint_timeout=0.5, startup_timeout=30.0)
-    daemon, journal, state = _daemon(tmp_path, probe, server, kernel)
-    saved = {"url": "http://127.0.0.1:9", "cadence": Speed(chunk=Estimate(2.0, 0.1, 8)).to_dict()}
-    state.parent.mkdir(parents=True, exist_ok=True)
-    state.write_text(json.dumps({"instances": {"x": saved}}))
+    daemon, journal, state = _daemon_that_learned(tmp_path, server, kernel, chunk=2.0)
 
     def run(j: Journal) -> bool:
         if server.delay is not None and _last_probe_ok(state):
