@@ -919,8 +919,6 @@ class InstanceWatcher:
         log.warning("%s: recovered (%s) %.1fs after the first failed probe was sent", self.name, how,
                     inc.seconds_to_recovery)
         self.front.open("recovered")
-        self.shared.journal.record(Event.RECOVERED, inc, how=how)
-        self.shared.notifier.fire("recovered", inc.to_dict())
         self.incident = None
         self.seen_healthy = False
         if self.detect.state == policy.GAVE_UP:  # came back by itself after giving up: restarts allowed again
@@ -930,10 +928,15 @@ class InstanceWatcher:
         self.judged_at = None
         if not answered:
             self.identity = None
-            self._save(last_incident=_incident_summary(inc))
-            return
-        await self._first_healthy()
+        # The state first, then the record that says so: a daemon stopped right after the
+        # journal's `recovered` leaves a state file that agrees (measured: a stop between the
+        # two kept gave_up_at, and the next daemon gave up again at once).
         self._save(last_incident=_incident_summary(inc))
+        self.shared.journal.record(Event.RECOVERED, inc, how=how)
+        self.shared.notifier.fire("recovered", inc.to_dict())
+        if answered:
+            await self._first_healthy()
+            self._save(last_incident=_incident_summary(inc))
 
     def _give_up(self, now: float) -> None:
         inc = self.incident
