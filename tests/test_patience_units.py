@@ -329,3 +329,18 @@ def test_requests_that_keep_arriving_at_a_hung_server_do_not_keep_its_pace_ahead
     assert not pace.allows(160.0, 100.0)  # 30 small prompts are not a minute of reading
     early = cadence.judge(107.0, 90.0, {"kernel": {"owed": owed[:5], "streams": 5}})
     assert early.owes == "reading 5 new prompt(s)" and early.allows(107.0, 100.0)
+
+
+def test_a_client_that_retries_does_not_renew_the_pace():
+    """Measured (the real long-run test): a livelock with a client retrying every 2 s drew no
+    verdict in a minute: each retry was a new request, owed its own reading and a few steps
+    from its arrival. One episode of owing runs from the first of them until a sign of work."""
+    cadence = _learned(2.0)
+    retry = [{"arrived": 100.0 + 2 * i, "request_bytes": 3000, "streamed": False} for i in range(20)]
+    paces = [cadence.judge(100.5 + 2 * i, 90.0, {"kernel": {"owed": [retry[i]], "streams": 0, "cpu": 0.0}})
+             for i in range(20)]
+    assert paces[0].hidden and not paces[-1].hidden  # 40 s of retries: the first one's allowance is long over
+    fresh = Cadence(Speed(chunk=Estimate(2.0, 0.1, 10), step=Estimate(0.05, 0.005, 10)))
+    fresh.judge(100.5, 90.0, {"kernel": {"owed": [retry[0]], "streams": 0, "cpu": 0.0}})
+    after_sign = fresh.judge(138.2, 137.5, {"kernel": {"owed": [retry[19]], "streams": 0, "cpu": 0.0}})
+    assert after_sign.hidden  # a sign of work began a new episode: the new request's own allowance

@@ -202,6 +202,8 @@ class Cadence:
     grace_ceiling: float = 600.0  # probe.grace_ceiling: the most
     changed: bool = False  # the speed changed since the watcher last saved it
     last_keepalive: float | None = None
+    owing_since: float | None = None  # monotonic: requests have been owed a first token since (one episode)
+    owed_none_since: float | None = None  # ... and none was owed since then
     last_token: float | None = None
 
     def configure(self, quiet_window: float, grace_ceiling: float) -> None:
@@ -254,6 +256,8 @@ class Cadence:
         (``detail["log"]``) and the kernel's requests owed a first token (``detail["kernel"]
         ["owed"]``: ``Owed``'s fields). ``last_flow``: the last sign of any kind."""
         self._learn_from(detail)
+        owed_now = [o for o in map(_owed, (detail.get("kernel") or {}).get("owed") or ()) if o is not None]
+        anchor = self._owing(now, [o.arrived for o in owed_now], last_flow)
         chunk, learned = self.speed.chunk_time()
         basis = f"~{_secs(self.speed.chunk_typical())} a chunk, {learned}"
         floor = self.quiet_window
@@ -274,22 +278,23 @@ class Cadence:
         # Streams that got nothing yet. With the log followed, a stream whose prompt the log
         # shows (matched by size: its request's bytes against the prompt's tokens) is announced
         # there: being read (above), or read, and then it owes a token (``_overdue``). The
-        # others' reading is owed, anchored at the first of them or the last sign since:
-        # requests that keep arriving at a hung server must not keep its pace ahead of them
-        # (measured: an app streaming every 2 s kept a livelock from any verdict for 4 minutes).
+        # others' reading is owed from the start of the episode (``_owing``) or the last sign
+        # since: requests that keep arriving at a hung server must not keep its pace ahead of
+        # them (measured: an app streaming every 2 s kept a livelock from any verdict for 4
+        # minutes).
         completed = _completions(log)
         reading = [o for o in owed if o.streamed and not (logged and (
             _read_since(o, completed) is not None or any(_matches(o, y) for y, _ in open_prompts)))]
         if reading:
             total = sum(self._tokens(o) for o in reading)
             tokens = min(float(self.speed.chunk_tokens), total)  # the next chunk's worth
-            first = min(o.arrived for o in reading)
+            start = anchor if anchor is not None else min(o.arrived for o in reading)
             what = (f"reading a prompt of ~{int(total):,} tokens" if len(reading) == 1 and reading[0].request_bytes
                     else f"reading {len(reading)} new prompt(s)")
-            dues.append((max(first, last_sign) + self._wait(self.speed.read_time(tokens)), what))
+            dues.append((max(start, last_sign) + self._wait(self.speed.read_time(tokens)), what))
         # Requests that got nothing at all: non-streamed answers, sent whole at their end, or
         # requests the server has not taken up yet (a streamed one gets its head when it is).
-        # Their prompts' reading is owed, anchored at the first of them; the answers' decode
+        # Their prompts' reading is owed from the start of the episode; the answers' decode
         # steps (--max-tokens of them) only while the server computes: a blocked server idles
         # and takes nothing up, and its waiting requests must not hide that for minutes.
         hidden_reason = None
@@ -299,7 +304,8 @@ class Cadence:
             each = step if step is not None else self.speed.read_time(1) * PROBE_READ_FACTOR
             steps = self.speed.max_tokens if busy else STEPS_OWED
             tokens = sum(self._tokens(o) for o in hidden)
-            end = min(o.arrived for o in hidden) + self._wait(self.speed.read_time(tokens) + steps * each)
+            start = anchor if anchor is not None else min(o.arrived for o in hidden)
+            end = start + self._wait(self.speed.read_time(tokens) + steps * each)
             if end > now:
                 hidden_reason = (f"{len(hidden)} non-streamed answer(s) may be in the making "
                                  f"(up to {_secs(end - now)} more at this server's pace)")
@@ -319,6 +325,25 @@ class Cadence:
         return Pace(floor, "a token on the open streams" if owed or kernel.get("streams") else "nothing",
                     "probe.quiet_window" if floor == self.quiet_window else "a few decode steps",
                     overdue=overdue)
+
+    def _owing(self, now: float, arrivals: list[float], last_flow: float | None) -> float | None:
+        """When the server began to owe the requests it owes now, as one episode: a client that
+        gives up and asks again keeps the episode (measured: a client retrying every 2 s kept a
+        livelock from any verdict, each retry a new request with its own allowance); a sign of
+        work, or a quiet_window with nothing owed, ends it."""
+        if not arrivals:
+            if self.owed_none_since is None:
+                self.owed_none_since = now
+            if now - self.owed_none_since >= self.quiet_window:
+                self.owing_since = None
+            return None
+        self.owed_none_since = None
+        first = min(arrivals)
+        if self.owing_since is None or (last_flow is not None and last_flow > self.owing_since):
+            self.owing_since = first
+        else:
+            self.owing_since = min(self.owing_since, first)
+        return self.owing_since
 
     def _wait(self, seconds: float) -> float:
         return min(seconds, self.grace_ceiling)
