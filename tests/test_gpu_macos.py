@@ -5,6 +5,7 @@ cadence's use of it."""
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 from mlxwatch.evidence import Window
 from mlxwatch.evidence.cadence import Cadence, Estimate, Speed
@@ -18,7 +19,7 @@ def test_the_command_is_ioregs_documented_synopsis():
     [-d depth] [-k key] [-n name] [-p plane] [-w width]``; -r roots the tree at the objects the
     -c class matches, -d 1 shows those roots only, -w 0 is an unlimited line width."""
     argv = ioreg_argv()
-    assert argv[0] == "ioreg"
+    assert Path(argv[0]).name == "ioreg"
     bare, valued, given = set("abfilrtx"), set("cdknpw"), {}
     args = iter(argv[1:])
     for arg in args:

@@ -1,6 +1,7 @@
-"""The GPU's utilisation on macOS, for kernel sight's cadence (``mlxwatch.evidence.gpu``): on a
-Mac the GPU reads a prompt while the server process sits near 0 % CPU, so the process's CPU
-alone cannot say it works.
+"""The GPU on macOS: its utilisation, for the cadence (``mlxwatch.evidence.gpu``: on a Mac the
+GPU reads a prompt while the server process sits near 0 % CPU, so the process's CPU alone
+cannot say it works), and its in-use memory, for the restart's wait until a stopped server's
+memory is given back (``mlxwatch.restart.release``).
 
 ``ioreg -r -d 1 -w 0 -c IOAccelerator`` prints each accelerator's ``PerformanceStatistics``
 (``"Device Utilization %"=16``, ``"In use system memory"=2363801600``, ...) without root. Its
@@ -11,10 +12,12 @@ of range or not a number is unknown, never an error. Several accelerators: the b
 from __future__ import annotations
 
 import re
+import subprocess
 from dataclasses import dataclass
 
 from mlxwatch.host.commands import run_command
 
+IOREG = "/usr/sbin/ioreg"  # a launchd agent's PATH has /usr/sbin, a user's shell may not
 IOREG_TIMEOUT = 5.0
 _STATS = re.compile(r'"PerformanceStatistics"\s*=\s*\{([^}]*)\}')
 _NUMBER = r'"{key}"\s*=\s*(\d+)'
@@ -30,7 +33,7 @@ class GpuReading:
 def ioreg_argv() -> list[str]:
     """Accelerators only (``-c IOAccelerator``), as roots (``-r``), without their children
     (``-d 1``), lines unclipped (``-w 0``)."""
-    return ["ioreg", "-r", "-d", "1", "-w", "0", "-c", "IOAccelerator"]
+    return [IOREG, "-r", "-d", "1", "-w", "0", "-c", "IOAccelerator"]
 
 
 def _value(stats: str, key: str) -> int | None:
@@ -59,3 +62,12 @@ async def read_gpu() -> GpuReading:
     if result.error:
         return GpuReading(error=f"ioreg: {result.error}")
     return parse_ioreg(result.stdout.decode("utf-8", "replace"))
+
+
+def read_gpu_now() -> GpuReading:
+    """One bounded ``ioreg`` run, blocking (a worker thread's: the restart's wait for memory)."""
+    try:
+        done = subprocess.run(ioreg_argv(), capture_output=True, text=True, timeout=IOREG_TIMEOUT)
+    except (OSError, subprocess.SubprocessError) as exc:
+        return GpuReading(error=f"ioreg: {exc}")
+    return parse_ioreg(done.stdout)

@@ -19,21 +19,17 @@ A wait past ``SLOW_RELEASE`` is journaled (``memory_held``) by the watcher from 
 
 from __future__ import annotations
 
-import re
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
 from typing import Callable
 
+from mlxwatch.host.gpu import read_gpu_now
 from mlxwatch.host.process import ProcessIdentity
 
-IOREG = "/usr/sbin/ioreg"
-IOREG_TIMEOUT = 5.0
 POLL = 0.2
 SLOW_RELEASE = 5.0  # seconds: a wait longer than this is journaled
 RELEASED_SHARE = 0.8  # macOS: the GPU's in-use memory down by this share of what the server held
-_IN_USE = re.compile(r'"In use system memory"=(\d+)')  # not the "(driver)" key beside it
 
 
 @dataclass(frozen=True)
@@ -47,26 +43,10 @@ class Released:
         return self.waited >= SLOW_RELEASE or not self.released
 
 
-def ioreg_command() -> list[str]:
-    """``ioreg -r -c IOAccelerator -d 1 -w 0`` (ioreg(8): ``-r`` roots the tree at each object of
-    ``-c`` class, ``-d`` depth, ``-w 0`` no line clipping): the accelerator's properties, its
-    ``PerformanceStatistics`` among them."""
-    return [IOREG, "-r", "-c", "IOAccelerator", "-d", "1", "-w", "0"]
-
-
-def parse_gpu_in_use(text: str) -> int | None:
-    """Bytes of system memory the GPU has in use (the first accelerator's), or None."""
-    m = _IN_USE.search(text)
-    return int(m.group(1)) if m else None
-
-
 def gpu_in_use() -> int | None:
-    """The GPU's in-use system memory now (macOS), or None where it cannot be read."""
-    try:
-        done = subprocess.run(ioreg_command(), capture_output=True, text=True, timeout=IOREG_TIMEOUT)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return parse_gpu_in_use(done.stdout)
+    """The GPU's in-use system memory now (macOS; the busiest accelerator's), or None where it
+    cannot be read."""
+    return read_gpu_now().in_use_bytes
 
 
 def wait_released(identity: ProcessIdentity, timeout: float, held: int | None = None, *,
