@@ -33,8 +33,8 @@ def test_the_prior_is_a_minute_a_chunk_until_anything_is_learned():
     speed = Speed()
     chunk, basis = speed.chunk_time()
     assert chunk == PRIOR_CHUNK and "prior" in basis
-    speed.chunk_tokens = 1024  # --prefill-step-size 1024: half the tokens, half the time
-    assert speed.chunk_time()[0] == PRIOR_CHUNK / 2
+    speed.chunk_tokens = 512  # a smaller --prefill-step-size: still a minute, erring patient
+    assert speed.chunk_time()[0] == PRIOR_CHUNK
 
 
 def test_a_stream_reading_a_long_prompt_may_be_silent_a_chunk_not_the_quiet_window():
@@ -344,3 +344,15 @@ def test_a_client_that_retries_does_not_renew_the_pace():
     fresh.judge(100.5, 90.0, {"kernel": {"owed": [retry[0]], "streams": 0, "cpu": 0.0}})
     after_sign = fresh.judge(138.2, 137.5, {"kernel": {"owed": [retry[19]], "streams": 0, "cpu": 0.0}})
     assert after_sign.hidden  # a sign of work began a new episode: the new request's own allowance
+
+
+def test_a_probe_whose_prompt_the_server_had_cached_is_no_sample():
+    """Measured (the lab's livelock-after-N/N test): the probe's prompt never changes, so the
+    server's prompt cache held all but a token of it, its first token came at once, and a 25 s
+    chunk was taken for 5 s: a verdict in the middle of a read."""
+    cadence = Cadence()
+    cadence.probe_done(0.02, [0.01], prompt_tokens=25, cached_tokens=24)
+    assert cadence.speed.probe_read is None and cadence.speed.chunk_time()[0] == PRIOR_CHUNK
+    cadence.probe_done(1.2, [0.01], prompt_tokens=25, cached_tokens=0)
+    assert cadence.speed.probe_read == 1.2 / 25
+

@@ -432,7 +432,8 @@ class InstanceWatcher:
         self.shared.state.update(self.name, quiet=True, last_probe=_probe_summary(report, self.shared.clock.wall()))
         if report.healthy:
             g = report.generation
-            self.cadence.probe_done(g.ttft, g.gaps, g.prompt_tokens, prompt_bytes=len(PROBE_PROMPT))
+            self.cadence.probe_done(g.ttft, g.gaps, g.prompt_tokens, prompt_bytes=len(PROBE_PROMPT),
+                                    cached_tokens=g.cached_tokens)
             if g.prompt_tokens:  # the probe's own prompt in the log is no one else's progress
                 self.log_source.tracker.probe_totals.add(g.prompt_tokens)
             await self._healthy(report, now)

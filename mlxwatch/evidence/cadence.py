@@ -45,7 +45,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-PRIOR_CHUNK = 60.0  # seconds a 2,048-token chunk, before anything is learned: the largest models' pace
+PRIOR_CHUNK = 60.0  # seconds a chunk (whatever its size), before anything is learned: the largest models' pace
 DEFAULT_CHUNK_TOKENS = 2048  # mlx-lm's --prefill-step-size default (0.31.3 and 0.32.x)
 DEFAULT_MAX_TOKENS = 512  # mlx-lm's --max-tokens default (0.31.3 and 0.32.x)
 PROBE_READ_FACTOR = 2.0  # a probe's small prompt hints at the reading speed: doubled, to err slow
@@ -56,6 +56,7 @@ STEPS_OWED = 3  # decode steps a stream (or a prompt just read) may wait for its
 BYTES_PER_TOKEN = 3.0  # a request's bytes over this: a high guess of its prompt tokens (JSON, ~4 chars a token)
 MIN_GAP = 0.5  # seconds: gaps shorter than this between two signs are one reading, not a sample
 BUSY = 0.10  # of a core (the process) or of the GPU: the server computes
+MIN_READ_TOKENS = 4  # a probe that read fewer prompt tokens (the rest cached) tells nothing of the speed
 
 
 @dataclass
@@ -118,7 +119,7 @@ class Speed:
         if self.probe_read is not None:
             read = self.probe_read * self.chunk_tokens * PROBE_READ_FACTOR
             return MIN_BOUND_FACTOR * read, "from its probes' first tokens"
-        return PRIOR_CHUNK * self.chunk_tokens / DEFAULT_CHUNK_TOKENS, "the prior (nothing learned yet)"
+        return PRIOR_CHUNK, "the prior (nothing learned yet)"
 
     def chunk_typical(self) -> float:
         """A chunk's usual time (the estimate's mean), for people; ``chunk_time`` is its bound."""
@@ -126,7 +127,7 @@ class Speed:
             return self.chunk.mean
         if self.probe_read is not None:
             return self.probe_read * self.chunk_tokens * PROBE_READ_FACTOR
-        return PRIOR_CHUNK * self.chunk_tokens / DEFAULT_CHUNK_TOKENS
+        return PRIOR_CHUNK
 
     def read_time(self, tokens: float) -> float:
         """The bound for reading ``tokens`` prompt tokens, at this pace."""
@@ -212,11 +213,18 @@ class Cadence:
     # --- learning
 
     def probe_done(self, ttft: float | None, gaps: Sequence[float], prompt_tokens: int | None,
-                   prompt_bytes: int = 0) -> None:
-        """A healthy probe: its first token's time over its prompt tokens (the server's count;
-        without one, a low guess from the prompt's bytes, which errs slow), its tokens' gaps."""
-        tokens = prompt_tokens if prompt_tokens and prompt_tokens > 0 else prompt_bytes / (2 * BYTES_PER_TOKEN)
-        if ttft is not None and tokens >= 1:
+                   prompt_bytes: int = 0, cached_tokens: int | None = None) -> None:
+        """A healthy probe: its first token's time over the prompt tokens it read (the server's
+        count less what its prompt cache held; without a count, a low guess from the prompt's
+        bytes, which errs slow), its tokens' gaps. The probe's prompt never changes, so the
+        server's cache holds all but a token of it after the first (measured: cached probes
+        made a chunk of 25 s look like 5 s, and a verdict came in the middle of a read): a probe
+        that read almost nothing is no sample."""
+        if prompt_tokens and prompt_tokens > 0:
+            tokens = float(prompt_tokens - (cached_tokens or 0))
+        else:
+            tokens = prompt_bytes / (2 * BYTES_PER_TOKEN)
+        if ttft is not None and tokens >= MIN_READ_TOKENS:
             # The least time a token took lately: a probe queued behind other work, or one that
             # paid the server's fixed cost of a step, says nothing of a chunk's reading
             # (measured: their mean made the lab's tiny model read a chunk in ~51 s under load).

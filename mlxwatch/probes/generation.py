@@ -112,6 +112,7 @@ class GenerationProbeResult:
     tokens: int = 0  # content chunks delivered
     completion_tokens: int | None = None  # the server's own count, when it sends usage
     prompt_tokens: int | None = None  # ... and of the prompt it read (the cadence's reading speed)
+    cached_tokens: int | None = None  # ... of which the server's prompt cache held (not read again)
     finish_reason: str | None = None
     keepalives: list[Keepalive] = field(default_factory=list)
     transcript: list[dict[str, Any]] = field(default_factory=list)
@@ -156,6 +157,7 @@ class GenerationProbeResult:
             "tokens": self.tokens,
             "completion_tokens": self.completion_tokens,
             "prompt_tokens": self.prompt_tokens,
+            "cached_tokens": self.cached_tokens,
             "finish_reason": self.finish_reason,
             "keepalives": [vars(k) for k in self.keepalives],
             "body_bytes": self.body_bytes,
@@ -520,7 +522,7 @@ def _handle_event(kind: str, text: str, run: _Run) -> None:
     if chunk.completion_tokens is not None:
         res.completion_tokens = chunk.completion_tokens
     if chunk.prompt_tokens is not None:
-        res.prompt_tokens = chunk.prompt_tokens
+        res.prompt_tokens, res.cached_tokens = chunk.prompt_tokens, chunk.cached_tokens
     for delivered, finish_reason in chunk.choices:
         if delivered:
             res.tokens += 1
@@ -544,6 +546,7 @@ class _Chunk:
     error: str | None = None  # the server's error, as JSON text
     completion_tokens: int | None = None
     prompt_tokens: int | None = None
+    cached_tokens: int | None = None
     choices: list[tuple[str, str | None]] = field(default_factory=list)  # (delivered text or "", finish_reason)
 
 
@@ -574,6 +577,9 @@ def _parse_chunk(text: str) -> _Chunk:
         chunk.completion_tokens = count
         prompt = usage.get("prompt_tokens")  # only a hint for the pace: a wrong type is ignored, not a failure
         chunk.prompt_tokens = prompt if isinstance(prompt, int) and not isinstance(prompt, bool) and prompt > 0 else None
+        details = usage.get("prompt_tokens_details")
+        cached = details.get("cached_tokens") if isinstance(details, dict) else None
+        chunk.cached_tokens = cached if isinstance(cached, int) and not isinstance(cached, bool) and cached >= 0 else None
     choices = payload.get("choices")
     if choices is None:
         raise Malformed(f"chunk without a choices list: {text[:80]!r}")
