@@ -264,16 +264,16 @@ class Cadence:
         (``detail["log"]``) and the kernel's requests owed a first token (``detail["kernel"]
         ["owed"]``: ``Owed``'s fields). ``last_flow``: the last sign of any kind."""
         self._learn_from(detail)
-        owed_now = [o for o in map(_owed, (detail.get("kernel") or {}).get("owed") or ()) if o is not None]
-        anchor = self._owing(now, [o.arrived for o in owed_now], last_flow)
+        log, kernel = detail.get("log") or {}, detail.get("kernel") or {}
+        owed = [o for o in map(_owed, kernel.get("owed") or ()) if o is not None]
+        completed = _completions(log)
+        anchor = self._owing(now, [o.arrived for o in owed], last_flow)
         chunk, learned = self.speed.chunk_time()
         basis = f"~{_secs(self.speed.chunk_typical())} a chunk, {learned}"
         floor = self.quiet_window
         step = self.speed.step_time()
         if step is not None:
             floor = min(max(floor, STEPS_OWED * step), self.grace_ceiling)
-        log, kernel = detail.get("log") or {}, detail.get("kernel") or {}
-        owed = [o for o in map(_owed, kernel.get("owed") or ()) if o is not None]
         logged = bool(log.get("followed"))
         last_sign = last_flow if last_flow is not None else float("-inf")
         dues: list[tuple[float, str]] = []
@@ -290,7 +290,6 @@ class Cadence:
         # since: requests that keep arriving at a hung server must not keep its pace ahead of
         # them (measured: an app streaming every 2 s kept a livelock from any verdict for 4
         # minutes).
-        completed = _completions(log)
         reading = [o for o in owed if o.streamed and not (logged and (
             _read_since(o, completed) is not None or any(_matches(o, y) for y, _ in open_prompts)))]
         if reading:
@@ -326,7 +325,7 @@ class Cadence:
             due, what = max(dues)
             if due + chunk > now:
                 live = [(due + chunk, f"{what}, running late while {busy}")]
-        overdue = self._overdue(now, log, kernel, floor, bool(live))
+        overdue = self._overdue(now, [o for o in owed if o.streamed], completed, floor, bool(live))
         if live:
             due, what = max(live)
             return Pace(floor, what, basis, due, hidden=hidden_reason, overdue=overdue)
@@ -359,16 +358,14 @@ class Cadence:
     def _tokens(self, o: Owed) -> float:
         return o.request_bytes / BYTES_PER_TOKEN if o.request_bytes else float(self.speed.chunk_tokens)
 
-    def _overdue(self, now: float, log: dict[str, Any], kernel: dict[str, Any], floor: float,
+    def _overdue(self, now: float, streams: list[Owed], completed: list[tuple[float, int]], floor: float,
                  reading: bool) -> str | None:
         """A stream's prompt finished reading (``N/N`` logged, matched to the stream by size)
         and no token reached any client since, for longer than a few steps (and a chunk while
         other prompts are read: a step follows each chunk): the token it owes is overdue. A
         prompt matched to no stream (the daemon's own probe, a non-streamed request) owes the
         kernel nothing it could see."""
-        owed = [o for o in map(_owed, kernel.get("owed") or ()) if o is not None and o.streamed]
-        completed = _completions(log)
-        done = [at for o in owed if (at := _read_since(o, completed)) is not None]
+        done = [at for o in streams if (at := _read_since(o, completed)) is not None]
         if not done:
             return None
         first = min(done)
