@@ -38,6 +38,7 @@ import httptools
 
 from mlxwatch.config import url_port
 from mlxwatch.front import wire
+from mlxwatch.host.ownconns import OWN
 
 log = logging.getLogger(__name__)
 
@@ -788,6 +789,7 @@ class UpstreamConnection(asyncio.Protocol):
         self._parser = httptools.HttpResponseParser(self)
         self.closed = False
         self.used = False  # handed out for a request (one made ahead waits unused)
+        self._own_key: tuple[str, int] | None = None  # its local address, registered as ours while it lives
         self._new_answer(head_only=False)
 
     def _new_answer(self, *, head_only: bool) -> None:
@@ -858,6 +860,8 @@ class UpstreamConnection(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # a TCP transport (uvloop's is no subclass)
+        # the door's own: kernel sight leaves it out (the door counts the tokens it passes)
+        self._own_key = OWN.opened(transport.get_extra_info("sockname"))
 
     def data_received(self, data: bytes) -> None:
         if self._sink is None or self._complete:
@@ -878,6 +882,8 @@ class UpstreamConnection(asyncio.Protocol):
 
     def connection_lost(self, exc: BaseException | None) -> None:
         self.closed = True
+        OWN.closed(self._own_key)
+        self._own_key = None
         self.pool.forget(self)
         if self._sink is not None and not self._complete:
             if self._got_head and self._until_close:

@@ -34,6 +34,7 @@ import psutil
 
 from mlxwatch.host.commands import MAX_OUTPUT, error_line
 from mlxwatch.host.connections import Connection, Reading
+from mlxwatch.host.ownconns import OWN, OwnConnections, plain
 
 NETTOP = "/usr/bin/nettop"
 TIMEOUT = 5.0  # seconds for one run; one sample usually takes well under a second
@@ -71,17 +72,14 @@ def _endpoint(text: str) -> tuple[str, int | None]:
     return text[:cut], int(port) if port.isdigit() else None
 
 
-def _plain(address: str) -> str:
-    """An address as both nettop and psutil may print it: no ``%zone``, no IPv4-mapped prefix."""
-    address = address.split("%", 1)[0]
-    return address[7:] if address.lower().startswith("::ffff:") else address
-
-
-def parse(text: str, ports: Collection[int], own: OwnEnds | Callable[[], OwnEnds] = frozenset()) -> tuple[Connection, ...]:
+def parse(text: str, ports: Collection[int], own: OwnEnds | Callable[[], OwnEnds] = frozenset(),
+          registered: OwnConnections | None = None) -> tuple[Connection, ...]:
     """The server ends of TCP connections whose local port is in ``ports``, from nettop's CSV.
 
     ``own``: our own client ends, or a function giving them (called only when a connection was
-    found). Raises NettopFormatError when the text is not nettop's CSV with the columns needed.
+    found), and ``registered``: those our clients registered as they connected (nettop runs for
+    a second: a short request is closed by the time ``own`` is asked). Raises
+    NettopFormatError when the text is not nettop's CSV with the columns needed.
     """
     lines = [line for line in text.splitlines() if line.strip()]
     if not lines:
@@ -128,7 +126,8 @@ def parse(text: str, ports: Collection[int], own: OwnEnds | Callable[[], OwnEnds
     ends = own() if callable(own) else own
     return tuple(
         Connection(c.port, c.client, c.key, c.bytes_sent, c.bytes_received, closed=c.closed,
-                   own=(_plain(c.client[0]), c.client[1], c.port) in ends)
+                   own=(registered is not None and c.client in registered)
+                   or (plain(c.client[0]), c.client[1], c.port) in ends)
         for c in found
     )
 
@@ -142,7 +141,7 @@ def own_client_ends() -> OwnEnds:
         conns = me.net_connections(kind="tcp") if hasattr(me, "net_connections") else me.connections(kind="tcp")
     except (psutil.Error, OSError):
         return set()
-    return {(_plain(c.laddr.ip), c.laddr.port, c.raddr.port) for c in conns if c.laddr and c.raddr}
+    return {(plain(c.laddr.ip), c.laddr.port, c.raddr.port) for c in conns if c.laddr and c.raddr}
 
 
 @dataclass
@@ -184,6 +183,7 @@ class NettopReader:
     timeout: float = TIMEOUT
     max_output: int = MAX_OUTPUT
     own: Callable[[], OwnEnds] = field(default=own_client_ends, repr=False)
+    registered: OwnConnections = field(default=OWN, repr=False)
 
     def __call__(self, ports: Collection[int]) -> Reading:
         at = time.monotonic()
@@ -200,6 +200,6 @@ class NettopReader:
         if ran.truncated:
             return Reading(at, error=f"nettop printed more than {self.max_output} bytes")
         try:
-            return Reading(at, parse(ran.stdout.decode("utf-8", "replace"), ports, self.own))
+            return Reading(at, parse(ran.stdout.decode("utf-8", "replace"), ports, self.own, self.registered))
         except NettopFormatError as exc:
             return Reading(at, error=f"nettop output not understood: {exc}")

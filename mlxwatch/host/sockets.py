@@ -33,6 +33,7 @@ from typing import Callable, Collection
 
 from mlxwatch.host.connections import Connection, Reader, Reading  # defined there, for nettop too
 from mlxwatch.host.nettop import NettopReader
+from mlxwatch.host.ownconns import OWN, OwnConnections
 
 MAX_AGE = 0.5  # seconds a dump serves every instance that asks for it
 # TCP states of a server's client connection: established, and closed from the server's side
@@ -68,7 +69,14 @@ class LinuxReader:
     """sock_diag dumps through pyroute2. Each reading opens, dumps and closes its own netlink
     socket, in the thread that reads: pyroute2 0.9 runs an event loop of its own per socket,
     which must not be shared across the daemon's worker threads (measured: 2.9 ms a reading,
-    against 1.4 ms with a socket kept open)."""
+    against 1.4 ms with a socket kept open).
+
+    A connection is the daemon's own when its client end was registered by whoever opened it
+    (``host.ownconns``), or is a socket this process holds after the dump (what registers
+    nothing: a client of a library's own)."""
+
+    def __init__(self, registered: OwnConnections = OWN) -> None:
+        self.registered = registered
 
     def close(self) -> None:
         return None
@@ -110,7 +118,7 @@ class LinuxReader:
                 bytes_received=int(info.get("tcpi_bytes_received") or 0),
                 segments_out=info.get("tcpi_data_segs_out"),
                 idle_send=None if last is None else last / 1000.0,
-                own=client_ends.get(client) in own,
+                own=client in self.registered or client_ends.get(client) in own,
                 unsent=int(info.get("tcpi_notsent_bytes") or 0),
                 closed=closed, counted=bool(info),
                 # acknowledged + queued (idiag_wqueue: write_seq - snd_una), less a FIN's one

@@ -18,6 +18,7 @@ import httpx
 from mlxwatch.config import ProbeConfig
 from mlxwatch.probes.endpoints import EndpointResult, probe_endpoint
 from mlxwatch.probes.generation import Failure, GenerationProbeResult, probe_generation
+from mlxwatch.probes.owned import registering_transport
 
 
 @dataclass
@@ -152,8 +153,11 @@ def make_client() -> httpx.AsyncClient:
 
     The daemon makes one client per instance (its own connections: a wedged server cannot take
     another's); building a TLS context per client cost 18 ms and 0.7 MB each (5 s and 200 MB at
-    300 instances), so every client shares one, built on first use."""
-    return httpx.AsyncClient(trust_env=False, verify=_tls_context(), limits=httpx.Limits(max_connections=64))
+    300 instances), so every client shares one, built on first use. Its connections register
+    as the daemon's own (``probes.owned``): kernel sight leaves them out."""
+    limits = httpx.Limits(max_connections=64)
+    return httpx.AsyncClient(trust_env=False, verify=_tls_context(), limits=limits,
+                             transport=registering_transport(verify=_tls_context(), limits=limits))
 
 
 @functools.lru_cache(maxsize=1)
