@@ -356,3 +356,30 @@ def test_a_probe_whose_prompt_the_server_had_cached_is_no_sample():
     cadence.probe_done(1.2, [0.01], prompt_tokens=25, cached_tokens=0)
     assert cadence.speed.probe_read == 1.2 / 25
 
+
+
+def test_two_chunks_read_from_the_log_in_one_go_are_timed_by_their_stamps(tmp_path):
+    """Measured on the real server (CI's shared lab): a 3,007-token prompt's chunk lines, 1.6 s
+    apart, were read in one poll (the daemon reads the log every 2 s while healthy), timed 0 s
+    apart, and taught nothing: the pace stayed the prior (a minute a chunk), and a livelock with
+    an app streaming was called 123 s after it began. The lines' own stamps time them."""
+    from lab.evidence import LogLooks
+    from mlxwatch.evidence.log import ProgressTracker
+
+    log = tmp_path / "server.log"
+    log.write_text("")
+    looks = LogLooks(ProgressTracker(log))
+    looks.prime()
+    with log.open("a") as fh:
+        fh.write("2026-12-07 04:48:44,690 - INFO - Prompt processing progress: 2048/3007\n"
+                 "2026-12-07 04:48:46,323 - INFO - Prompt processing progress: 3006/3007\n"
+                 "2026-12-07 04:48:46,329 - INFO - Prompt processing progress: 3007/3007\n")
+    detail = looks.observe(None).detail
+    (sample,) = detail["log"]["token_seconds"]
+    assert abs(sample - 1.633 / 958) < 1e-6
+    cadence = Cadence()
+    cadence.judge(1.0, None, detail)
+    assert cadence.speed.chunk is not None and abs(cadence.speed.chunk.mean - 1.633 / 958 * 2048) < 1e-3
+    with log.open("a") as fh:  # lines without a stamp (another logging format): timed by the reads
+        fh.write("Prompt processing progress: 2048/5000\nPrompt processing progress: 4096/5000\n")
+    assert looks.observe(None).detail["log"]["token_seconds"] == []

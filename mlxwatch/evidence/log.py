@@ -31,12 +31,15 @@ from typing import Callable
 from mlxwatch.evidence import Evidence, Seeing, Window
 from mlxwatch.probes import CheckReport
 from mlxwatch.serverlog.follow import LogFollower
-from mlxwatch.serverlog.markers import prompt_advances
+from mlxwatch.serverlog.markers import logged_advances
 
 POLL = 1.0  # seconds between reads while a probe waits
 POLL_HEALTHY = 2.0  # ... otherwise: a chunk's time is measured from these reads
 KEPT = 1000
 OPEN_KEPT = 100  # prompts being read, at most (a prompt abandoned mid-read is never finished)
+# tokens two lines of one prompt must be apart to time its reading: less is mostly a step's fixed
+# cost (measured: 0.32 logs 3006/3007 then 3007/3007 6 ms later, 6 ms "a token")
+MIN_SAMPLE_TOKENS = 256
 
 
 @dataclass
@@ -57,8 +60,9 @@ class ProgressTracker:
         self.last_x.clear()
         return self.follower.prime() if self.follower else None
 
-    def read(self) -> tuple[list[tuple[int, int]], list[str]]:
-        """The prompt advances written since the last read, and notes (blocking I/O)."""
+    def read(self) -> tuple[list[tuple[int, int, float | None]], list[str]]:
+        """The prompt advances written since the last read (X, Y, when logged if the line
+        says), and notes (blocking I/O)."""
         if self.follower is None:
             return [], []
         notes = []
@@ -69,7 +73,7 @@ class ProgressTracker:
             notes.append(f"log {chunk.event}: {chunk.detail}")
         if chunk.skipped_bytes:
             notes.append(f"log grew by {chunk.skipped_bytes} bytes more than one read takes; read its newest part")
-        out, self.last_x = prompt_advances(chunk.lines, self.last_x, self.probe_totals)
+        out, self.last_x = logged_advances(chunk.lines, self.last_x, self.probe_totals)
         if len(self.last_x) > 1000:  # bounded memory over weeks of distinct prompts
             self.last_x = dict(list(self.last_x.items())[-100:])
         return out, notes
@@ -95,21 +99,31 @@ class LogSource:
     read_at: float | None = None
     pending_notes: list[str] = field(default_factory=list)  # from priming: said with the next answer
     reading: dict[int, tuple[int, float]] = field(default_factory=dict)  # prompt Y -> (X, when) while X < Y
+    reading_logged: dict[int, float] = field(default_factory=dict)  # prompt Y -> its last chunk's line's stamp
     completed: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=OPEN_KEPT))  # (when, Y)
     token_seconds: list[float] = field(default_factory=list)  # speed samples not yet given
 
-    def _pace(self, at: float, advanced: list[tuple[int, int]]) -> None:
-        """Prompts being read and finished, and the time per token between two chunks of one."""
-        for x, y in advanced:
+    def _pace(self, at: float, advanced: list[tuple[int, int, float | None]]) -> None:
+        """Prompts being read and finished, and the time per token between two chunks of one:
+        by the lines' own stamps where both have one, else by when they were read."""
+        for x, y, logged in advanced:
             before = self.reading.pop(y, None)
-            if before is not None and x > before[0] and at > before[1]:
-                self.token_seconds.append((at - before[1]) / (x - before[0]))
+            stamped = self.reading_logged.pop(y, None)
+            if before is not None and x - before[0] >= MIN_SAMPLE_TOKENS:
+                if logged is not None and stamped is not None:
+                    if logged > stamped:
+                        self.token_seconds.append((logged - stamped) / (x - before[0]))
+                elif at > before[1]:
+                    self.token_seconds.append((at - before[1]) / (x - before[0]))
             if x < y:
                 self.reading[y] = (x, at)
+                if logged is not None:
+                    self.reading_logged[y] = logged
             else:
                 self.completed.append((at, y))
         while len(self.reading) > OPEN_KEPT:
-            self.reading.pop(next(iter(self.reading)))
+            self.reading_logged.pop(y := next(iter(self.reading)), None)
+            self.reading.pop(y)
 
     def follow(self, log: Path) -> bool:
         """Follow ``log`` from its end from now on (a launchd job's log, named later); False
@@ -139,7 +153,7 @@ class LogSource:
                 advanced, read_notes = await asyncio.to_thread(self.tracker.read)
                 self.read_at = window.end
                 notes += read_notes
-                self.advances.extend((window.end, x, y) for x, y in advanced)
+                self.advances.extend((window.end, x, y) for x, y, _ in advanced)
                 self._pace(window.end, advanced)
         inside = [(x, y) for at, x, y in self.advances if window.start < at <= window.end]
         progress = []

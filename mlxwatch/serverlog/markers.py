@@ -7,6 +7,7 @@ log is "no evidence", never an error.
 
 from __future__ import annotations
 
+import datetime
 import io
 import os
 import re
@@ -20,6 +21,7 @@ from mlxwatch.storage import open_regular
 RECENT_BYTES = 4 * 1024 * 1024
 
 PROGRESS = re.compile(r"Prompt processing progress: (\d+)/(\d+)")
+_STAMP = re.compile(r"(\d{4}-\d{2}-\d{2} \d{2}:\d{2}:\d{2})[,.](\d{3})\b")  # logging's asctime
 # mlx-lm's access line for a generation request: logged by send_response(200) once the batch
 # loop has taken the request, before its first token. An admission, never a completion.
 ADMISSION = re.compile(r'"POST /v1/(?:chat/)?completions HTTP/1\.[01]" (\d{3})')
@@ -165,8 +167,15 @@ def prompt_advances(lines: Iterable[str], last_x: Mapping[int, int],
     starts a new request, so the next prompt of the same size (``1/1`` again) is new work; a
     server start line begins a new process, whose prompts start over. Returns the advances
     (X, Y) in order and the last X per Y after ``lines``; ``last_x`` itself is left as it was."""
+    advances, last = logged_advances(lines, last_x, probe_totals)
+    return [(x, y) for x, y, _ in advances], last
+
+
+def logged_advances(lines: Iterable[str], last_x: Mapping[int, int], probe_totals: Collection[int]
+                    ) -> tuple[list[tuple[int, int, float | None]], dict[int, int]]:
+    """``prompt_advances``, each with the time its line was logged (``logged_at``), if it says."""
     last = dict(last_x)
-    out = []
+    out: list[tuple[int, int, float | None]] = []
     for line in lines:
         if SERVER_START in line or PROMPT_CACHE in line:
             last.clear()
@@ -178,9 +187,25 @@ def prompt_advances(lines: Iterable[str], last_x: Mapping[int, int],
         if y in probe_totals:
             continue
         if x > last.get(y, 0):
-            out.append((x, y))
+            out.append((x, y, logged_at(line)))
         last[y] = x
     return out, last
+
+
+def logged_at(line: str) -> float | None:
+    """When ``line`` was logged, in seconds (its own clock: good for differences), from the
+    ``2026-12-07 04:48:44,690 - INFO - ...`` stamp mlx-lm's logging puts first (0.31.3, 0.32.x);
+    None for a line without one. The daemon reads the log every few seconds: two chunks read
+    in one go are apart by their stamps only (measured: a 3,007-token prompt's two chunks, 1.6 s
+    apart, were read together and taught nothing)."""
+    m = _STAMP.match(line)
+    if m is None:
+        return None
+    try:
+        day = datetime.datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S")
+    except ValueError:
+        return None
+    return day.replace(tzinfo=datetime.timezone.utc).timestamp() + int(m.group(2)) / 1000.0
 
 
 def since_last_start(text: str) -> str:
