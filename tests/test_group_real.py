@@ -100,6 +100,7 @@ def restart_group(group, old, method: RestartConfig = RestartConfig("signal", gr
     return asyncio.run(restart(RestartContext(group_instance(group, method), old.rank(0).identity, None, group=old)))
 
 
+@pytest.mark.newest_server_only  # about mlxwatch itself: conftest.py
 def test_signal_restart_ends_the_whole_group_with_rank1_stopped(lab_group):
     """Measured before: SIGTERM to rank 0 while rank 1 is SIGSTOPped: rank 0 exits, rank 1 stays
     stopped, mlx.launch spins for ever and the supervisor never starts the group again. Now the
@@ -115,6 +116,7 @@ def test_signal_restart_ends_the_whole_group_with_rank1_stopped(lab_group):
     assert wait_for(lab_group.answers, 60)
 
 
+@pytest.mark.newest_server_only  # about mlxwatch itself: conftest.py
 def test_command_hook_gets_the_group(lab_group, tmp_path):
     """A command hook gets {launcher_pid}, {pids} and {hosts} besides {pid}; the old group's ranks
     it leaves running are ended after the grace (the hook here does nothing)."""
@@ -204,10 +206,15 @@ def test_rank1_exits_group_ends_and_comes_back(lab_group, fault):
     assert wait_for(lambda: not old.rank(1).identity.alive(), 60)
     lab_group.set_fault("", rank=1)
     # rank 0 may already have gone with it: the launcher's log says which rank exited first
-    # (measured on main: the lowest rank not running, rank 0, was named)
-    assert wait_for(lambda: 1 in read_exits(lab_group.log_path, logged), 30), _left(lab_group, old)
-    judged = judge_group(refresh(old).ranks, exited=read_exits(lab_group.log_path, logged))
-    assert judged.hung and judged.culprit_rank == 1, judged
+    # (measured on main: the lowest rank not running, rank 0, was named). The launcher may also
+    # say nothing for minutes (seen in CI with the dead thread: rank 1 gone, rank 0 and the
+    # launcher asleep, no exit line after 30 s): then rank 0 still runs, and the ranks' states
+    # alone name rank 1.
+    wait_for(lambda: 1 in read_exits(lab_group.log_path, logged), 30)
+    ranks = refresh(old).ranks
+    exited = read_exits(lab_group.log_path, logged)
+    judged = judge_group(ranks, exited=exited)
+    assert judged.hung and judged.culprit_rank == 1, (judged, exited, _left(lab_group, old))
     if not wait_for(lambda: not old.launcher.alive() and not old.rank(0).identity.alive(), 20):
         left = _left(lab_group, old)
         outcome = restart_group(lab_group, old)
@@ -266,6 +273,7 @@ def test_the_daemon_finds_a_stopped_rank_captures_every_rank_and_restarts_the_gr
     assert wait_for(lambda: (g := lab_group.group()) is not None and not g.same_group(old) and not g.missing(), 120)
 
 
+@pytest.mark.newest_server_only  # about mlxwatch itself: conftest.py
 @pytest.mark.timeout(900)
 def test_the_daemon_follows_a_relaunched_slow_group_and_brings_back_a_dead_launchers_service(lab_group, tmp_path):
     """The daemon at rank 0's URL, `signal` restart, the group under a relaunching supervisor
