@@ -137,6 +137,7 @@ def test_livelock_capture_with_defaults_is_fast_and_not_fooled_by_admissions(lab
         assert handed_back
 
 
+@pytest.mark.newest_server_only  # about mlxwatch itself: conftest.py
 def test_healthy_server_is_classified_healthy_in_a_private_hashed_bundle(lab, tmp_path):
     """A working server's bundle says healthy, with the probe's tokens as the evidence; 0700
     dirs, 0600 files, every file in the manifest with its size and sha256. (One capture: both
@@ -156,6 +157,7 @@ def test_healthy_server_is_classified_healthy_in_a_private_hashed_bundle(lab, tm
     assert not list(tmp_path.glob(".*.partial"))
 
 
+@pytest.mark.newest_server_only  # about mlxwatch itself: conftest.py
 def test_sigstopped_server_completes_within_ceiling(lab, tmp_path):
     """A SIGSTOPped server: py-spy falls back to --nonblocking, HTTP does not answer: wedged."""
     os.kill(lab.pid, signal.SIGSTOP)
@@ -180,6 +182,7 @@ def test_missing_pid_exits_1_with_one_line(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.newest_server_only  # about mlxwatch itself: conftest.py
 def test_without_py_spy_the_bundle_still_completes(lab, tmp_path, monkeypatch):
     """py-spy absent from PATH (and from beside the interpreter): recorded, the rest captured."""
     monkeypatch.setenv("PATH", str(tmp_path / "empty-bin"))
@@ -194,6 +197,7 @@ def test_without_py_spy_the_bundle_still_completes(lab, tmp_path, monkeypatch):
     assert bundle.classification.kind == "blocked" and bundle.classification.confidence == "low"
 
 
+@pytest.mark.newest_server_only  # about mlxwatch itself: conftest.py
 def test_redacted_export_drops_an_in_flight_secret(server_python, lab_root, tmp_path):
     """A secret sentence in a request in flight reaches the raw bundle (DEBUG log) but no file
     of the redacted export."""
@@ -232,6 +236,7 @@ def _send_quietly(url: str, body: dict) -> None:
         pass
 
 
+@pytest.mark.newest_server_only  # about mlxwatch itself: conftest.py
 def test_capture_cli_then_show_and_export(lab, tmp_path):
     """The CLI path end to end: capture --json, bundle show, bundle export --redact."""
     trigger(lab, "block")

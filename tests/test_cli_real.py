@@ -43,6 +43,7 @@ def mlxwatch(capsys, *argv: str) -> tuple[int, str, str]:
     return code, captured.out, captured.err
 
 
+@pytest.mark.newest_server_only  # about mlxwatch itself: conftest.py
 def test_doctor_on_the_real_server(lab, tmp_path, capsys):
     """Proven server, a probe with tokens, a real py-spy dump, the log the server writes: exit 0.
     A log the server does not write is a warning; a URL nothing listens on fails (exit 1)."""
@@ -70,6 +71,7 @@ def test_doctor_on_the_real_server(lab, tmp_path, capsys):
     assert code == 1 and "FAIL  server" in out and "1 problem(s) to fix" in out
 
 
+@pytest.mark.newest_server_only  # about mlxwatch itself: conftest.py
 def test_config_init_finds_the_real_server(lab, tmp_path, capsys):
     """The running server is found with its address and its log; the file written validates and
     is never written over."""
@@ -87,6 +89,7 @@ def test_config_init_finds_the_real_server(lab, tmp_path, capsys):
     assert code == 0 and lab.url in printed
 
 
+@pytest.mark.newest_server_only  # about mlxwatch itself: conftest.py
 def test_capture_refuses_what_is_not_the_server_then_bundles_browse(lab, tmp_path, sleeper, capsys):
     """A PID that is not the mlx-lm server at the URL is refused (exit 2, one line) unless --force;
     the server's own PID is captured (URL found from where it listens), listed, shown and exported."""
@@ -121,6 +124,7 @@ def test_capture_refuses_what_is_not_the_server_then_bundles_browse(lab, tmp_pat
     assert code == 0 and "None" not in shown_dir.splitlines()[2]  # "- target: PID N", no label given
 
 
+@pytest.mark.newest_server_only  # about mlxwatch itself: conftest.py
 def test_check_wait_and_a_long_reply_on_the_real_server(lab, capsys):
     """--wait on a ready server: one probe, healthy at once. --max-tokens 1000 is healthy (the
     size limit scales with the tokens asked for), and leaves no broken pipe in the server's log."""
@@ -142,6 +146,7 @@ def _status(config: Path) -> tuple[int, dict]:
     return proc.returncode, json.loads(proc.stdout)
 
 
+@pytest.mark.newest_server_only  # about mlxwatch itself: conftest.py
 def test_status_exit_codes_and_watch_with_a_real_daemon(lab, tmp_path):
     """Daemon watching the real server: 0 once it is healthy; --watch prints each update; the
     daemon's log has no per-request httpx lines; stopped daemon: 1."""

@@ -84,6 +84,7 @@ async def test_slow_server_that_delivers_late_is_slow_not_hung(server_python, la
         server.stop()
 
 
+@pytest.mark.newest_server_only  # about mlxwatch itself: conftest.py
 @pytest.mark.timeout(600)
 async def test_a_server_someone_else_restarted_during_capture_is_left_alone(server_python, lab_root, tmp_path):
     """Measured on main: while mlxwatch captured a hung server, someone killed it and started a

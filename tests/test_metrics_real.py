@@ -131,6 +131,7 @@ async def textfile_matches_endpoint(scraper: Scraper, textfile: Path) -> None:
     raise AssertionError(f"textfile never matched the endpoint; differing (textfile, endpoint): {last}")
 
 
+@pytest.mark.newest_server_only  # about mlxwatch itself: conftest.py
 async def test_a_livelock_moves_state_incident_and_restart_series_and_the_textfile_follows(lab, tmp_path):
     """healthy -> capturing -> restarting/recovering -> healthy in scrapes taken during the
     incident; incidents_total{kind=<the bundle's kind>} and restarts_total{result="ok"} each go up by one,
@@ -171,6 +172,7 @@ async def test_a_livelock_moves_state_incident_and_restart_series_and_the_textfi
     await run_with_metrics(config, body)
 
 
+@pytest.mark.newest_server_only  # about mlxwatch itself: conftest.py
 async def test_with_restart_none_a_scrape_shows_hung_then_recovery(lab, tmp_path):
     """No restart allowed: the livelocked instance is ``hung`` (1) in scrapes until the server
     delivers again by itself (the fault switched off), then ``healthy``; one incident under its

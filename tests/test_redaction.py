@@ -243,6 +243,7 @@ def test_evidence_survives_redaction(level):
     assert redact_text(EVIDENCE, level) == EVIDENCE
 
 
+@pytest.mark.newest_server_only  # about mlxwatch itself: conftest.py
 @pytest.mark.parametrize("fault", ["block", "die"])
 def test_a_real_bundle_keeps_its_evidence_through_the_export(lab, tmp_path, fault):
     """A real server's bundle, exported with the defaults: every py-spy stack dump is the raw

@@ -101,6 +101,7 @@ async def test_fault_is_detected_captured_restarted_and_recovered(lab, tmp_path,
     assert response.status_code == 200
 
 
+@pytest.mark.newest_server_only  # about mlxwatch itself: conftest.py
 async def test_killed_server_is_restarted_and_recorded_as_crashed(lab, tmp_path):
     """SIGKILL the server: connection refused, verdict, bundle 'crashed', relaunched, recovered."""
     def kill():
@@ -152,6 +153,7 @@ async def test_slow_server_with_long_prompt_in_flight_draws_no_verdict(server_py
         server.stop()
 
 
+@pytest.mark.newest_server_only  # about mlxwatch itself: conftest.py
 async def test_a_wedged_instance_does_not_delay_another(lab, tmp_path):
     """One instance accepts and never answers; the other keeps its probe schedule."""
     hold = []
@@ -189,6 +191,7 @@ async def test_a_wedged_instance_does_not_delay_another(lab, tmp_path):
         silent.close()
 
 
+@pytest.mark.newest_server_only  # about mlxwatch itself: conftest.py
 async def test_after_giving_up_a_server_that_returns_is_recorded_as_recovered(server_python, lab_root, tmp_path):
     """Nothing listens and the restart hook fails: gave_up. When a server appears on the port,
     the same incident is closed as recovered without a restart."""
