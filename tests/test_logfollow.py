@@ -198,10 +198,12 @@ WRITER = """
 import sys, time
 log, stop_after = sys.argv[1], time.monotonic() + 120
 with open(log, "a", buffering=1) as fh:  # opened once, kept across the rotation, as a server's stderr
-    x = 1
-    while time.monotonic() < stop_after:
-        fh.write(f"2026-07-05 08:20:00,000 - INFO - Prompt processing progress: {x}/1000000000\\n")
-        x += 1
+    x = 512
+    while time.monotonic() < stop_after:  # a chunk of 512 tokens every 20 ms, stamped as mlx-lm's logging does
+        now = time.time()
+        stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(now)) + f",{int(now % 1 * 1000):03d}"
+        fh.write(f"{stamp} - INFO - Prompt processing progress: {x}/1000000000\\n")
+        x += 512
         time.sleep(0.02)
 """
 
@@ -227,7 +229,7 @@ async def test_daemon_gives_no_verdict_while_progress_goes_on_in_the_rotated_log
     log.write_text("")
     writer = subprocess.Popen([sys.executable, "-c", WRITER, str(log)])
     probe = ProbeConfig(interval=0.2, suspect_interval=0.1, first_token_timeout=0.5, timeout=1.0, failures=2,
-                        endpoint_timeout=0.3, startup_timeout=30.0)
+                        endpoint_timeout=0.3, startup_timeout=30.0, quiet_window=1.0)
     cfg = Config(None, (InstanceConfig("rotated", f"http://127.0.0.1:{port}", log, None, probe),), tmp_path / "state",
                  (), CaptureConfig(snapshots=1, spacing=0.1, ceiling=5.0))
     daemon = Daemon(cfg, cfg.state_dir, heartbeat=3600.0)
@@ -264,7 +266,7 @@ async def test_daemon_gives_no_verdict_while_progress_goes_on_in_the_rotated_log
         assert "verdict" not in events()  # progress in the log holds it
         log.rename(tmp_path / "server.log.0")
         log.write_text(TURNED_OVER)
-        await until(failed_probes(3 + 12), "twelve failed probes after the rotation")
+        await until(failed_probes(3 + 6), "six failed probes after the rotation")
         assert "verdict" not in events(), "a verdict while progress went on in the rotated log"
         writer.kill()
         writer.wait(10)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import time
-from pathlib import Path
 
 from mlxwatch.config import ProbeConfig
 from mlxwatch.evidence import Evidence, Stall, Window
@@ -14,6 +13,7 @@ from mlxwatch.evidence.sight import Sight
 from mlxwatch.host.connections import Connection
 from mlxwatch.host.sockets import Reading
 from mlxwatch.journal.incidents import Journal
+from lab.daemon import remember_pace
 from test_delivery_units import StandIn, _events, _last_probe_ok, _run_until
 from test_sight_units import _daemon
 
@@ -187,15 +187,8 @@ def _daemon_that_learned(tmp_path, server: StandIn, kernel, chunk: float):
     probe = ProbeConfig(interval=60.0, suspect_interval=1.0, first_token_timeout=30.0, timeout=60.0,
                         quiet_window=1.0, endpoint_timeout=0.5, startup_timeout=30.0)
     daemon, journal, state = _daemon(tmp_path, probe, server, kernel)
-    _remember(state, chunk)
+    remember_pace(state, chunk)
     return daemon, journal, state
-
-
-def _remember(state: Path, chunk: float) -> None:
-    """A state file in which an earlier daemon run learned ``chunk`` seconds a chunk."""
-    saved = {"url": "http://127.0.0.1:9", "cadence": Speed(chunk=Estimate(chunk, chunk / 20, 8)).to_dict()}
-    state.parent.mkdir(parents=True, exist_ok=True)
-    state.write_text(json.dumps({"instances": {"x": saved}}))
 
 
 async def test_a_long_prompt_read_in_silent_chunks_draws_no_verdict_and_a_hang_mid_read_does(tmp_path):
@@ -255,7 +248,7 @@ async def test_a_bundle_that_finds_the_server_busy_is_looked_at_again_and_never_
         "kernel": KernelCounters(kernel, max_age=0.0)})
     journal = Journal(cfg.state_dir)
     state = cfg.state_dir / "state.json"
-    _remember(state, 3.0)
+    remember_pace(state, 3.0)
 
     def run(j: Journal) -> bool:
         if _last_probe_ok(state) and server.delay is not None:

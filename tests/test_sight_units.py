@@ -178,7 +178,7 @@ async def test_recovery_is_verified_by_answers_to_clients_while_the_probe_still_
     answered, then a second restart killed 3 more. Answers to clients after the restart verify
     it, as a probe's would."""
     server, kernel = StandIn(), KernelAnswers()
-    probe = ProbeConfig(interval=1.0, suspect_interval=0.4, first_token_timeout=30.0, timeout=60.0,
+    probe = ProbeConfig(interval=1.0, suspect_interval=0.4, first_token_timeout=5.0, timeout=10.0,
                         quiet_window=1.0, endpoint_timeout=0.5, startup_timeout=8.0)
     daemon, journal, state = _daemon(tmp_path, probe, server, kernel, RESTART, restart_fn=_restarted)
     seen: dict[str, float] = {}

@@ -11,11 +11,14 @@ awaited, whatever happens.
 from __future__ import annotations
 
 import asyncio
+import json
 import time
+from pathlib import Path
 from typing import Any, Callable
 
 from mlxwatch.config import Config
 from mlxwatch.daemon.supervisor import Daemon
+from mlxwatch.evidence.cadence import Estimate, Speed
 from mlxwatch.journal.incidents import Journal
 
 
@@ -50,3 +53,11 @@ async def run_daemon_until(config: Config, done: Callable[[Journal], bool], time
         stop.set()
         await task
     return journal
+
+
+def remember_pace(state: Path, chunk: float, name: str = "x", url: str = "http://127.0.0.1:9") -> None:
+    """A state file in which an earlier daemon run learned ``chunk`` seconds a chunk of the
+    instance ``name`` at ``url`` (a daemon that knows nothing errs patient: a minute a chunk)."""
+    saved = {"url": url, "cadence": Speed(chunk=Estimate(chunk, chunk / 20, 8)).to_dict()}
+    state.parent.mkdir(parents=True, exist_ok=True)
+    state.write_text(json.dumps({"instances": {name: saved}}))
