@@ -207,11 +207,14 @@ class RequestRecorder:
             payload = line[5:].strip()
             if payload == b"[DONE]":
                 continue
-            try:
-                event = json.loads(payload)
-            except ValueError:
-                continue
-            if _token_event(event, flight):
+            if _plain_token(payload):  # mlx-lm's usual event: not parsed (a token's cost in the server)
+                token = True
+            else:
+                try:
+                    token = _token_event(json.loads(payload), flight)
+                except ValueError:
+                    continue
+            if token:
                 now = time.monotonic()
                 flight.tokens += 1
                 flight.last = now
@@ -269,6 +272,13 @@ class RequestRecorder:
         return {"state": self.state, "detail": self.detail, "where": list(self.where), "max_age": self.max_age,
                 "max_bytes": self.max_bytes, "recorded": self.recorded, "dropped": self.dropped,
                 "errors": self.errors, "held_bytes": self.spool.held_bytes, "in_flight": live}
+
+
+def _plain_token(payload: bytes) -> bool:
+    """An event as mlx-lm writes one per token (``json.dumps``' spacing): no finish_reason, one
+    choice, a non-empty ``content``. Anything else is parsed (``_token_event``)."""
+    return (payload.count(b'"finish_reason": null') == 1 and b'"content": "' in payload
+            and b'"content": ""' not in payload and b'"error"' not in payload)
 
 
 def _token_event(event: Any, flight: Flight) -> bool:
