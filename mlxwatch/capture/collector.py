@@ -556,7 +556,7 @@ async def _requests(req: CaptureRequest, process: ProcessResult, files: _Files, 
     else:
         found, note = await asyncio.to_thread(from_shim, req.pid, process.create_time, began)
         if found is None:
-            return RequestsResult(outcome="skipped", error=f"none recorded (front.record, or launch --record): {note}")
+            return RequestsResult(outcome="skipped", error=f"none recorded (front.record, mlxwatch launch --record): {note}")
         recorded, at, source = found, began, "shim"
     if recorded:
         await asyncio.to_thread(write_requests, files.writer, recorded)

@@ -222,9 +222,9 @@ def from_shim(pid: int, create_time: float | None, until: float) -> tuple[tuple[
     by ``until`` (monotonic: the capture's start, so its own probe is not among them), within
     the recorder's bounds now. (None, why) when that process records none; else the requests
     and what could not be read ("" when all could). Blocking: reads the spool's files."""
-    hb, problem = heartbeat.find(pid, create_time)
-    if hb is None:
-        return None, f"no launch shim in this process: {problem}"
+    hb, _ = heartbeat.find(pid, create_time)
+    if hb is None:  # why not is the heartbeat step's to say
+        return None, "no launch shim in this process"
     rec = hb.record
     if rec is None:
         return None, "the launch shim does not record requests (mlxwatch launch --record)"
