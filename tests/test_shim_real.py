@@ -153,7 +153,8 @@ def trigger(server: LabServer, fault: str) -> None:
                                                ("gil", "_hold_gil_forever", "wedged")])
 def test_stacks_shim_shows_the_generation_thread_without_py_spy(shim_lab, tmp_path, monkeypatch, fault, mark, kind):
     """py-spy made unavailable; the bundle's stacks come from the shim's faulthandler dumps, on a
-    loop blocked with the GIL released and on one holding the GIL in a native call."""
+    loop blocked with the GIL released and on one holding the GIL in a native call. The request
+    that set the fault off is in the bundle, in flight (the shim records: --record)."""
     monkeypatch.setattr(pyspy, "find_py_spy", lambda: None)
     trigger(shim_lab, fault)
     time.sleep(1.0)
@@ -170,6 +171,12 @@ def test_stacks_shim_shows_the_generation_thread_without_py_spy(shim_lab, tmp_pa
         assert gen is not None, dump.read_text()
         names = [f.name for f in gen.frames]
         assert mark in names and "_generate" in names and "next" in names
+    # The request the server hung on, recorded by the shim (--record) before the hang: read from
+    # its spool even while the GIL is held (no dump thread, no heartbeat then)
+    recorded = bundle.manifest["requests"]
+    assert recorded["source"] == "shim", recorded
+    assert [r["prompt_chars"] for r in recorded["in_flight"]] == [len("trigger")], recorded
+    assert "working on these when delivery stopped" in (bundle.path / "summary.md").read_text()
     c = bundle.classification
     assert c.kind == kind, c
     if fault == "gil":
