@@ -5,10 +5,11 @@ The user's own command runs unchanged (``mlx_lm.server ...``, ``mlx_lm server ..
 mlx_lm.server ...``, a Python script; from any venv), by ``exec``: the server keeps the PID that
 launchd (or a shell, or systemd) started, so ``launchctl kickstart``, KeepAlive and mlxwatch's
 identity checks see the process they expect. The only change is the environment:
-``mlxwatch/shim/boot`` goes first on ``PYTHONPATH`` and ``MLXWATCH_SHIM=1`` (plus ``--name`` and
-``--exit-on-thread-death``, and ``--record`` with its bounds) is set; the shim's ``sitecustomize`` takes these out again at start,
-so the server's children do not load it. mlxwatch need not be installed in the server's venv:
-the shim is loaded by path and is stdlib only.
+``mlxwatch/shim/boot`` goes first on ``PYTHONPATH`` and ``MLXWATCH_SHIM=1`` (plus ``--name``,
+``--exit-on-thread-death``, and ``--record`` with its bounds) is set; the shim's
+``sitecustomize`` takes these out again at start, so the server's children do not load it.
+mlxwatch need not be installed in the server's venv: the shim is loaded by path and is stdlib
+only.
 
 Refused (exit 2, one line), because the shim could not load: a command that is not found, and a
 Python started with ``-I``, ``-E`` or ``-S`` (on its command line or in a script's ``#!`` line),
