@@ -98,6 +98,60 @@ def wrapper_cost(batch: int = 8, calls: int = 200_000) -> dict:
             "added_us_per_step": (counted - base) * 1e6}
 
 
+def recorder_cost(requests: int = 2000, events: int = 64, body_bytes: int = 2048) -> dict:
+    """What ``launch --record`` adds, in-process and without a model: a request's arrival and end
+    to the spool (a ``body_bytes`` body, the handler's tees on and off) and each SSE token event
+    read in passing, written as mlx-lm writes them (best of 5 rounds each; the spool on this
+    machine's disk, in a temporary directory). Paid in the request's own thread, not the batch
+    loop's; the server's own ``json.dumps`` of each event costs about as much as the event's read."""
+    import http.client
+    import io
+    import json as _json
+
+    from mlxwatch.shim.recorder import RequestRecorder
+    from mlxwatch.shim.spool import SpoolWriter
+
+    body = _json.dumps({"messages": [{"role": "user", "content": "x" * body_bytes}], "stream": True}).encode()
+    head = (b"Content-Type: application/json\r\nAuthorization: Bearer x\r\nContent-Length: "
+            + str(len(body)).encode() + b"\r\n\r\n")
+    event = ("data: " + _json.dumps({"id": "chatcmpl-1", "choices": [{"index": 0, "finish_reason": None,
+                                                                      "delta": {"role": "assistant", "content": " w"}}]})
+             + "\n\n").encode()
+
+    class Handler:
+        command, path, client_address = "POST", "/v1/chat/completions", ("127.0.0.1", 5555)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        rec = RequestRecorder(SpoolWriter(tmp, 1, 600.0, 256 * 1024**2), lambda line: None)
+
+        def one(n_events: int, recording: bool) -> None:
+            h = Handler()
+            h.headers, h.rfile, h.wfile = http.client.parse_headers(io.BytesIO(head)), io.BytesIO(body), io.BytesIO()
+            flight = rec.begin(h) if recording else None
+            h.rfile.read(len(body))
+            h.wfile.write(b"HTTP/1.0 200 OK\r\nContent-type: text/event-stream\r\n\r\n")
+            for _ in range(n_events):
+                h.wfile.write(event)
+            if flight is not None:
+                rec.end(h, flight, None)
+
+        def best(n: int, n_events: int, recording: bool) -> float:
+            times = []
+            for _ in range(5):
+                t0 = time.perf_counter()
+                for _ in range(n):
+                    one(n_events, recording)
+                times.append((time.perf_counter() - t0) / n)
+            return min(times)
+
+        per_request = best(requests, 0, True) - best(requests, 0, False)
+        per_event = ((best(requests // 10, events, True) - best(requests // 10, events, False)) / events
+                     - per_request / events)
+        assert rec.errors == 0
+        rec.spool.close()
+    return {"body_bytes": len(body), "per_request_us": per_request * 1e6, "per_event_us": per_event * 1e6}
+
+
 def summarize(values: list[float]) -> dict:
     return {"n": len(values), "median": statistics.median(values), "min": min(values), "max": max(values)}
 
@@ -115,6 +169,9 @@ def main(argv: list[str] | None = None) -> int:
     for c in costs:
         print(f"wrapper: {c['added_us_per_step']:.2f} us added per next() with {c['batch']} sequence(s) in the batch "
               f"({c['unwrapped_us']:.2f} -> {c['wrapped_us']:.2f} us)", flush=True)
+    recording = recorder_cost()
+    print(f"recorder (launch --record): {recording['per_request_us']:.0f} us a request (arrival and end to the "
+          f"spool, {recording['body_bytes']} B body), {recording['per_event_us']:.1f} us a token event", flush=True)
     with tempfile.TemporaryDirectory(prefix="mlxwatch-shim-tax-") as tmp:
         plain = LabServer.start(args.python, Path(tmp) / "plain")
         shim_dir = Path(tmp) / "shim"
@@ -139,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
             for server in servers.values():
                 server.stop()
     report = {"mlx_lm": server_version(args.python), "tokens": args.tokens, "reps": args.reps,
-              "wrapper_cost": costs, "paths": {}}
+              "wrapper_cost": costs, "recorder_cost": recording, "paths": {}}
     for path, by in results.items():
         p, s = summarize(by["plain"]), summarize(by["shim"])
         noise = max(p["max"] - p["min"], s["max"] - s["min"])

@@ -672,6 +672,12 @@ def _size(value: Any) -> int:
     return size
 
 
+def parse_size(value: Any) -> int:
+    """A size as the config file reads it (``256MiB``, ``2GB``, bytes); ValueError in its words.
+    The command line's sizes (``launch --record-max-bytes``) go through it too."""
+    return _size(value)
+
+
 def _bool(value: Any) -> bool:
     if not isinstance(value, bool):
         raise ValueError("must be true or false")

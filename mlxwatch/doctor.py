@@ -44,6 +44,7 @@ from mlxwatch.host.memuse import MemoryReading, read_memory
 from mlxwatch.host.process import ProcessIdentity, ServerLookup, lookup_instance
 from mlxwatch.host.sockets import KernelCounters, Reading
 from mlxwatch.serverlog.markers import open_log
+from mlxwatch.shim import heartbeat
 from mlxwatch.storage import private_dir_problem
 
 OK, WARN, FAIL, SKIP = "ok", "warn", "FAIL", "skip"
@@ -92,6 +93,7 @@ class Env:
     find_group: Callable[[int], Group | None] = find_group  # blocking (psutil, ssh)
     kernel_log: Callable[[], str | None] = kernlog.readable  # None: readable, else why not
     memory: Callable[[int], MemoryReading | None] = read_memory  # blocking
+    heartbeat: Callable[[int, float | None], tuple[heartbeat.Heartbeat | None, str | None]] = heartbeat.find  # blocking
 
     @property
     def macos(self) -> bool:
@@ -262,7 +264,7 @@ async def check_instance(inst: InstanceConfig, config: Config, exe: str | None, 
     out.append(await py_spy_reads(inst, config, exe, server, env))
     out.append(await kernel_finding(inst, env))
     out.append(await memory_finding(inst, server, env))
-    out.append(recorder_finding(inst))
+    out.append(recorder_finding(inst, await shim_record(server, env), server.pid if server is not None else None))
     out.append(log_finding(inst, server, found.log, env))
     out.append(await restart_finding(inst, server, env))
     return out
@@ -312,18 +314,55 @@ async def memory_finding(inst: InstanceConfig, server: ProcessIdentity | None, e
     return Finding("memory", OK, f"{reading.used / mib:.0f} MiB {measure}{limit}", instance=inst.name)
 
 
-def recorder_finding(inst: InstanceConfig) -> Finding:
-    """Does the front door keep the requests it passes (``front.record``: users' words, on disk
-    in bundles)? Said either way: it is a privacy decision."""
+async def shim_record(server: ProcessIdentity | None, env: Env) -> dict[str, Any] | None:
+    """The server's launch shim's recorder (its heartbeat's ``record``), if it has one that records."""
+    if server is None:
+        return None
+    try:
+        hb, _ = await asyncio.to_thread(env.heartbeat, server.pid, server.create_time)
+    except Exception:  # a heartbeat that cannot be read is the shim's findings' business, not this one's
+        return None
+    return hb.record if hb is not None else None
+
+
+def recorder_finding(inst: InstanceConfig, shim: dict[str, Any] | None = None, pid: int | None = None) -> Finding:
+    """Does anything keep the requests this server receives: the front door (``front.record``)
+    or the launch shim in the server (``mlxwatch launch --record``)? Users' words, on disk in
+    bundles: said either way, it is a privacy decision. When both record, bundles take the door's."""
     front = inst.front
+    door = front is not None and front.record
+    said = []
+    if door:
+        assert front is not None
+        said.append(f"the door keeps the last {human_duration(front.record_max_age)} of requests, at most "
+                    f"{front.record_max_bytes / 1024**2:g} MiB")
+    if shim is not None:
+        try:
+            age, size = human_duration(float(shim["max_age"])), f"{int(shim['max_bytes']) / 1024**2:g} MiB"
+        except (KeyError, TypeError, ValueError):
+            age, size = "?", "?"
+        if shim.get("state") == "failed":
+            return Finding("recorder", WARN, f"the launch shim in PID {pid} stopped recording requests: "
+                           f"{shim.get('detail')}" + (f" ({said[0]})" if said else ""),
+                           "see the server's log; a restart of the server records again", inst.name)
+        state = "" if shim.get("state") == "on" else f", {shim.get('state')}: {shim.get('detail')}"
+        said.append(f"the launch shim in PID {pid} keeps the last {age} of requests, at most {size}, "
+                    f"on disk in the runtime dir{state}")
+    if door and shim is not None:
+        return Finding("recorder", OK, f"on twice (front.record and launch --record): {said[0]}; {said[1]}; "
+                                       "bundles take the door's. Exact bodies (users' words) go into each bundle's "
+                                       "private requests/", instance=inst.name)
+    if door:
+        return Finding("recorder", OK, f"on (front.record): {said[0]}, exact bodies (users' words) into each "
+                                       "bundle's private requests/", instance=inst.name)
+    if shim is not None:
+        return Finding("recorder", OK, f"on (launch --record): {said[0]}, exact bodies (users' words) into each "
+                                       "bundle's private requests/", instance=inst.name)
     if front is None:
-        return Finding("recorder", SKIP, "no front door (instances[].front): no requests recorded", instance=inst.name)
-    if not front.record:
-        return Finding("recorder", OK, "off (front.record): a bundle holds no request bodies; "
-                                       "`mlxwatch replay` has nothing to send", instance=inst.name)
-    return Finding("recorder", OK, f"on (front.record): the door keeps the last {human_duration(front.record_max_age)} "
-                                   f"of requests, at most {front.record_max_bytes / 1024**2:g} MiB, exact bodies "
-                                   "(users' words) into each bundle's private requests/", instance=inst.name)
+        return Finding("recorder", SKIP, "no front door (instances[].front) and no `mlxwatch launch --record`: "
+                                         "no requests recorded", instance=inst.name)
+    return Finding("recorder", OK, "off (front.record, launch --record): a bundle holds no request bodies; "
+                                   "`mlxwatch replay` has nothing to send", instance=inst.name)
 
 
 async def kernel_finding(inst: InstanceConfig, env: Env) -> Finding:

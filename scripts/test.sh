@@ -84,7 +84,8 @@ check() {
 check lint "$VENVS/test/bin/ruff" check mlxwatch tests bench
 check types "$VENVS/test/bin/python" -m mypy
 check "types (the in-server shim on Python 3.10)" "$VENVS/test/bin/python" -m mypy --python-version 3.10 \
-    mlxwatch/shim/agent.py mlxwatch/shim/dumps.py mlxwatch/shim/layout.py mlxwatch/shim/boot/sitecustomize.py
+    mlxwatch/shim/agent.py mlxwatch/shim/dumps.py mlxwatch/shim/layout.py mlxwatch/shim/boot/sitecustomize.py \
+    mlxwatch/shim/recorder.py mlxwatch/shim/spool.py
 # Two passes: the fast tier on four workers (its tests mostly wait on timeouts: CONTRIBUTING.md),
 # then the real-server tests in one process (they share one lab server per mlx-lm version). A
 # pass that selects nothing (pytest's exit 5, e.g. `-k` naming tests of the other tier only)

@@ -719,7 +719,7 @@ async def test_a_failed_step_leaves_the_others_results_in_the_bundle(offline, mo
     assert (steps["versions"]["outcome"], steps["versions"]["error"]) == ("failed", "RuntimeError: importlib.metadata went away")
     assert {n: s["outcome"] for n, s in steps.items() if n != "versions"} == {
         "process": "ok", "stacks": "ok", "cpu": "ok", "probe": "ok", "heartbeat": "skipped", "kernel": "ok",
-        "sample": "skipped", "spindump": "skipped", "crash_reports": "skipped", "log": "ok"}
+        "sample": "skipped", "spindump": "skipped", "crash_reports": "skipped", "requests": "skipped", "log": "ok"}
     for name in ("process.json", "procstats.json", "stacks/pyspy-3.json", "probe.json", "log-tail.txt"):
         assert (bundle.path / name).is_file(), name
     assert not (bundle.path / "versions.json").exists() and bundle.manifest["versions"] == {}

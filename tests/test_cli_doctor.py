@@ -300,6 +300,34 @@ def test_doctor_says_whether_the_door_records_requests():
     assert on.message.startswith("on (front.record): the door keeps the last 10m of requests, at most 256 MiB")
 
 
+def test_doctor_says_whether_the_launch_shim_records_requests_and_which_a_bundle_takes():
+    """`mlxwatch launch --record`: read from the server's heartbeat; when the door records too,
+    bundles take the door's; a recorder that stopped is a warning."""
+    import asyncio
+    from dataclasses import replace as _replace
+
+    from mlxwatch.config import FrontConfig, InstanceConfig
+    from mlxwatch.doctor import recorder_finding, shim_record
+    from mlxwatch.shim.heartbeat import Heartbeat
+
+    rec = {"state": "on", "detail": "", "max_age": 120.0, "max_bytes": 64 * 1024**2}
+    inst = InstanceConfig("lab", "http://127.0.0.1:8080")
+    on = recorder_finding(inst, rec, 4242)
+    assert (on.status, on.message) == (OK, "on (launch --record): the launch shim in PID 4242 keeps the last 2m of "
+                                           "requests, at most 64 MiB, on disk in the runtime dir, exact bodies "
+                                           "(users' words) into each bundle's private requests/")
+    both = recorder_finding(_replace(inst, front=FrontConfig(record=True)), rec, 4242)
+    assert both.message.startswith("on twice (front.record and launch --record): the door keeps the last 10m")
+    assert "bundles take the door's" in both.message
+    stopped = recorder_finding(inst, {**rec, "state": "failed", "detail": "OSError: [Errno 28] No space left"}, 4242)
+    assert stopped.status == WARN and "stopped recording requests: OSError" in stopped.message
+    server = ProcessIdentity(4242, 1.0, ("mlx_lm.server",))
+    hb = Heartbeat(4242, {"record": rec}, 0.0, "/run/4242.json")
+    assert asyncio.run(shim_record(server, Env(heartbeat=lambda pid, start: (hb, None)))) == rec
+    assert asyncio.run(shim_record(server, Env(heartbeat=lambda pid, start: (None, "no heartbeat")))) is None
+    assert asyncio.run(shim_record(None, Env())) is None
+
+
 # --- a distributed server (an mlx.launch group), given at the discovery seam
 
 

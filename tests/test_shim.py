@@ -540,6 +540,20 @@ def test_cleanup_removes_only_files_of_long_gone_processes_and_our_own_pid(tmp_p
     assert sorted(p.name for p in run.iterdir()) == sorted([f"{dead}.stacks", f"{os.getppid()}.json", "notes.txt"])
 
 
+def test_cleanup_lets_a_dead_process_recorded_requests_go_after_the_recorder_age_bound(tmp_path):
+    """Users' words outlive their process no longer than a recorder would have kept them."""
+    run = tmp_path / "run"
+    run.mkdir(mode=0o700)
+    dead = 2**22 + 12346
+    for n, age in ((1, 700), (2, 100)):
+        (run / f"{dead}.requests.{n}").write_text("x")
+        os.utime(run / f"{dead}.requests.{n}", (time.time() - age, time.time() - age))
+    (run / f"{os.getpid()}.requests.1").write_text("x")  # our PID: a process before us left it
+    assert clean_runtime_dir(str(run), os.getpid()) == 2  # the default bound, front.record_max_age (10m)
+    assert sorted(p.name for p in run.iterdir()) == [f"{dead}.requests.2"]
+    assert clean_runtime_dir(str(run), os.getpid(), keep_requests=60.0) == 1
+
+
 # --- the reader
 
 

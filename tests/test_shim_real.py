@@ -1,21 +1,27 @@
 """The launch shim on the real mlx_lm.server, each mlx-lm version under test: a lab server
-started through the real `mlxwatch launch` (LabServer(shim=...)), its faults switched on at the
-seam the shim counts at. Stacks with py-spy made unavailable, the heartbeat through load,
-livelock and block, the daemon's early verdict, thread death, and byte-identical answers."""
+started through the real `mlxwatch launch --record` (LabServer(shim=...)), its faults switched on
+at the seam the shim counts at. Requests recorded into a bundle and replayed, stacks with py-spy
+made unavailable, the heartbeat through load, livelock and block, the daemon's early verdict,
+thread death, and byte-identical answers (with the recorder on)."""
 
 from __future__ import annotations
 
 import asyncio
+import io
 import json
 import threading
 import time
+import uuid
 from pathlib import Path
 
 import httpx
 import pytest
+from rich.console import Console
 
 from mlxwatch import stacks
 from mlxwatch.capture import CaptureRequest, capture_bundle, pyspy
+from mlxwatch.capture.requests import load_requests
+from mlxwatch.cli.app import run
 from mlxwatch.config import (
     CaptureConfig,
     Config,
@@ -27,7 +33,7 @@ from mlxwatch.daemon.supervisor import Daemon
 from mlxwatch.journal.incidents import Journal
 from lab.clients import retry_every
 from lab.server import LabServer
-from mlxwatch.shim import heartbeat, layout
+from mlxwatch.shim import heartbeat, layout, spool
 from mlxwatch.shim.stacks import parse_dump
 from mlxwatch.shim.watch import POLL
 
@@ -47,7 +53,7 @@ def shim_lab(server_python: str, lab_root: Path):
     """A healthy real server started through `mlxwatch launch`; relaunched if a test broke it."""
     server = _servers.get(server_python)
     if server is None:
-        server = LabServer.start(server_python, lab_root / f"shim-{len(_servers)}", shim=())
+        server = LabServer.start(server_python, lab_root / f"shim-{len(_servers)}", shim=("--record",))
         _servers[server_python] = server
     elif server.fault_file.read_text().strip() or not server.owned_process_alive():
         server.relaunch()
@@ -80,6 +86,60 @@ def wait_hb(server: LabServer, predicate, timeout: float = 20.0, what: str = "co
     raise AssertionError(f"{what} not seen within {timeout}s; last: {hb and hb.summary()}")
 
 
+def cli(argv: list[str]) -> tuple[int, str]:
+    buffer = io.StringIO()
+    code = run(argv, out=Console(file=buffer, width=400))
+    return code, buffer.getvalue()
+
+
+def _spooled(server: LabServer) -> list[dict]:
+    hb = hb_of(server)
+    return spool.read(hb.directory, server.pid, now_mono=time.monotonic(), max_age=600, max_bytes=1 << 30)[0]
+
+
+def test_a_request_recorded_by_launch_record_is_in_the_bundle_byte_for_byte_and_replays(shim_lab, tmp_path):
+    """First in this module: the shared server has served little else, so the replay is short.
+    A streamed and a whole request (one with a credential) go straight to the server, no door;
+    `mlxwatch capture` puts them in the bundle's requests/ exactly; `mlxwatch replay --to` sends
+    them again, and the shim records the same bytes arriving a second time."""
+    marker = uuid.uuid4().hex
+    streamed = json.dumps({"messages": [{"role": "user", "content": f"stream {marker}"}], "max_tokens": 4,
+                           "temperature": 0, "stream": True}).encode()
+    whole = json.dumps({"messages": [{"role": "user", "content": f"whole {marker} \u00e9"}], "max_tokens": 3,
+                        "temperature": 0}, ensure_ascii=False).encode()
+    with httpx.Client(trust_env=False, timeout=60) as client:
+        with client.stream("POST", f"{shim_lab.url}/v1/chat/completions", content=streamed,
+                           headers={"Content-Type": "application/json"}) as r:
+            assert r.status_code == 200 and b"[DONE]" in r.read()
+        r = client.post(f"{shim_lab.url}/v1/chat/completions", content=whole,
+                        headers={"Content-Type": "application/json", "Authorization": "Bearer sk-never-kept"})
+        assert r.status_code == 200
+    wait_hb(shim_lab, lambda h: (h.record or {}).get("state") == "on" and not h.record["in_flight"],
+            what="the recorder on, nothing in flight")
+    code, out = cli(["capture", str(shim_lab.pid), "--url", shim_lab.url, "--out", str(tmp_path / "bundles"),
+                     "--snapshots", "1", "--ceiling", "30s", "--json"])
+    assert code == 0, out
+    bundle = next(p for p in (tmp_path / "bundles").iterdir() if not p.name.startswith("."))
+    held = load_requests(bundle)
+    ours = [r for r in held if marker.encode() in r.body]
+    assert [r.body for r in ours] == [streamed, whole]
+    s, w = (r.meta for r in ours)
+    assert (s["status"], s["stream"], s["finish_reason"], s["in_flight"]) == (200, True, "length", False)
+    assert s["tokens"] >= 1 and s["first_token_after_s"] is not None
+    assert (w["status"], w["stream"], w["max_tokens"], w["tokens"]) == (200, False, 3, 3)
+    assert w["dropped_headers"] == ["Authorization"] and "sk-never-kept" not in (bundle / "requests/requests.json").read_text()
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    assert manifest["requests"]["source"] == "shim" and "recorded by the launch shim" in (bundle / "summary.md").read_text()
+    assert held[-1].body == whole  # the capture's own requests (its probe) came after it began: not kept
+
+    before = len([r for r in _spooled(shim_lab) if marker.encode() in r["body"]])
+    code, out = cli(["replay", str(bundle), "--to", shim_lab.url, "--allow-bundle-url", "--speed", "1000",
+                     "--stall-timeout", "5s"])
+    assert code == 1 and "not reproduced: " in out, out  # no hang: exit 1
+    again = [r["body"] for r in _spooled(shim_lab) if marker.encode() in r["body"]]
+    assert len(again) == before + 2 and again[-2:] == [streamed, whole]  # the server got the same bytes
+
+
 def trigger(server: LabServer, fault: str) -> None:
     server.set_fault(fault)
     try:
@@ -93,7 +153,8 @@ def trigger(server: LabServer, fault: str) -> None:
                                                ("gil", "_hold_gil_forever", "wedged")])
 def test_stacks_shim_shows_the_generation_thread_without_py_spy(shim_lab, tmp_path, monkeypatch, fault, mark, kind):
     """py-spy made unavailable; the bundle's stacks come from the shim's faulthandler dumps, on a
-    loop blocked with the GIL released and on one holding the GIL in a native call."""
+    loop blocked with the GIL released and on one holding the GIL in a native call. The request
+    that set the fault off is in the bundle, in flight (the shim records: --record)."""
     monkeypatch.setattr(pyspy, "find_py_spy", lambda: None)
     trigger(shim_lab, fault)
     time.sleep(1.0)
@@ -110,6 +171,12 @@ def test_stacks_shim_shows_the_generation_thread_without_py_spy(shim_lab, tmp_pa
         assert gen is not None, dump.read_text()
         names = [f.name for f in gen.frames]
         assert mark in names and "_generate" in names and "next" in names
+    # The request the server hung on, recorded by the shim (--record) before the hang: read from
+    # its spool even while the GIL is held (no dump thread, no heartbeat then)
+    recorded = bundle.manifest["requests"]
+    assert recorded["source"] == "shim", recorded
+    assert [r["prompt_chars"] for r in recorded["in_flight"]] == [len("trigger")], recorded
+    assert "working on these when delivery stopped" in (bundle.path / "summary.md").read_text()
     c = bundle.classification
     assert c.kind == kind, c
     if fault == "gil":
@@ -258,10 +325,11 @@ def _answers(url: str) -> list:
 
 def test_answers_are_byte_identical_with_and_without_the_shim(server_python, lab_root, tmp_path):
     """Same model, fresh servers, the same requests in the same order at temperature 0: batched,
-    streamed, concurrent and seeded (served one at a time, through stream_generate)."""
+    streamed, concurrent and seeded (served one at a time, through stream_generate). The shim's
+    server records them too (--record): its tees on the handler's rfile and wfile change nothing."""
     model = _model_of(lab_root, server_python)
     answers = {}
-    for label, shim in (("plain", None), ("shim", ())):
+    for label, shim in (("plain", None), ("shim", ("--record",))):
         workdir = tmp_path / label
         workdir.mkdir()
         if model is not None:
@@ -273,7 +341,8 @@ def test_answers_are_byte_identical_with_and_without_the_shim(server_python, lab
             answers[label] = _answers(server.url)
             if shim is not None:
                 hb = wait_hb(server, lambda h: h.tokens > 0, what="tokens")
-                assert hb.seam_ok
+                assert hb.seam_ok and hb.record is not None and hb.record["state"] == "on"
+                assert hb.record["recorded"] >= 7 and hb.record["errors"] == 0
         finally:
             server.stop()
     assert answers["shim"] == answers["plain"]

@@ -56,7 +56,7 @@ from mlxwatch.capture.delivery import watch_delivery
 from mlxwatch.capture.classify import Classification, Evidence, RankEvidence, classify
 from mlxwatch.capture.procstats import describe_process, sample_process
 from mlxwatch.capture.requests import INDEX as REQUESTS_INDEX
-from mlxwatch.capture.requests import index_entries, manifest_entry, write_requests
+from mlxwatch.capture.requests import from_shim, index_entries, manifest_entry, write_requests
 from mlxwatch.capture.redact import (
     NONE,
     PRIVATE,
@@ -75,6 +75,7 @@ from mlxwatch.capture.results import (
     LogResult,
     ProbeResult,
     ProcessResult,
+    RequestsResult,
     SampleResult,
     Snapshot,
     StacksResult,
@@ -210,7 +211,8 @@ async def capture_bundle(req: CaptureRequest, *, runner: Runner = run_command, o
 
     The returned ``Bundle.lingering`` (if not None) is a task still draining the capture probe's
     stream; the caller awaits or cancels it."""
-    steps = StepRunner(deadline=time.monotonic() + req.ceiling - FINISH_RESERVE, ceiling=req.ceiling, on_step=on_step)
+    began = time.monotonic()  # requests that arrive after this (the capture's own probe) are not its evidence
+    steps = StepRunner(deadline=began + req.ceiling - FINISH_RESERVE, ceiling=req.ceiling, on_step=on_step)
     window_seconds = max(0.5, (req.snapshots - 1) * req.spacing + 0.5)
     probe_first_token = min(req.probe_first_token_timeout, max(PROBE_FLOOR, window_seconds + PROBE_MARGIN))
     writer = await asyncio.to_thread(BundleWriter, req.out_dir, req.label or f"pid-{req.pid}", req.min_free_bytes)
@@ -249,9 +251,11 @@ async def capture_bundle(req: CaptureRequest, *, runner: Runner = run_command, o
         crash_step = asyncio.ensure_future(steps.run(
             "crash_reports", lambda: _crash_reports(req, process, files), StepResult))
         versions_step = asyncio.ensure_future(steps.run("versions", lambda: _versions(process, files), VersionsResult))
+        requests_step = asyncio.ensure_future(steps.run(
+            "requests", lambda: _requests(req, process, files, began), RequestsResult))
         log_step = asyncio.ensure_future(_after(window, steps.deadline - LOG_RESERVE, lambda: steps.run(
             "log", lambda: _log(req, files, followers, before), LogResult)))
-        await asyncio.gather(*window, sample_step, spindump_step, crash_step, versions_step, log_step)
+        await asyncio.gather(*window, sample_step, spindump_step, crash_step, versions_step, requests_step, log_step)
         cpu_result, log_result = cpu_step.result(), log_step.result()
         death_result = DeathResult(outcome="skipped", error="the server did not die")
         if process.missing or cpu_result.window.gone_at is not None:
@@ -259,7 +263,8 @@ async def capture_bundle(req: CaptureRequest, *, runner: Runner = run_command, o
         results = CaptureResults(process=process, stacks=stacks_step.result(), cpu=cpu_result,
                                  probe=probe_step.result(), heartbeat=heartbeat_step.result(),
                                  sample=sample_step.result(), versions=versions_step.result(), log=log_result,
-                                 ranks=ranks_step.result(), delivery=delivery_step.result(), death=death_result)
+                                 ranks=ranks_step.result(), delivery=delivery_step.result(), death=death_result,
+                                 requests=requests_step.result())
         bundle = await asyncio.to_thread(_finish, req, steps, files, results, probe_first_token)
     except BaseException:
         if probe_step is not None and probe_step.done() and not probe_step.cancelled() \
@@ -504,9 +509,6 @@ async def _probe(req: CaptureRequest, files: _Files, first_token_timeout: float)
         await files.write_json("probes-before.json", req.prior_probes)
     if req.front_requests is not None:  # data the daemon passed: capture reads no door itself
         await files.write_json("front/requests.json", req.front_requests)
-    if req.recorded:  # the bodies exact (never redacted: a replay sends them again), the index redacted
-        await asyncio.to_thread(write_requests, files.writer, req.recorded)
-        await files.write_json(REQUESTS_INDEX, index_entries(req.recorded))
     if not req.url:
         return ProbeResult(outcome="skipped", error="no URL given (--url or --instance)")
     client = probes.make_client()
@@ -540,6 +542,26 @@ async def _drain_then_close(lingering: Awaitable[object], client: httpx.AsyncCli
         return None
     finally:
         await client.aclose()
+
+
+async def _requests(req: CaptureRequest, process: ProcessResult, files: _Files, began: float) -> RequestsResult:
+    """The recorded requests into the bundle's private ``requests/``: the door's (``front.record``,
+    handed over by the daemon) when it holds any, else those the launch shim in the server
+    recorded (``mlxwatch launch --record``) up to the capture's start. The bodies exact (never
+    redacted: a replay sends them again), the index through the bundle's redaction."""
+    if req.recorded:
+        recorded, at, source, note = req.recorded, req.recorded_at, "door", ""
+    elif req.pid is None or process.missing:
+        return RequestsResult(outcome="skipped", error="no process to read recorded requests of")
+    else:
+        found, note = await asyncio.to_thread(from_shim, req.pid, process.create_time, began)
+        if found is None:
+            return RequestsResult(outcome="skipped", error=f"none recorded (front.record, mlxwatch launch --record): {note}")
+        recorded, at, source = found, began, "shim"
+    if recorded:
+        await asyncio.to_thread(write_requests, files.writer, recorded)
+        await files.write_json(REQUESTS_INDEX, index_entries(recorded))
+    return RequestsResult(recorded=tuple(recorded), at=at, source=source, error=note or None)
 
 
 async def _sample(req: CaptureRequest, files: _Files, runner: Runner) -> SampleResult:
@@ -799,9 +821,10 @@ def _finish(req: CaptureRequest, steps: StepRunner, files: _Files, found: Captur
         "group": _group_entry(req, found),
         "kernel": found.delivery.delivery.to_dict() if req.kernel_port is not None else None,
     }
-    if req.recorded:
-        manifest["requests"] = manifest_entry(req.recorded, req.recorded_at if req.recorded_at is not None
-                                              else req.recorded[-1].arrived_mono)
+    held = found.requests
+    if held.recorded:
+        manifest["requests"] = manifest_entry(held.recorded, held.at if held.at is not None
+                                              else held.recorded[-1].arrived_mono, held.source or "door")
     manifest = redact_json(manifest, files.redaction)  # the command line, the verdict, step errors
     markers = found.log.markers
     summary = redact_text(render_summary(manifest, list(found.stacks.snapshots), markers.to_dict() if markers else None),

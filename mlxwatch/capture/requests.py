@@ -1,9 +1,11 @@
-"""The front door's recorded requests in a bundle: the private part ``requests/`` (issue 35).
+"""Recorded requests in a bundle: the private part ``requests/`` (issue 35).
 
 A hang set off by a sequence of requests comes back only when that sequence is sent again,
 byte for byte. At a verdict the door's recorder (``front.record``) hands over the requests of
 its window that had arrived by then, in arrival order: those in flight and those before them.
-The bundle keeps
+A server started with ``mlxwatch launch --record`` records them itself (``shim.recorder``, read
+back from its spool by ``from_shim``) in the same form; when both record, the door's are taken
+(they are what the clients sent and got, the door's outcomes among them). The bundle keeps
 
 - ``requests/body-NNNNNN.bin``: each body exactly as the client sent it (never redacted: a
   replay must send the same bytes; files 0600 as every bundle file);
@@ -23,12 +25,15 @@ from __future__ import annotations
 
 import hashlib
 import json
+import time
 from dataclasses import dataclass
+from dataclasses import replace as _replace
 from pathlib import Path
 from typing import Any, Sequence
 
 from mlxwatch.errors import BundleError
 from mlxwatch.front.recorder import RecordedRequest
+from mlxwatch.shim import heartbeat, spool
 
 DIRECTORY = "requests"
 INDEX = f"{DIRECTORY}/requests.json"
@@ -37,6 +42,7 @@ JUST_BEFORE = 3  # requests named in the summary before those in flight
 MAX_INDEX_BYTES = 64 * 1024**2
 MAX_BODY_BYTES = 1024**3
 # What a request asks of the sampler, named in the summary (OpenAI's and mlx-lm's own fields).
+SOURCES = {"door": "the front door", "shim": "the launch shim"}  # who recorded, as the summary names it
 SAMPLING = ("temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty", "presence_penalty",
             "frequency_penalty", "logit_bias", "stop", "n", "logprobs", "top_logprobs")
 
@@ -105,7 +111,7 @@ def delivery_stopped(recorded: Sequence[RecordedRequest]) -> float | None:
     return max(min(waiting), max(tokens)) if tokens else min(waiting)
 
 
-def manifest_entry(recorded: Sequence[RecordedRequest], at_verdict: float) -> dict[str, Any]:
+def manifest_entry(recorded: Sequence[RecordedRequest], at_verdict: float, source: str = "door") -> dict[str, Any]:
     """The manifest's ``requests``: how many, the requests the server was working on when
     delivery stopped (in flight at the verdict, arrived by then), those that came after it (in
     flight, waiting) and the ones just before, described without their words."""
@@ -120,7 +126,7 @@ def manifest_entry(recorded: Sequence[RecordedRequest], at_verdict: float) -> di
         return {"seq": r.seq, "id": r.id, "age_s": round(at_verdict - r.arrived_mono, 3), "path": r.target.split("?")[0],
                 "tokens": r.tokens, "outcome": r.outcome, **describe_body(r.body)}
 
-    return {"recorded": len(recorded), "index": INDEX, "bodies": len(recorded),
+    return {"recorded": len(recorded), "source": source, "index": INDEX, "bodies": len(recorded),
             "bytes": sum(len(r.body) for r in recorded),
             "stopped_s_before_verdict": None if stopped is None else round(at_verdict - stopped, 3),
             "in_flight": [named(r) for r in working], "arrived_after": [named(r) for r in after],
@@ -131,7 +137,8 @@ def summary_lines(entry: dict[str, Any] | None) -> list[str]:
     """The summary's section on the recorded requests (from the manifest's ``requests``)."""
     if not entry:
         return []
-    out = ["", "## Requests (recorded by the front door)", "",
+    by = SOURCES.get(str(entry.get("source") or "door"), SOURCES["door"])
+    out = ["", f"## Requests (recorded by {by})", "",
            f"{entry.get('recorded', 0)} request(s) in `{entry.get('index', INDEX)}`, bodies exact and private "
            "(`bundle export` leaves them out; `mlxwatch replay` sends them again)."]
 
@@ -208,6 +215,63 @@ def load_requests(bundle: Path) -> list[StoredRequest]:
     if not out:
         raise BundleError(f"{index}: no requests recorded")
     return out
+
+
+def from_shim(pid: int, create_time: float | None, until: float) -> tuple[tuple[RecordedRequest, ...] | None, str]:
+    """The requests the launch shim in ``pid`` recorded (``mlxwatch launch --record``), arrived
+    by ``until`` (monotonic: the capture's start, so its own probe is not among them), within
+    the recorder's bounds now. (None, why) when that process records none; else the requests
+    and what could not be read ("" when all could). Blocking: reads the spool's files."""
+    hb, _ = heartbeat.find(pid, create_time)
+    if hb is None:  # why not is the heartbeat step's to say
+        return None, "no launch shim in this process"
+    rec = hb.record
+    if rec is None:
+        return None, "the launch shim does not record requests (mlxwatch launch --record)"
+    try:
+        max_age, max_bytes = float(rec["max_age"]), int(rec["max_bytes"])
+    except (KeyError, TypeError, ValueError):
+        return None, f"the heartbeat's record section is unreadable: {rec!r:.200}"
+    records, problems = spool.read(hb.directory, pid, now_mono=time.monotonic(), max_age=max_age,
+                                   max_bytes=max_bytes, until=until)
+    live = {str(e.get("id")): e for e in rec.get("in_flight") or [] if isinstance(e, dict)}
+    out = []
+    for record in records:
+        try:
+            out.append(_from_spool(record, live.get(str(record["id"]))))
+        except (KeyError, TypeError, ValueError) as exc:
+            problems.append(f"request {record.get('id')!r}: {type(exc).__name__}: {exc}")
+    if rec.get("state") == "failed":
+        problems.append(f"the shim's recorder stopped: {rec.get('detail')}")
+    return tuple(out), "; ".join(problems)
+
+
+def _num(value: Any) -> float | None:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def _from_spool(r: dict[str, Any], live: dict[str, Any] | None) -> RecordedRequest:
+    """One spool record as the door's recorder would have held it."""
+    body = r["body"]
+    described = describe_body(body)
+    max_tokens = described.get("max_tokens")
+    req = RecordedRequest(
+        int(r["seq"]), str(r["id"]), float(r["wall"]), float(r["mono"]), str(r["conn"]), str(r["method"]),
+        str(r["target"]), described.get("stream") is True, max_tokens if isinstance(max_tokens, int) else None,
+        tuple((str(k), str(v)) for k, v in r["headers"]), tuple(str(k) for k in r.get("dropped") or ()), body)
+    end = r.get("end") if isinstance(r.get("end"), dict) else None
+    if end is not None:
+        status = end.get("status")
+        return _replace(req, status=status if isinstance(status, int) else None, first_token_mono=_num(end.get("first")),
+                        last_token_mono=_num(end.get("last")), tokens=int(end.get("tokens") or 0),
+                        finish_reason=end.get("finish") if isinstance(end.get("finish"), str) else None,
+                        outcome=str(end.get("outcome") or "ok"), client_gone=end.get("gone") is True,
+                        ended_mono=_num(end.get("ended")))
+    if live is not None:  # in flight: what it had had by the last heartbeat
+        status = live.get("status")
+        return _replace(req, status=status if isinstance(status, int) else None, first_token_mono=_num(live.get("first")),
+                        last_token_mono=_num(live.get("last")), tokens=int(live.get("tokens") or 0))
+    return req
 
 
 def write_requests(writer: Any, recorded: Sequence[RecordedRequest]) -> None:

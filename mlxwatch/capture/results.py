@@ -13,6 +13,7 @@ from mlxwatch.capture.death import Cause
 from mlxwatch.capture.delivery import WindowDelivery
 from mlxwatch.capture.procstats import ProcessWindow
 from mlxwatch.capture.runner import StepResult
+from mlxwatch.front.recorder import RecordedRequest
 from mlxwatch.host.group import Group, Rank
 from mlxwatch.probes import CheckReport
 from mlxwatch.serverlog.markers import LogMarkers
@@ -58,6 +59,17 @@ class DeliveryResult(StepResult):
     """What the kernel saw the server send its clients over the window (``kernel.json``)."""
 
     delivery: WindowDelivery = field(default_factory=WindowDelivery)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RequestsResult(StepResult):
+    """The recorded requests written into the bundle's private ``requests/`` (``capture.requests``):
+    the front door's when it holds any, else the launch shim's; ``at`` is the monotonic moment
+    they are described against (the verdict's, or the capture's start)."""
+
+    recorded: tuple[RecordedRequest, ...] = ()
+    at: float | None = None
+    source: str | None = None  # "door" | "shim"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -142,3 +154,4 @@ class CaptureResults:
     ranks: GroupResult = GroupResult(outcome="skipped")
     delivery: DeliveryResult = DeliveryResult(outcome="skipped")
     death: DeathResult = DeathResult(outcome="skipped")
+    requests: RequestsResult = RequestsResult(outcome="skipped")

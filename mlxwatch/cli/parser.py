@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, NoReturn, Sequence
 
 from mlxwatch import __version__
-from mlxwatch.config import MAX_COUNT, STACK_SOURCES, CaptureConfig, ProbeConfig
+from mlxwatch.config import MAX_COUNT, STACK_SOURCES, CaptureConfig, FrontConfig, ProbeConfig, parse_size
 from mlxwatch.durations import DURATION_FORM, NOT_A_DURATION, human_duration, parse_duration
 from mlxwatch.errors import UsageError
 from mlxwatch.replay.options import Budget, ReplayOptions
@@ -34,6 +34,14 @@ def _duration_arg(text: str) -> float:
     if seconds <= 0:
         raise argparse.ArgumentTypeError(f"must be a positive duration (got {text!r})")
     return seconds
+
+
+def _size_arg(text: str) -> int:
+    """A positive size, in the config file's words (``256MiB``)."""
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"{exc} (got {text!r})") from None
 
 
 def _count_arg(text: str) -> int:
@@ -268,6 +276,16 @@ def build_parser() -> argparse.ArgumentParser:
     launch.add_argument("--exit-on-thread-death", action="store_true",
                         help="exit with status 70 when the generation thread dies (after its traceback is "
                              "written), so launchd's KeepAlive restarts the server at once")
+    front = FrontConfig()
+    launch.add_argument("--record", action="store_true",
+                        help="keep the requests the server receives (exact bodies: users' words; off by default) "
+                             "for bundles and `mlxwatch replay`, in the private runtime dir")
+    launch.add_argument("--record-max-age", type=_duration_arg, metavar="DURATION", default=front.record_max_age,
+                        help=f"--record: keep the last DURATION of requests (default {d(front.record_max_age)}, "
+                             "front.record_max_age's)")
+    launch.add_argument("--record-max-bytes", type=_size_arg, metavar="SIZE", default=front.record_max_bytes,
+                        help=f"--record: at most SIZE of them on disk, the oldest go first (default "
+                             f"{front.record_max_bytes // 1024**2}MiB, front.record_max_bytes's)")
     launch.add_argument("server_command", nargs=argparse.REMAINDER, metavar="-- COMMAND ...",
                         help="the server command, unchanged")
     demo = _leaf(sub, "demo", "watch a tiny real mlx_lm.server through a livelock and its recovery")

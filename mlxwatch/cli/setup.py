@@ -57,12 +57,13 @@ def cmd_launchd(args: argparse.Namespace, out: Console) -> int:
 
 def cmd_launch(args: argparse.Namespace, out: Console) -> int:
     from mlxwatch.output.launchd import render_launch_warning
-    from mlxwatch.shim.launcher import launch
+    from mlxwatch.shim.launcher import Record, launch
 
     err = err_console()
+    record = Record(args.record_max_age, args.record_max_bytes) if args.record else None
     try:
         launch(list(args.server_command), name=args.name, exit_on_thread_death=args.exit_on_thread_death,
-               on_warning=lambda warning: render_launch_warning(err, warning))
+               record=record, on_warning=lambda warning: render_launch_warning(err, warning))
     except OSError as exc:  # exec itself failed (the command checked out a moment ago)
         raise UsageError(f"launch: cannot run {args.server_command[-1] if args.server_command else '?'}: "
                          f"{exc.strerror or exc}") from None

@@ -23,16 +23,15 @@ kept). Bodies and headers are never in a ``repr``, so never in a log line by acc
 from __future__ import annotations
 
 import collections
-import re
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from mlxwatch.front.delivery import DeliveryView, RequestView
+from mlxwatch.shim.layout import CREDENTIAL  # one rule for the door and the launch shim's recorder
+
+__all__ = ["CREDENTIAL", "ENTRY_OVERHEAD", "RecordedRequest", "Recorder"]
 
 ENTRY_OVERHEAD = 512  # bytes an entry costs beyond its body, head and target (the objects themselves)
-# Header names that carry credentials (RFC 9110 Authorization, cookies, the API-key headers
-# OpenAI-style clients send): dropped at arrival, their names kept.
-CREDENTIAL = re.compile(r"(authorization|cookie|api[-_]?key|token|secret|password|session)", re.IGNORECASE)
 
 
 @dataclass(frozen=True)

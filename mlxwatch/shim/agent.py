@@ -26,7 +26,10 @@ Started by ``boot/sitecustomize.py`` before the server's own code runs (``start`
   wrapped (0.32 catches the exception in ``_run_generate`` and logs it; 0.31 lets it reach
   ``threading.excepthook``, which is chained too). With ``--exit-on-thread-death`` the process
   then exits with status 70 once the heartbeat holding the traceback is written and the
-  server has logged its own traceback, so launchd's KeepAlive starts a fresh server.
+  server has logged its own traceback, so launchd's KeepAlive starts a fresh server;
+- with ``--record`` (``layout.RECORD_ENV``), records each request the server's HTTP handler
+  receives, exact body and what came back, into a bounded spool on disk (``recorder``,
+  ``spool``); the heartbeat's ``record`` says it is on and what is in flight.
 
 Version tolerance: if ``BatchGenerator`` or its ``next`` is missing, or ``next`` stops returning
 ``(prompt_responses, generation_responses)``, the shim writes one line to stderr (the server's
@@ -59,6 +62,8 @@ from typing import Any
 
 from . import layout
 from .dumps import Dumper, open_regular
+from .recorder import RequestRecorder, patch_handler
+from .spool import SpoolWriter
 
 MAX_TRACEBACK = 20000  # characters of a traceback kept in the heartbeat (the end)
 GENERATE_MODULE, SERVER_MODULE = "mlx_lm.generate", "mlx_lm.server"
@@ -132,6 +137,8 @@ class Agent:
         self.fatal_file: io.FileIO | None = None
         self.dumper: Dumper | None = None
         self.dumps_wanted = False  # the platform has FIFOs: a dump thread is kept running
+        # the requests the server's handler receives (launch --record), else None
+        self.recorder: RequestRecorder | None = None
 
     # --- files
 
@@ -382,6 +389,10 @@ class Agent:
     def tick(self) -> None:
         if self.seam_state == "waiting":
             _late_patch(self)
+        if self.recorder is not None:
+            if self.recorder.state == "waiting":
+                _late_patch_handler(self)
+            self.recorder.expire()
         self.check_thread()
         if self.dir_problem and not self.prepare_dir():
             return
@@ -482,6 +493,7 @@ class Agent:
                 "ask": dumper.ask_path if dumper is not None else None,
                 "answers": dumper.answers_path if dumper is not None else None},
             "fatal_file": self.path("fatal") if self.fatal_file is not None else None,
+            "record": self.recorder.snapshot() if self.recorder is not None else None,
         }
 
     def publish(self) -> None:
@@ -648,6 +660,7 @@ def patch_module(agent: Agent, module) -> None:
         responder = getattr(module, "ResponseGenerator", None)
         if isinstance(responder, type):
             _patch_method(responder, "_generate", lambda f: _wrap_generate(agent, f))
+        _patch_handler(agent, module, name)
     except Exception as exc:  # never break the server's import
         agent.seam_state, agent.seam_detail = "unavailable", f"patching {name} failed: {type(exc).__name__}: {exc}"
         agent.counting = False
@@ -674,6 +687,31 @@ def _late_patch(agent: Agent) -> None:
         if module is not None and getattr(module, "__mlxwatch_shim_patched__", False) is False:
             _mark_patched(module)
             patch_module(agent, module)
+
+
+def _patch_handler(agent: Agent, module, name: str) -> None:
+    """The server's HTTP handler, wrapped to record requests (launch --record only)."""
+    rec = agent.recorder
+    if rec is None or not rec.on or name == GENERATE_MODULE:
+        return
+    try:
+        if not patch_handler(rec, getattr(module, "APIHandler", None), f"{name}.APIHandler") and rec.state == "waiting":
+            rec.detail = f"{name} has no APIHandler (an http.server handler): no requests recorded"
+            agent.note_once(rec.detail)
+    except Exception as exc:  # the recorder's failure, never the server's
+        rec.failed(exc)
+
+
+def _late_patch_handler(agent: Agent) -> None:
+    """``python -m mlx_lm.server`` defines its handler in ``__main__``, which no import hook
+    sees: looked for there (and in a server module the hooks missed) once a heartbeat."""
+    for name in (SERVER_MODULE, "__main__"):
+        module = sys.modules.get(name)
+        if module is None or (name == "__main__" and
+                              getattr(getattr(module, "__spec__", None), "name", None) != SERVER_MODULE):
+            continue
+        if getattr(module, "APIHandler", None) is not None:
+            _patch_handler(agent, module, name)
 
 
 def _mark_patched(module) -> None:
@@ -743,6 +781,22 @@ def _chain_excepthook(agent: Agent) -> None:
     threading.excepthook = excepthook
 
 
+def _start_recorder(agent: Agent, setting: str | None, dir_ready: bool) -> None:
+    bounds = layout.parse_record_setting(setting)
+    if bounds is None:
+        _say(f"{layout.RECORD_ENV}={setting!r} is not MAX_AGE_SECONDS:MAX_BYTES: no requests recorded")
+        return
+    if not dir_ready:
+        _say("no requests recorded: the runtime dir is refused (above)")
+        return
+    try:
+        spool = SpoolWriter(agent.directory, agent.pid, *bounds)
+        spool.remove_stale()
+        agent.recorder = RequestRecorder(spool, agent.note_once)
+    except Exception as exc:
+        _say(f"no requests recorded: {type(exc).__name__}: {exc}")
+
+
 def start(started_at: float | None = None, env=None) -> Agent | None:
     """Start the shim in this process (once). Never raises: a shim that cannot start says so
     on stderr and the server runs as if it were not there."""
@@ -754,7 +808,10 @@ def start(started_at: float | None = None, env=None) -> Agent | None:
         agent = Agent(started_at or time.time(), env.get(layout.NAME_ENV) or None,
                       env.get(layout.EXIT_ENV) == "1", layout.runtime_dir(env))
         _agent = agent
-        if agent.prepare_dir():
+        ready = agent.prepare_dir()
+        if env.get(layout.RECORD_ENV):
+            _start_recorder(agent, env.get(layout.RECORD_ENV), ready)
+        if ready:
             agent.open_dumper()
             try:
                 agent.open_stacks()

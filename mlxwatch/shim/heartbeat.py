@@ -98,6 +98,18 @@ class Heartbeat:
     def seam_detail(self) -> str:
         return str((self.data.get("seam") or {}).get("detail") or "")
 
+    @property
+    def record(self) -> dict[str, Any] | None:
+        """The shim's request recorder (``launch --record``): state, bounds, counts and the
+        requests in flight; None when it does not record."""
+        rec = self.data.get("record")
+        return rec if isinstance(rec, dict) else None
+
+    @property
+    def directory(self) -> str:
+        """The runtime dir this heartbeat was read from (its other files are beside it)."""
+        return os.path.dirname(self.path)
+
     def _num(self, key: str) -> float | None:
         value = self.loop.get(key)
         return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None

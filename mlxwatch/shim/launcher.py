@@ -5,10 +5,11 @@ The user's own command runs unchanged (``mlx_lm.server ...``, ``mlx_lm server ..
 mlx_lm.server ...``, a Python script; from any venv), by ``exec``: the server keeps the PID that
 launchd (or a shell, or systemd) started, so ``launchctl kickstart``, KeepAlive and mlxwatch's
 identity checks see the process they expect. The only change is the environment:
-``mlxwatch/shim/boot`` goes first on ``PYTHONPATH`` and ``MLXWATCH_SHIM=1`` (plus ``--name`` and
-``--exit-on-thread-death``) is set; the shim's ``sitecustomize`` takes these out again at start,
-so the server's children do not load it. mlxwatch need not be installed in the server's venv:
-the shim is loaded by path and is stdlib only.
+``mlxwatch/shim/boot`` goes first on ``PYTHONPATH`` and ``MLXWATCH_SHIM=1`` (plus ``--name``,
+``--exit-on-thread-death``, and ``--record`` with its bounds) is set; the shim's
+``sitecustomize`` takes these out again at start, so the server's children do not load it.
+mlxwatch need not be installed in the server's venv: the shim is loaded by path and is stdlib
+only.
 
 Refused (exit 2, one line), because the shim could not load: a command that is not found, and a
 Python started with ``-I``, ``-E`` or ``-S`` (on its command line or in a script's ``#!`` line),
@@ -29,12 +30,13 @@ from typing import Callable, NoReturn
 
 import psutil
 
+from mlxwatch.config import FrontConfig
 from mlxwatch.errors import UsageError
 from mlxwatch.shim import layout
 
 BOOT_DIR = Path(__file__).resolve().parent / "boot"
 _PYTHON_NAME = re.compile(r"^python(\d+(\.\d+)*)?[tw]?$")
-_FILE = re.compile(r"^\.?(\d+)\.(json|stacks|fatal|ask|answers|json\.tmp)$")
+_FILE = re.compile(r"^\.?(\d+)\.(json|stacks|fatal|ask|answers|json\.tmp|requests\.\d+)$")
 _DISABLING = {"I": "-I (isolated mode ignores PYTHONPATH)", "E": "-E (ignores PYTHONPATH)",
               "S": "-S (skips sitecustomize)"}
 
@@ -102,8 +104,16 @@ def check_python_flags(executable: str, argv: list[str]) -> list[str]:
     return []
 
 
+@dataclass(frozen=True)
+class Record:
+    """``--record``: the requests the server receives are kept this long, at most this many bytes."""
+
+    max_age: float
+    max_bytes: int
+
+
 def plan(command: list[str], *, name: str | None = None, exit_on_thread_death: bool = False,
-         environ: dict[str, str] | None = None) -> Plan:
+         record: Record | None = None, environ: dict[str, str] | None = None) -> Plan:
     """What ``launch`` will exec (raises UsageError for a command the shim cannot ride along)."""
     env = dict(os.environ if environ is None else environ)
     if command[:1] == ["--"]:
@@ -138,19 +148,28 @@ def plan(command: list[str], *, name: str | None = None, exit_on_thread_death: b
         env[layout.EXIT_ENV] = "1"
     else:
         env.pop(layout.EXIT_ENV, None)
+    if record is not None:
+        env[layout.RECORD_ENV] = layout.record_setting(record.max_age, record.max_bytes)
+    else:
+        env.pop(layout.RECORD_ENV, None)
     warnings = []
     directory = layout.runtime_dir(env)
     problem = layout.ensure_private_dir(directory)
     if problem:
         warnings.append(f"runtime dir unusable ({problem}): the server starts without heartbeat or stacks on demand")
     else:
-        clean_runtime_dir(directory, os.getpid())
+        clean_runtime_dir(directory, os.getpid(), keep_requests=record.max_age if record else None)
+    if problem and record is not None:
+        warnings.append("so no requests are recorded either (--record)")
     return Plan(executable, list(command), env, warnings)
 
 
-def clean_runtime_dir(directory: str, own_pid: int, now: float | None = None) -> int:
+def clean_runtime_dir(directory: str, own_pid: int, now: float | None = None, keep_requests: float | None = None) -> int:
     """Remove files of processes gone for more than ``layout.KEEP_DEAD_SECONDS``, and any left
-    by an earlier process with the PID this one (about to become the server) has. Best effort."""
+    by an earlier process with the PID this one (about to become the server) has. Best effort.
+    Recorded requests (users' words) of a process gone are kept only as long as a recorder keeps
+    them (``keep_requests``, this launch's ``--record-max-age``; else the default's)."""
+    keep_words = keep_requests if keep_requests is not None else FrontConfig.record_max_age
     now = time.time() if now is None else now
     removed = 0
     try:
@@ -165,7 +184,8 @@ def clean_runtime_dir(directory: str, own_pid: int, now: float | None = None) ->
         path = os.path.join(directory, entry)
         try:
             if pid != own_pid:
-                if psutil.pid_exists(pid) or now - os.lstat(path).st_mtime < layout.KEEP_DEAD_SECONDS:
+                keep = keep_words if m.group(2).startswith("requests.") else layout.KEEP_DEAD_SECONDS
+                if psutil.pid_exists(pid) or now - os.lstat(path).st_mtime < keep:
                     continue
             os.unlink(path)
             removed += 1
@@ -175,10 +195,10 @@ def clean_runtime_dir(directory: str, own_pid: int, now: float | None = None) ->
 
 
 def launch(command: list[str], *, name: str | None = None, exit_on_thread_death: bool = False,
-           on_warning: Callable[[str], None] = lambda warning: None) -> NoReturn:
+           record: Record | None = None, on_warning: Callable[[str], None] = lambda warning: None) -> NoReturn:
     """Exec the server command with the shim; returns only by raising (UsageError, OSError).
     ``on_warning`` hears what the plan found worth saying, before the exec (the CLI prints it)."""
-    p = plan(command, name=name, exit_on_thread_death=exit_on_thread_death)
+    p = plan(command, name=name, exit_on_thread_death=exit_on_thread_death, record=record)
     for warning in p.warnings:
         on_warning(warning)
     sys.stdout.flush()

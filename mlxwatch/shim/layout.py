@@ -16,6 +16,8 @@ says so once on stderr, and the reader refuses it. Per server process:
     <pid>.fatal     faulthandler's dump on a fatal signal (SIGSEGV, SIGABRT, ...), if any
     <pid>.ask       a FIFO: dump requests to the shim's dump thread (``dumps``)
     <pid>.answers   that thread's all-thread dumps, appended per request
+    <pid>.requests.<n>  the recorded requests (``launch --record`` only): a bounded spool of
+                    segments (``spool``), n counting up, the oldest removed first
 
 Files of a process that ended stay (its heartbeat holds the generation thread's traceback);
 ``mlxwatch launch`` removes those of processes gone for more than ``KEEP_DEAD_SECONDS``.
@@ -24,6 +26,7 @@ Files of a process that ended stay (its heartbeat holds the generation thread's 
 from __future__ import annotations
 
 import os
+import re
 import stat
 
 FORMAT = 1  # the heartbeat's "format"; a reader refuses other values
@@ -33,11 +36,15 @@ ACTIVE_ENV = "MLXWATCH_SHIM"  # "1": set by `mlxwatch launch`; boot/sitecustomiz
 NAME_ENV = "MLXWATCH_SHIM_NAME"  # --name, shown in the heartbeat
 EXIT_ENV = "MLXWATCH_SHIM_EXIT_ON_THREAD_DEATH"  # "1": --exit-on-thread-death
 BOOT_ENV = "MLXWATCH_SHIM_BOOT"  # the boot dir launch put on PYTHONPATH (children inherit it: see boot)
+RECORD_ENV = "MLXWATCH_SHIM_RECORD"  # "MAX_AGE_SECONDS:MAX_BYTES": --record; unset, the shim records nothing
 
 INTERVAL = 1.0  # seconds between heartbeats
 STACK_SIGNAL = "SIGUSR2"  # faulthandler dumps all threads on it (mlx-lm, mlx and http.server use none)
 THREAD_DEATH_EXIT = 70  # EX_SOFTWARE: the exit status for --exit-on-thread-death
 KEEP_DEAD_SECONDS = 7 * 24 * 3600
+# Header names that carry credentials (RFC 9110 Authorization, cookies, the API-key headers
+# OpenAI-style clients send): never recorded, by the front door or the shim; their names are kept.
+CREDENTIAL = re.compile(r"(authorization|cookie|api[-_]?key|token|secret|password|session)", re.IGNORECASE)
 
 
 def runtime_dir(env: "os._Environ[str] | dict[str, str] | None" = None) -> str:
@@ -66,6 +73,29 @@ def ask_path(directory: str, pid: int) -> str:
 
 def answers_path(directory: str, pid: int) -> str:
     return os.path.join(directory, f"{pid}.answers")
+
+
+def requests_path(directory: str, pid: int, n: int) -> str:
+    return os.path.join(directory, f"{pid}.requests.{n}")
+
+
+def record_setting(max_age: float, max_bytes: int) -> str:
+    """``RECORD_ENV``'s value for these bounds."""
+    return f"{max_age:g}:{max_bytes}"
+
+
+def parse_record_setting(value: str | None) -> tuple[float, int] | None:
+    """``RECORD_ENV``'s bounds (seconds, bytes); None when unset or not two positive numbers."""
+    if not value:
+        return None
+    try:
+        age, size = value.split(":")
+        max_age, max_bytes = float(age), int(size)
+    except ValueError:
+        return None
+    if not (0 < max_age < float("inf") and max_bytes > 0):
+        return None
+    return max_age, max_bytes
 
 
 def check_private_dir(path: str) -> str | None:

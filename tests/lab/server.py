@@ -18,9 +18,12 @@ A watchdog ``command:`` restart relaunches it with ``relaunch_argv(workdir)`` (`
 
 from __future__ import annotations
 
+import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import mlxwatch
 
 from mlxwatch._lab.server import INJECT_DIR
 from mlxwatch._lab.server import LabServer as DemoLabServer
@@ -75,4 +78,7 @@ class LabServer(DemoLabServer):
         if self._load_delay > 0:
             env.update(PYTHONPATH=str(DELAY_INJECT_DIR), MLXWATCH_LAB_LOAD_DELAY=str(self._load_delay),
                        MLXWATCH_LAB_NEXT_SITECUSTOMIZE=str(INJECT_DIR / "sitecustomize.py"))
+        if self.shim is not None:  # `python -m mlxwatch launch` runs the mlxwatch under test (a worktree's,
+            # not whichever the venv has installed), and so loads that one's shim; last, after the fault hook
+            env["PYTHONPATH"] = os.pathsep.join([env["PYTHONPATH"], str(Path(mlxwatch.__file__).resolve().parent.parent)])
         return env

@@ -31,7 +31,8 @@ def _same_dir(entry: str) -> bool:
 def _restore_environment() -> dict:
     """The shim's settings, taken out of os.environ; PYTHONPATH without this directory."""
     settings = {}
-    for key in ("MLXWATCH_SHIM", "MLXWATCH_SHIM_NAME", "MLXWATCH_SHIM_EXIT_ON_THREAD_DEATH", "MLXWATCH_SHIM_BOOT"):
+    for key in ("MLXWATCH_SHIM", "MLXWATCH_SHIM_NAME", "MLXWATCH_SHIM_EXIT_ON_THREAD_DEATH", "MLXWATCH_SHIM_BOOT",
+                "MLXWATCH_SHIM_RECORD"):
         if key in os.environ:
             settings[key] = os.environ.pop(key)
     if "MLXWATCH_RUNTIME_DIR" in os.environ:  # kept: the server's children may want it; read, not popped
