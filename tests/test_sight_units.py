@@ -176,9 +176,11 @@ async def test_the_look_again_counts_an_answer_that_lands_while_its_probe_waits(
 async def test_recovery_is_verified_by_answers_to_clients_while_the_probe_still_fails(tmp_path):
     """Measured: `not_recovered` ("not healthy 600s after the restart") while 6 requests were
     answered, then a second restart killed 3 more. Answers to clients after the restart verify
-    it, as a probe's would."""
+    it, as a probe's would, and at once: the recovery's probe stops waiting at the first
+    (measured: recovered 30 s after the restart, the probe's first-token timeout, while the
+    answers flowed from its first second)."""
     server, kernel = StandIn(), KernelAnswers()
-    probe = ProbeConfig(interval=1.0, suspect_interval=0.4, first_token_timeout=5.0, timeout=10.0,
+    probe = ProbeConfig(interval=1.0, suspect_interval=0.4, first_token_timeout=30.0, timeout=60.0,
                         quiet_window=1.0, endpoint_timeout=0.5, startup_timeout=8.0)
     daemon, journal, state = _daemon(tmp_path, probe, server, kernel, RESTART, restart_fn=_restarted)
     seen: dict[str, float] = {}
@@ -197,6 +199,8 @@ async def test_recovery_is_verified_by_answers_to_clients_while_the_probe_still_
     assert "recovered" in events and "not_recovered" not in events, events
     recovered = next(r for r in journal.records() if r["event"] == "recovered")
     assert "answer(s) to clients completed" in recovered["how"], recovered
+    restart = next(r for r in journal.records() if r["event"] == "restart")
+    assert recovered["ts"] - restart["ts"] < 15.0, (restart["ts"], recovered["ts"])  # not the probe's 30 s
 
 
 async def test_status_shows_what_kernel_sight_sees(tmp_path):

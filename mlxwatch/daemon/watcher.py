@@ -276,10 +276,11 @@ class InstanceWatcher:
         except TimeoutError:
             pass
 
-    async def probe(self) -> CheckReport:
+    async def probe(self, delivered_since: float | None = None) -> CheckReport:
         """One check. While it waits for its first token the evidence is looked at every
         ``LOOK_EVERY`` s (``_cut_reason``): nothing flowing to anyone for ``probe.quiet_window``
-        ends the wait early, as a failure. A failed probe's stream is read on until the server
+        ends the wait early, as a failure; so does, with ``delivered_since`` (a recovery's
+        wait), a delivery to any client since then: the caller has its answer. A failed probe's stream is read on until the server
         ends it or ``probe.timeout`` after it was sent, and longer while the server shows
         progress or delivery (``_hold_streams``): the server serves that reply anyway (mlx-lm
         notices a closed stream only when it writes), and a token on it is a delivery. A healthy
@@ -303,6 +304,8 @@ class InstanceWatcher:
                 if check.done() or cut.done():
                     continue
                 reason = await self._cut_reason(self.probe_sent)
+                if not reason and delivered_since is not None and (await self._look(delivered_since)).delivered:
+                    reason = "a client was delivered to meanwhile"
                 if reason and not cut.done():
                     self.cut = True
                     cut.set_result(reason)
@@ -891,7 +894,10 @@ class InstanceWatcher:
         since = self.shared.clock.monotonic()
         while not self.stop.is_set() and loop.time() < deadline:
             self.promise(min(RECOVERY_PROBE_EVERY, self.inst.probe.interval))
-            report = await self.probe()
+            # the probe's wait ends at a delivery to anyone: the recovery is then known (measured:
+            # answers flowed from 1 s after the restart, and recovery waited out the probe's
+            # first-token timeout, 30 s)
+            report = await self.probe(delivered_since=since)
             self.shared.state.update(self.name, quiet=True, last_probe=_probe_summary(report, self.shared.clock.wall()))
             if report.healthy:
                 self.delivered_at = _first_token_at(report, self.shared.clock.monotonic())
