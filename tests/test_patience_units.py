@@ -396,3 +396,27 @@ def test_prompts_read_together_are_timed_by_all_their_tokens(tmp_path):
                 fh.write(f"2026-12-07 {stamp} - INFO - Prompt processing progress: {min(x, y)}/{y}\n")
     (first, *_) = looks.observe(None).detail["log"]["token_seconds"]
     assert abs(first - 87.0 / (3590 - 2048 + 2 * 2048)) < 1e-4  # the step read the other two prompts' chunks too
+
+
+def test_prompts_read_together_owe_their_next_line_after_a_chunk_of_each(tmp_path):
+    """Three prompts announced by one step (their lines logged together) are read a chunk each
+    in the next: the next line is due after three chunks' time, not one (one chunk of 25 s
+    would have called a verdict in the middle of a 75 s step)."""
+    from lab.evidence import LogLooks
+    from mlxwatch.evidence.log import ProgressTracker
+
+    log = tmp_path / "server.log"
+    log.write_text("")
+    looks = LogLooks(ProgressTracker(log))
+    looks.prime()
+    with log.open("a") as fh:
+        fh.write("2026-12-07 05:20:00,000 - INFO - Prompt processing progress: 2048/9000\n")  # left mid-read
+        for y in (3590, 3608, 3600):
+            fh.write(f"2026-12-07 05:21:24,549 - INFO - Prompt processing progress: 2048/{y}\n")
+    detail = looks.observe(None).detail
+    assert detail["log"]["together"] == [3590, 3600, 3608]
+    cadence = _learned(25.0)
+    chunk = cadence.speed.chunk_time()[0]
+    pace = cadence.judge(looks.t, None, detail)
+    assert pace.due is not None and abs(pace.due - looks.t - (1542 + 1560 + 1552) / 2048 * chunk) < 1e-6
+    assert pace.owes == "reading 3 prompts, a chunk of each a step"

@@ -25,7 +25,9 @@ What the server owes decides which pace applies (``judge``), never longer than `
 
 - **a prompt being read** (announced ``X/Y`` with X < Y, or a request that got nothing yet and
   arrived after the last sign): the next sign (a chunk logged, a keepalive, a token) is due
-  within one chunk's bound of the last one. Where no sign can show between chunks (no log
+  within one chunk's bound of the last one; prompts the last batch step read together (the
+  log's ``together``) are read a chunk each in the next, so their next line is due after all
+  those tokens (the log times a chunk by every prompt's tokens read meanwhile). Where no sign can show between chunks (no log
   followed, a non-streamed request), the whole prompt's reading is allowed from its arrival. A
   chunk that runs late while the server computes (its process's CPU, or on a Mac the GPU:
   ``mlxwatch.evidence.gpu``) gets one more chunk's time, no more: a livelock computes too;
@@ -279,10 +281,16 @@ class Cadence:
         dues: list[tuple[float, str]] = []
 
         # Prompts the log announced and has not finished (X < Y): their next chunk is due.
+        # mlx-lm reads a chunk of each of them in one batch step (``together``: those the latest
+        # step read), and logs them all at its end: the next line is due after all their tokens.
         open_prompts = sorted((log.get("open") or {}).items())
-        for y, (x, at) in open_prompts:
-            dues.append((max(at, last_sign) + self._wait(self.speed.read_time(min(self.speed.chunk_tokens, y - x))),
-                         f"reading a {y:,}-token prompt ({x:,} read)"))
+        together = [(y, xa) for y, xa in open_prompts if y in set(log.get("together") or ())]
+        for group in ([together] if together else [[p] for p in open_prompts]):
+            tokens = sum(min(self.speed.chunk_tokens, y - x) for y, (x, _) in group)
+            y, (x, at) = max(group, key=lambda p: p[1][1])
+            what = (f"reading a {y:,}-token prompt ({x:,} read)" if len(group) == 1
+                    else f"reading {len(group)} prompts, a chunk of each a step")
+            dues.append((max(at, last_sign) + self._wait(self.speed.read_time(tokens)), what))
         # Streams that got nothing yet. With the log followed, a stream whose prompt the log
         # shows (matched by size: its request's bytes against the prompt's tokens) is announced
         # there: being read (above), or read, and then it owes a token (``_overdue``). The

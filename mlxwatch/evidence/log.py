@@ -40,6 +40,7 @@ OPEN_KEPT = 100  # prompts being read, at most (a prompt abandoned mid-read is n
 # tokens two lines of one prompt must be apart to time its reading: less is mostly a step's fixed
 # cost (measured: 0.32 logs 3006/3007 then 3007/3007 6 ms later, 6 ms "a token")
 MIN_SAMPLE_TOKENS = 256
+STEP_SPREAD = 1.0  # seconds: lines of one batch step are logged this close together (measured: within 3 ms)
 
 
 @dataclass
@@ -130,6 +131,20 @@ class LogSource:
             self.reading_mark.pop(y := next(iter(self.reading)), None)
             self.reading.pop(y)
 
+    def _read_together(self) -> list[int]:
+        """The open prompts (their Ys) the latest batch step read: their lines were logged
+        within ``STEP_SPREAD`` of the newest (or, unstamped, read in the same poll). The next
+        step reads a chunk of each of them, so their next sign is due after all those tokens;
+        a prompt left mid-read (its client gone) is not among them."""
+        if not self.reading:
+            return []
+        stamps = {y: mark[0] for y, mark in self.reading_mark.items() if mark[0] is not None and y in self.reading}
+        if stamps:
+            newest = max(stamps.values())
+            return sorted(y for y, stamp in stamps.items() if newest - stamp <= STEP_SPREAD)
+        newest_at = max(at for _, at in self.reading.values())
+        return sorted(y for y, (_, at) in self.reading.items() if at == newest_at)
+
     def follow(self, log: Path) -> bool:
         """Follow ``log`` from its end from now on (a launchd job's log, named later); False
         when it is followed already. Blocking I/O: call it from a thread."""
@@ -171,6 +186,7 @@ class LogSource:
         last = self.advances[-1][0] if self.advances else None
         samples, self.token_seconds = self.token_seconds, []
         detail = {"log": {"followed": self.tracker.follower is not None, "open": dict(self.reading),
+                          "together": self._read_together(),
                           "completed": list(self.completed), "token_seconds": samples}}
         return Evidence(progress=tuple(progress), notes=tuple(notes), last_flow=last, detail=detail)
 
