@@ -112,8 +112,7 @@ def test_speed_is_learned_from_probes_log_and_keepalives_and_kept_as_json():
     assert "probes" in cadence.speed.chunk_time()[1]
     cadence.judge(1.0, None, {"log": {"token_seconds": [25.0 / 2048]}})
     assert cadence.speed.chunk is not None and abs(cadence.speed.chunk.mean - 25.0) < 1e-6
-    cadence.judge(2.0, None, {"kernel": {"last_keepalive": 100.0}})
-    cadence.judge(3.0, None, {"kernel": {"last_keepalive": 124.0}})  # two keepalives, no token between
+    cadence.judge(3.0, None, {"kernel": {"keepalive_gaps": [24.0]}})  # two keepalives on a stream, no token between
     assert cadence.speed.chunk.samples == 2
     kept = Speed.from_dict(json.loads(json.dumps(cadence.speed.to_dict())))
     assert kept.chunk is not None and kept.chunk.samples == 2 and kept.chunk_time() == cadence.speed.chunk_time()
@@ -420,3 +419,21 @@ def test_prompts_read_together_owe_their_next_line_after_a_chunk_of_each(tmp_pat
     pace = cadence.judge(looks.t, None, detail)
     assert pace.due is not None and abs(pace.due - looks.t - (1542 + 1560 + 1552) / 2048 * chunk) < 1e-6
     assert pace.owes == "reading 3 prompts, a chunk of each a step"
+
+
+def test_keepalives_of_two_streams_are_no_chunk():
+    """Measured (bench.patience, hangs mid-prefill): a hung prompt's last keepalive, a restart,
+    and the next prompt's first keepalive three minutes later were taken for one chunk: 184 s
+    "a chunk" learned, and the next hang waited that long. Only two keepalives on one stream
+    time a chunk."""
+    from test_evidence import conn, looks, source
+
+    hung, nxt = 5000, 5001
+    src = source([conn(hung, 0, 0)], [conn(hung, 248, 1)], [conn(hung, 248 + 23, 2)],  # head, a keepalive
+                 [conn(nxt, 0, 0)], [conn(nxt, 248, 1)], [conn(nxt, 248 + 23, 2)],  # another stream, later
+                 [conn(nxt, 248 + 46, 3)])  # ... its second keepalive
+    got = looks(src, 1.0, 2.0, 3.0, 180.0, 181.0, 182.0, 206.0)
+    assert got.detail["kernel"]["keepalive_gaps"] == [24.0]
+    cadence = Cadence()
+    cadence.judge(206.0, None, got.detail)
+    assert cadence.speed.chunk is not None and cadence.speed.chunk.mean == 24.0

@@ -204,7 +204,6 @@ class Cadence:
     quiet_window: float = 8.0  # probe.quiet_window: the least patience
     grace_ceiling: float = 600.0  # probe.grace_ceiling: the most
     changed: bool = False  # the speed changed since the watcher last saved it
-    last_keepalive: float | None = None
     owing_since: float | None = None  # monotonic: requests have been owed a first token since (one episode)
     owed_none_since: float | None = None  # ... and none was owed since then
     last_token: float | None = None
@@ -250,12 +249,10 @@ class Cadence:
         for per_token in (detail.get("log") or {}).get("token_seconds", ()):
             self.chunk_seen(per_token * self.speed.chunk_tokens)
         kernel = detail.get("kernel") or {}
-        keepalive, token = kernel.get("last_keepalive"), kernel.get("last_token")
-        if isinstance(keepalive, (int, float)) and keepalive != self.last_keepalive:
-            # Two keepalives with no token between: one chunk of a prompt being read.
-            if self.last_keepalive is not None and (token is None or token < self.last_keepalive):
-                self.chunk_seen(keepalive - self.last_keepalive)
-            self.last_keepalive = keepalive
+        for gap in kernel.get("keepalive_gaps") or ():  # two keepalives on one stream, no token between: a chunk
+            if isinstance(gap, (int, float)):
+                self.chunk_seen(gap)
+        token = kernel.get("last_token")
         if isinstance(token, (int, float)):
             self.last_token = token
 

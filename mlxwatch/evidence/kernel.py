@@ -81,6 +81,7 @@ class _Conn:
     unsent: int = 0  # written, not yet taken by the client: it reads slowly
     headed_at: float | None = None  # when the answer's first bytes were seen
     token_at: float | None = None  # when tokens were last seen written to it (its prompt was read)
+    keepalive_at: float | None = None  # when a keepalive was last seen written to it
     old_server: bool = False  # seen before the server's PID changed (a restart): its close is no answer
 
 
@@ -103,6 +104,11 @@ class KernelSource:
     name: str = "kernel"
     conns: dict[tuple, _Conn] = field(default_factory=dict)
     flows: deque[_Flow] = field(default_factory=lambda: deque(maxlen=KEPT_EVENTS))
+    # the time between two keepalives on one stream with no token between (a chunk of its
+    # prompt read), for the cadence: each given once. One stream's only: across two streams
+    # (a hung prompt's last keepalive, a restart, the next prompt's first) the gap is no
+    # chunk (measured: 184 s learned "a chunk" after two trials of a hang mid-prefill)
+    keepalive_gaps: list[float] = field(default_factory=list)
     last_reading: Reading | None = None
     cpu: tuple[float, float] | None = None  # (time.monotonic(), the server's CPU seconds) at the last reading
     cpu_busy: float | None = None  # share of a core used between the last two readings
@@ -196,6 +202,10 @@ class KernelSource:
         self.flows.append(flow)
         if flow.kind == "tokens":
             conn.token_at = at
+        elif flow.kind == "keepalive":
+            if conn.keepalive_at is not None and (conn.token_at is None or conn.token_at < conn.keepalive_at):
+                self.keepalive_gaps.append(at - conn.keepalive_at)
+            conn.keepalive_at = at
         conn.phase = STREAM  # more after an answer that seemed whole: it was a stream after all
 
     def _closed(self, conn: _Conn, remnant: Connection, at: float) -> None:
@@ -260,7 +270,9 @@ class KernelSource:
         last = {kind: next((f.at for f in reversed(self.flows) if f.kind == kind), None)
                 for kind in ("keepalive", "tokens", "answer")}
         tokens = [t for t in (last["tokens"], last["answer"]) if t is not None]
-        return {"owed": owed, "last_keepalive": last["keepalive"], "last_token": max(tokens) if tokens else None}
+        gaps, self.keepalive_gaps = self.keepalive_gaps, []
+        return {"owed": owed, "last_keepalive": last["keepalive"], "keepalive_gaps": gaps,
+                "last_token": max(tokens) if tokens else None}
 
     def answer(self, window: Window) -> Evidence:
         reading = self.last_reading
