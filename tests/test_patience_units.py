@@ -437,3 +437,29 @@ def test_keepalives_of_two_streams_are_no_chunk():
     cadence = Cadence()
     cadence.judge(206.0, None, got.detail)
     assert cadence.speed.chunk is not None and cadence.speed.chunk.mean == 24.0
+
+
+def test_a_prompt_is_never_timed_across_a_server_restart(tmp_path):
+    """A prompt hung mid-read, the server restarted, and the next prompt of its size (the same
+    request sent again) is read: its first line is no chunk after the hung one's (minutes
+    apart), however much else was read between them, and the hung prompt is no longer open."""
+    from lab.evidence import LogLooks
+    from mlxwatch.evidence.log import ProgressTracker
+
+    log = tmp_path / "server.log"
+    log.write_text("")
+    looks = LogLooks(ProgressTracker(log))
+    looks.prime()
+    with log.open("a") as fh:
+        fh.write("2026-12-07 05:20:00,000 - INFO - Prompt processing progress: 2048/3608\n")
+    assert looks.observe(None).detail["log"]["open"].keys() == {3608}
+    with log.open("a") as fh:
+        fh.write("2026-12-07 05:23:00,000 - INFO - Starting httpd at 127.0.0.1 on port 8080...\n"
+                 "2026-12-07 05:23:10,000 - INFO - Prompt processing progress: 900/900\n"
+                 "2026-12-07 05:23:30,000 - INFO - Prompt processing progress: 2048/3608\n")
+    detail = looks.observe(None).detail["log"]
+    assert detail["token_seconds"] == [] and list(detail["open"]) == [3608]
+    with log.open("a") as fh:  # the same size again, in the same process: a new request, no chunk
+        fh.write("2026-12-07 05:23:40,000 - INFO - Prompt processing progress: 700/700\n"
+                 "2026-12-07 05:24:30,000 - INFO - Prompt processing progress: 2048/3608\n")
+    assert looks.observe(None).detail["log"]["token_seconds"] == []

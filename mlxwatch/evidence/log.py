@@ -31,7 +31,7 @@ from typing import Callable
 from mlxwatch.evidence import Evidence, Seeing, Window
 from mlxwatch.probes import CheckReport
 from mlxwatch.serverlog.follow import LogFollower
-from mlxwatch.serverlog.markers import logged_advances
+from mlxwatch.serverlog.markers import SERVER_START, logged_advances
 
 POLL = 1.0  # seconds between reads while a probe waits
 POLL_HEALTHY = 2.0  # ... otherwise: a chunk's time is measured from these reads
@@ -52,6 +52,7 @@ class ProgressTracker:
     follower: LogFollower | None = field(init=False, default=None)
     last_x: dict[int, int] = field(default_factory=dict)  # prompt total Y -> highest X seen
     probe_totals: set[int] = field(default_factory=set)
+    server_started: bool = False  # the last read saw a server start: the prompts being read before are gone
 
     def __post_init__(self) -> None:
         self.follower = LogFollower(self.log, writer_pid=self.writer_pid) if self.log else None
@@ -75,6 +76,7 @@ class ProgressTracker:
         if chunk.skipped_bytes:
             notes.append(f"log grew by {chunk.skipped_bytes} bytes more than one read takes; read its newest part")
         out, self.last_x = logged_advances(chunk.lines, self.last_x, self.probe_totals)
+        self.server_started = any(SERVER_START in line for line in chunk.lines)
         if len(self.last_x) > 1000:  # bounded memory over weeks of distinct prompts
             self.last_x = dict(list(self.last_x.items())[-100:])
         return out, notes
@@ -116,7 +118,7 @@ class LogSource:
             self.read_total += x - (before[0] if before is not None else 0)
             stamped, total = self.reading_mark.pop(y, (None, self.read_total))
             read = self.read_total - total
-            if before is not None and read >= MIN_SAMPLE_TOKENS:
+            if before is not None and x > before[0] and read >= MIN_SAMPLE_TOKENS:  # not a new one of its size
                 if logged is not None and stamped is not None:
                     if logged > stamped:
                         self.token_seconds.append((logged - stamped) / read)
@@ -174,6 +176,9 @@ class LogSource:
                 self.read_at = window.end
                 notes += read_notes
                 self.advances.extend((window.end, x, y) for x, y, _ in advanced)
+                if self.tracker.server_started:  # a new process: no prompt is read across it
+                    self.reading.clear()
+                    self.reading_mark.clear()
                 self._pace(window.end, advanced)
         inside = [(x, y) for at, x, y in self.advances if window.start < at <= window.end]
         progress = []
