@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import errno
 import socket
+import struct
 import subprocess
 import sys
 import time
+import unittest.mock
 
 import pytest
 
@@ -345,3 +348,44 @@ def test_a_dump_walks_ipv6_connections_only_where_a_listener_may_have_them():
     finally:
         v4.close()
         v6.close()
+
+
+class _Datagrams:
+    """A netlink socket that answers with the given datagrams."""
+
+    def __init__(self, *datagrams: bytes) -> None:
+        self.datagrams = list(datagrams)
+
+    def recvmsg_into(self, buffers):
+        data = self.datagrams.pop(0)
+        buffers[0][:len(data)] = data
+        return len(data), [], 0, None
+
+
+def _nlmsg(kind: int, body: bytes, seq: int = 1) -> bytes:
+    return struct.pack("=IHHII", 16 + len(body), kind, 0, seq, 0) + body + b"\0" * (-len(body) % 4)
+
+
+def test_a_refused_or_malformed_answer_is_an_error_not_a_traceback():
+    """The kernel's refusal (an NLMSG_ERROR) and an answer that does not parse are errors the
+    reading reports ("sock_diag unavailable: ..."), never a traceback; a socket on no watched
+    port is skipped, a well-formed one read."""
+    buf = bytearray(sockdiag.RECV_BYTES)
+    refused = _Datagrams(_nlmsg(sockdiag.NLMSG_ERROR, struct.pack("=i", -errno.EPERM) + b"\0" * 16))
+    with pytest.raises(PermissionError):
+        list(sockdiag._answers(refused, buf, 1, frozenset({8080}), None))  # type: ignore[arg-type]
+    truncated = _Datagrams(struct.pack("=IHHII", 400, sockdiag.SOCK_DIAG_BY_FAMILY, 0, 1, 0) + b"\0" * 8)
+    with pytest.raises(OSError):
+        list(sockdiag._answers(truncated, buf, 1, frozenset({8080}), None))  # type: ignore[arg-type]
+    msg = (struct.pack("=BBBB", socket.AF_INET, 1, 0, 0) + struct.pack("!HH", 8080, 40000)
+           + socket.inet_aton("127.0.0.1") + b"\0" * 12 + socket.inet_aton("127.0.0.2") + b"\0" * 12
+           + struct.pack("=IQIIIII", 0, 77, 0, 0, 5, 0, 123))
+    other = msg[:4] + struct.pack("!HH", 9090, 40001) + msg[8:]
+    answers = _Datagrams(_nlmsg(sockdiag.SOCK_DIAG_BY_FAMILY, other) + _nlmsg(sockdiag.SOCK_DIAG_BY_FAMILY, msg)
+                         + _nlmsg(sockdiag.NLMSG_DONE, b"\0" * 4))
+    [got] = sockdiag._answers(answers, buf, 1, frozenset({8080}), None)  # type: ignore[arg-type]
+    assert (got.sport, got.dport, got.src, got.dst, got.cookie, got.wqueue, got.inode, got.info) == \
+        (8080, 40000, "127.0.0.1", "127.0.0.2", 77, 5, 123, {})
+    with unittest.mock.patch.object(sockdiag, "dump", side_effect=PermissionError(errno.EPERM, "refused")):
+        reading = LinuxReader()([8080])
+    assert reading.error == "sock_diag unavailable: PermissionError: [Errno 1] refused" and not reading.connections

@@ -24,6 +24,7 @@ own tokens. Every function blocks: call it from a thread.
 from __future__ import annotations
 
 import os
+import struct
 import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -89,7 +90,8 @@ class LinuxReader:
         states = _LIVE_STATES | (1 << _STATE_NUMBERS["TIME_WAIT"] if self.tracked else 0)
         try:
             found = sockdiag.dump(wanted, states, sockdiag.families_served(wanted), remnants_of=self.tracked)
-        except OSError as exc:  # netlink refused, no sock_diag (a container): said, not raised
+        # netlink refused, no sock_diag (a container), an answer that cannot be parsed: said, not raised
+        except (OSError, ValueError, struct.error) as exc:
             return Reading(at, error=f"sock_diag unavailable: {type(exc).__name__}: {exc}")
         client_ends = {(m.src, m.sport): m.inode for m in found
                        if m.dport in wanted and m.inode}  # a client end on this machine: whose is it?
