@@ -21,6 +21,7 @@ from bench.scale import run_one
 SIZES = (10, 100, 300)
 INTERVAL = 30.0
 GOAL_CPU = 1.0  # % of one core at 10 @ 30 s
+GOAL_RSS_MB = 60.0  # the daemon's RSS at 300 instances (bench/RESULTS.md, "Targets")
 SECTION = "## Kernel sight's cost"
 
 
@@ -42,6 +43,16 @@ def section(data: dict[str, Any]) -> str:
     ten = _ten(data)
     lines += ["", f"Goal: at most {GOAL_CPU:g} % of a core at 10 @ {INTERVAL:g} s with kernel sight: "
               f"{ten['daemon_cpu_pct']:.2f} %, {'met' if ten['daemon_cpu_pct'] <= GOAL_CPU else '**missed**'}."]
+    by = {(r["instances"], r["kernel"]): r for r in data["runs"]}
+    added = [f"{n}: {by[n, 'auto']['daemon_cpu_pct'] - by[n, 'off']['daemon_cpu_pct']:+.2f} points"
+             for n in SIZES if (n, "auto") in by and (n, "off") in by]
+    if added:
+        lines += ["", "What kernel sight adds to the daemon's CPU (with it, less without it, % of a core) at "
+                  + ", ".join(added) + "."]
+    big = by.get((max(SIZES), "auto"))
+    if big is not None:
+        lines += ["", f"RSS at {max(SIZES)} with kernel sight: {big['rss_mb_max']} MB (the scale target: at most "
+                  f"{GOAL_RSS_MB:g} MB), {'met' if big['rss_mb_max'] <= GOAL_RSS_MB else '**missed**'}."]
     return "\n".join(lines) + "\n"
 
 

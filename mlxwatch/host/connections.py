@@ -5,6 +5,7 @@ shared by the Linux reader (``mlxwatch.host.sockets``) and the macOS one
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any, Collection, Protocol
 
 
@@ -40,7 +41,15 @@ class Reading:
     error: str | None = None  # why nothing could be read (no sock_diag, no nettop, refused)
 
     def on(self, port: int) -> tuple[Connection, ...]:
-        return tuple(c for c in self.connections if c.port == port)
+        return self._by_port.get(port, ())
+
+    @cached_property
+    def _by_port(self) -> dict[int, tuple[Connection, ...]]:
+        """The connections by port, sorted once: every instance asks a shared dump for its own."""
+        out: dict[int, list[Connection]] = {}
+        for c in self.connections:
+            out.setdefault(c.port, []).append(c)
+        return {port: tuple(conns) for port, conns in out.items()}
 
 
 class Reader(Protocol):

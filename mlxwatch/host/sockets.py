@@ -5,13 +5,14 @@ the ``send(2)`` its HTTP server uses; but the kernel keeps, for every TCP connec
 bytes it sent and when it last did. That is "bytes left the server for a client, and when", for
 every client, with no change to the server or its clients:
 
-- **Linux**: sock_diag over netlink (``NETLINK_SOCK_DIAG``, what ``ss -tin`` prints) through
-  pyroute2's ``DiagSocket``: ``tcpi_bytes_sent``, ``tcpi_bytes_received``,
+- **Linux**: sock_diag over netlink (``NETLINK_SOCK_DIAG``, what ``ss -tin`` prints), read with
+  the standard library (``mlxwatch.host.sockdiag``): ``tcpi_bytes_sent``, ``tcpi_bytes_received``,
   ``tcpi_data_segs_out``, ``tcpi_notsent_bytes`` (written by the server, not yet taken by a
-  slow client) and ``tcpi_last_data_sent`` per socket, and the TIME_WAIT remnant of each
-  connection the server closed first (no counts). Any user may dump every socket's TCP info; one dump serves
-  every instance (``KernelCounters`` caches it for ``MAX_AGE``), so the cost does not grow with
-  the number of instances watched, only with the number of sockets on the machine.
+  slow client) and ``tcpi_last_data_sent`` per socket, and the TIME_WAIT remnant (no counts)
+  of each connection it saw open that the server closed first. Any user may dump every socket's
+  TCP info; one dump serves every instance (``KernelCounters`` caches it for ``MAX_AGE``), so
+  there are at most a few dumps a second however many instances are watched; a dump costs the
+  kernel's walk of its connection table and the parsing of the watched ports' sockets.
 - **macOS**: ``nettop`` in logging mode lists each TCP connection of a process with its bytes in
   and out, also without root (``mlxwatch.host.nettop``).
 
@@ -23,7 +24,7 @@ own tokens. Every function blocks: call it from a thread.
 from __future__ import annotations
 
 import os
-import socket
+import struct
 import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -31,6 +32,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Collection
 
+from mlxwatch.host import sockdiag
 from mlxwatch.host.connections import Connection, Reader, Reading  # defined there, for nettop too
 from mlxwatch.host.nettop import NettopReader
 from mlxwatch.host.ownconns import OWN, OwnConnections
@@ -45,7 +47,7 @@ MAX_AGE = 0.5  # seconds a dump serves every instance that asks for it
 # counted as open streams, they made false stalls), and it leaves no remnant on the server's side.
 _STATES = ("ESTABLISHED", "FIN_WAIT1", "FIN_WAIT2", "CLOSING", "TIME_WAIT")
 _STATE_NUMBERS = {"ESTABLISHED": 1, "FIN_WAIT1": 4, "FIN_WAIT2": 5, "TIME_WAIT": 6, "CLOSING": 11}
-_INET_DIAG_INFO = 2
+_LIVE_STATES = sum(1 << _STATE_NUMBERS[s] for s in _STATES if s != "TIME_WAIT")
 
 
 def _own_socket_inodes() -> set[int]:
@@ -66,17 +68,24 @@ def _own_socket_inodes() -> set[int]:
 
 
 class LinuxReader:
-    """sock_diag dumps through pyroute2. Each reading opens, dumps and closes its own netlink
-    socket, in the thread that reads: pyroute2 0.9 runs an event loop of its own per socket,
-    which must not be shared across the daemon's worker threads (measured: 2.9 ms a reading,
-    against 1.4 ms with a socket kept open).
+    """sock_diag dumps (``mlxwatch.host.sockdiag``). Each reading opens, dumps and closes its own
+    netlink socket, in the thread that reads.
 
     A connection is the daemon's own when its client end was registered by whoever opened it
     (``host.ownconns``), or is a socket this process holds after the dump (what registers
-    nothing: a client of a library's own)."""
+    nothing: a client of a library's own).
+
+    TIME_WAIT remnants are read only for the connections an earlier reading saw open (``tracked``:
+    not the daemon's own): a remnant is only ever read against the connection it ends
+    (``KernelSource._closed``), and the daemon's own probes leave one each for a minute
+    (measured at 300 instances @ 30 s: about 1,800 in every dump; parsing them all made a third
+    of a core of the daemon's CPU). Not thread-safe: one reading at a time (``KernelCounters``
+    holds its lock)."""
 
     def __init__(self, registered: OwnConnections = OWN) -> None:
         self.registered = registered
+        # cookies of others' connections seen open, kept while the kernel still shows them
+        self.tracked: set[int] = set()
 
     def close(self) -> None:
         return None
@@ -84,49 +93,39 @@ class LinuxReader:
     def __call__(self, ports: Collection[int]) -> Reading:
         at = time.monotonic()
         wanted = set(ports)
-        states = sum(1 << _STATE_NUMBERS[s] for s in _STATES)
+        states = _LIVE_STATES | (1 << _STATE_NUMBERS["TIME_WAIT"] if self.tracked else 0)
         try:
-            from pyroute2 import DiagSocket  # only on Linux, only when first used
-
-            messages = []
-            with DiagSocket() as sock:
-                sock.bind()
-                for family in (socket.AF_INET, socket.AF_INET6):
-                    messages += sock.get_sock_stats(family=family, states=states,
-                                                    extensions=1 << (_INET_DIAG_INFO - 1))
-        except ImportError:
-            return Reading(at, error="pyroute2 is not installed (pip install pyroute2)")
-        except Exception as exc:  # netlink refused, no sock_diag (a container): said, not raised
+            found = sockdiag.dump(wanted, states, sockdiag.families_served(wanted), remnants_of=self.tracked)
+        # netlink refused, no sock_diag (a container), an answer that cannot be parsed: said, not raised
+        except (OSError, ValueError, struct.error) as exc:
             return Reading(at, error=f"sock_diag unavailable: {type(exc).__name__}: {exc}")
-        servers, client_ends = [], {}
-        for m in messages:
-            sport, dport = m["idiag_sport"], m["idiag_dport"]
-            if sport in wanted:
-                servers.append(m)
-            if dport in wanted and m["idiag_inode"]:  # a client end on this machine: whose is it?
-                client_ends[(m["idiag_src"], sport)] = m["idiag_inode"]
+        client_ends = {(m.src, m.sport): m.inode for m in found
+                       if m.dport in wanted and m.inode}  # a client end on this machine: whose is it?
         own = _own_socket_inodes() if client_ends else set()
-        out = []
-        for m in servers:
-            info = m.get_attr("INET_DIAG_INFO") or {}
-            client = (m["idiag_dst"], m["idiag_dport"])
-            last, acked = info.get("tcpi_last_data_sent"), info.get("tcpi_bytes_acked")
-            closed = m["idiag_state"] != _STATE_NUMBERS["ESTABLISHED"]
-            out.append(Connection(
-                port=m["idiag_sport"], client=client, key=("sock", m["idiag_cookie"]),
-                bytes_sent=int(info.get("tcpi_bytes_sent") or 0),
-                bytes_received=int(info.get("tcpi_bytes_received") or 0),
-                segments_out=info.get("tcpi_data_segs_out"),
-                idle_send=None if last is None else last / 1000.0,
-                own=client in self.registered or client_ends.get(client) in own,
-                unsent=int(info.get("tcpi_notsent_bytes") or 0),
-                closed=closed, counted=bool(info),
-                # acknowledged + queued (idiag_wqueue: write_seq - snd_una), less a FIN's one
-                # sequence number: tcpi_bytes_sent counts every retransmission again (measured: a
-                # client that stopped reading made it 47,616 bytes more than was written)
-                bytes_written=None if acked is None else int(acked) + int(m["idiag_wqueue"] or 0) - closed,
-            ))
+        out = [self._connection(m, own=(m.dst, m.dport) in self.registered or client_ends.get((m.dst, m.dport)) in own)
+               for m in found if m.sport in wanted]
+        self.tracked = {c.key[1] for c in out if not c.own and (not c.closed or c.key[1] in self.tracked)}
         return Reading(at, tuple(out))
+
+    @staticmethod
+    def _connection(m: sockdiag.DiagSocket, own: bool) -> Connection:
+        info = m.info
+        last, acked = info.get("tcpi_last_data_sent"), info.get("tcpi_bytes_acked")
+        closed = m.state != _STATE_NUMBERS["ESTABLISHED"]
+        return Connection(
+            port=m.sport, client=(m.dst, m.dport), key=("sock", m.cookie),
+            bytes_sent=int(info.get("tcpi_bytes_sent") or 0),
+            bytes_received=int(info.get("tcpi_bytes_received") or 0),
+            segments_out=info.get("tcpi_data_segs_out"),
+            idle_send=None if last is None else last / 1000.0,
+            own=own,
+            unsent=int(info.get("tcpi_notsent_bytes") or 0),
+            closed=closed, counted=bool(info),
+            # acknowledged + queued (idiag_wqueue: write_seq - snd_una), less a FIN's one
+            # sequence number: tcpi_bytes_sent counts every retransmission again (measured: a
+            # client that stopped reading made it 47,616 bytes more than was written)
+            bytes_written=None if acked is None else int(acked) + int(m.wqueue or 0) - closed,
+        )
 
 
 def unavailable(why: str) -> Reader:
