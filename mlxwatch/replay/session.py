@@ -176,7 +176,8 @@ async def _judge(door: FrontDoor, client: httpx.AsyncClient, url: str, opts: Rep
 
 
 async def _send(client: httpx.AsyncClient, base: str, req: StoredRequest) -> Answer:
-    headers = [(k, v) for k, v in req.headers if k.lower() not in NOT_SENT]
+    # As the door received them: its bytes decoded as Latin-1 (httpx would encode a str as ASCII).
+    headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in req.headers if k.lower() not in NOT_SENT]
     try:
         async with client.stream(req.method, base + req.target, headers=headers, content=req.body) as response:
             got = 0

@@ -1,0 +1,114 @@
+"""``mlxwatch replay`` of a hostile or damaged bundle (bundles travel: they are attached to
+upstream issues): whatever its ``requests/`` holds, the replay never blocks on a FIFO or a
+device, never sends a request anywhere but the server it was told, never sleeps for ever on a
+damaged offset, never drops a request silently; each is one line, exit 2."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from mlxwatch.capture.requests import INDEX, load_requests
+from mlxwatch.errors import BundleError
+from test_replay import _bundle, _cli
+
+
+def _edit(bundle: Path, n: int, **fields) -> None:
+    index = bundle / INDEX
+    entries = json.loads(index.read_text())
+    entries[n].update(fields)
+    index.write_text(json.dumps(entries))
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize("which", ["index", "body"])
+def test_a_fifo_in_place_of_a_file_is_refused_not_waited_on(tmp_path, capsys, which):
+    bundle = _bundle(tmp_path)
+    path = bundle / (INDEX if which == "index" else "requests/body-000002.bin")
+    path.unlink()
+    os.mkfifo(path)
+    code, out, err = _cli(["replay", str(bundle), "--to", "http://127.0.0.1:9"], capsys)
+    assert (code, out) == (2, "") and "not a regular file" in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize("which", ["index", "body", "dir"])
+def test_links_in_the_bundle_are_refused(tmp_path, which):
+    bundle = _bundle(tmp_path)
+    if which == "index":  # to an endless device: it was read to the end (memory without bound)
+        (bundle / INDEX).unlink()
+        (bundle / INDEX).symlink_to("/dev/zero")
+    elif which == "body":
+        elsewhere = tmp_path / "elsewhere.bin"
+        (bundle / "requests/body-000001.bin").rename(elsewhere)
+        (bundle / "requests/body-000001.bin").symlink_to(elsewhere)
+    else:
+        (bundle / "requests").rename(tmp_path / "requests-elsewhere")
+        (bundle / "requests").symlink_to(tmp_path / "requests-elsewhere")
+    with pytest.raises(BundleError, match="link"):
+        load_requests(bundle)
+
+
+@pytest.mark.parametrize("target", ["@127.0.0.2:9/v1/chat/completions", "http://127.0.0.2:9/v1/chat/completions",
+                                    "v1/chat/completions", "/v1/chat completions", "/v1/\r\nX-Evil: 1", ""])
+def test_a_target_that_is_not_a_path_is_refused(tmp_path, target):
+    """base + target must stay on the replay's door: ``@host`` made the URL's userinfo and sent
+    the request (its body: users' words) to another host, past the door and its judge."""
+    bundle = _bundle(tmp_path)
+    _edit(bundle, 0, target=target)
+    with pytest.raises(BundleError, match="request 1: target"):
+        load_requests(bundle)
+
+
+@pytest.mark.parametrize("method", ["GET X", "", "P\rOST", 5])
+def test_a_method_that_is_not_a_token_is_refused(tmp_path, method):
+    bundle = _bundle(tmp_path)
+    _edit(bundle, 0, method=method)
+    with pytest.raises(BundleError, match="request 1: method"):
+        load_requests(bundle)
+
+
+@pytest.mark.parametrize("headers", [[["X-A", "b\r\nX-Evil: 1"]], [["X A:", "b"]], [["X-A", "\u2603"]], [["", "b"]]])
+def test_a_header_that_cannot_be_sent_is_refused(tmp_path, headers):
+    bundle = _bundle(tmp_path)
+    _edit(bundle, 0, headers=headers)
+    with pytest.raises(BundleError, match="request 1: header"):
+        load_requests(bundle)
+
+
+def test_a_latin1_header_value_is_sent_as_its_bytes(tmp_path, standin, capsys):
+    """The door records a header's bytes decoded as Latin-1 (a client may send any byte above
+    0x7f); the replay sent it as ASCII: an internal error, exit 2, for a genuine bundle."""
+    urls, _, _ = standin()
+    bundle = _bundle(tmp_path)
+    _edit(bundle, 0, headers=[["Content-Type", "application/json"], ["X-Name", "caf\u00e9"]])
+    code, out, err = _cli(["replay", str(bundle), "--to", urls[0], "--speed", "10"], capsys)
+    assert code == 1, (out, err)
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize("t", [float("inf"), 1e300, -1.0, float("nan"), True])
+def test_an_offset_that_is_not_a_time_in_the_window_is_refused(tmp_path, t):
+    """A damaged ``t`` (inf, 1e300) made the replay sleep for ever."""
+    bundle = _bundle(tmp_path)
+    index = bundle / INDEX
+    entries = json.loads(index.read_text())
+    entries[1]["t"] = t
+    index.write_text(json.dumps(entries))  # Python writes inf and nan as Infinity and NaN, and reads them back
+    with pytest.raises(BundleError, match="request 2: t"):
+        load_requests(bundle)
+
+
+def test_a_repeated_seq_is_refused(tmp_path):
+    """Two requests with one seq: the replay counted them as one (3 of 4 sent), silently."""
+    bundle = _bundle(tmp_path)
+    _edit(bundle, 1, seq=1)
+    with pytest.raises(BundleError, match="request 2: seq 1 repeats"):
+        load_requests(bundle)
+
+
+def test_a_genuine_bundle_still_loads(tmp_path):
+    assert [r.seq for r in load_requests(_bundle(tmp_path))] == [1, 2, 3, 4]
