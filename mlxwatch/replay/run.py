@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import json
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -107,7 +108,22 @@ def _cwd(bundle: Path) -> str | None:
 
 
 async def start_server(plan: Plan, startup_timeout: float) -> LaunchedServer:
-    return await asyncio.to_thread(launch, list(plan.cmdline), cwd=plan.cwd, startup_timeout=startup_timeout)
+    """The recorded server, started and ready; cancelled (Ctrl-C), it is stopped before this
+    returns (the wait runs in a thread: told to give up, or it would wait out the start and
+    leave the server running)."""
+    cancel = threading.Event()
+    waiting = asyncio.ensure_future(asyncio.to_thread(launch, list(plan.cmdline), cwd=plan.cwd,
+                                                      startup_timeout=startup_timeout, cancel=cancel))
+    try:
+        return await asyncio.shield(waiting)
+    except asyncio.CancelledError:
+        cancel.set()
+        try:
+            server = await waiting  # LaunchCancelled: stopped; or ready just before: stop it here
+        except BaseException:  # cancelled either way: what matters is the server's end
+            raise asyncio.CancelledError() from None
+        await asyncio.to_thread(server.stop)
+        raise
 
 
 async def run_replay(plan: Plan, opts: ReplayOptions, out_dir: Path, *, startup_timeout: float,
