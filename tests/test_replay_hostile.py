@@ -112,3 +112,19 @@ def test_a_repeated_seq_is_refused(tmp_path):
 
 def test_a_genuine_bundle_still_loads(tmp_path):
     assert [r.seq for r in load_requests(_bundle(tmp_path))] == [1, 2, 3, 4]
+
+
+def test_the_front_door_the_clients_used_is_the_bundles_server_too(tmp_path, standin, capsys):
+    """The clients reached the server through its front door (their Host header names it): a
+    replay --to that door hangs the production server as surely as --to the server itself,
+    and was let through (the manifest names only the server's URL)."""
+    urls, _, _ = standin()
+    bundle = _bundle(tmp_path)  # came from http://127.0.0.1:9, through a door at urls[0]
+    door = urls[0].removeprefix("http://").replace("127.0.0.1", "localhost")
+    for n in range(4):
+        _edit(bundle, n, headers=[["Host", door], ["Content-Type", "application/json"]])
+    code, out, err = _cli(["replay", str(bundle), "--to", urls[0]], capsys)
+    assert (code, out) == (2, "") and "is where this bundle's clients reached the server" in err and "--allow-bundle-url" in err
+    assert len(err.strip().splitlines()) == 1
+    code, out, err = _cli(["replay", str(bundle), "--to", urls[0], "--allow-bundle-url", "--speed", "10"], capsys)
+    assert code == 1, (out, err)

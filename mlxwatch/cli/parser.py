@@ -195,7 +195,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="start a server from the bundle's recorded command line on a free loopback port "
                             "(this environment inherited), replay, stop it")
     rep.add_argument("--allow-bundle-url", action="store_true",
-                     help="allow --to to be the server the bundle came from (refused by default: it may hang it again)")
+                     help="allow --to to be the server the bundle came from, or the front door its clients used (refused by "
+                          "default: it may hang that server again)")
     rep.add_argument("--speed", type=_speed_arg, metavar="X",
                      help=f"replay X times as fast: the gaps between requests divided by X (default {_REPLAY.speed:g})")
     rep.add_argument("--repeat", type=_count_arg, metavar="N",

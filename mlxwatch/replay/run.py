@@ -88,14 +88,26 @@ def plan_replay(bundle: Path, *, to: str | None, launch: bool, allow_bundle_url:
     source_url = source_url if isinstance(source_url, str) else None
     cmdline = target.get("cmdline")
     cmdline = cmdline if isinstance(cmdline, list) else []
-    if to is not None and source_url and same_server(to, source_url) and not allow_bundle_url:
-        raise ReplayError(f"--to {to} is the server this bundle came from ({source_url}): a replay may hang it "
-                          "again; pass --allow-bundle-url if that is what you want")
+    if to is not None and not allow_bundle_url:
+        if source_url and same_server(to, source_url):
+            raise ReplayError(f"--to {to} is the server this bundle came from ({source_url}): a replay may hang it "
+                              "again; pass --allow-bundle-url if that is what you want")
+        door = next((h for h in _hosts(requests) if same_server(to, f"http://{h}")), None)
+        if door is not None:
+            raise ReplayError(f"--to {to} is where this bundle's clients reached the server (their Host: {door}, "
+                              "its front door): a replay may hang that server again; pass --allow-bundle-url if "
+                              "that is what you want")
     if launch and not cmdline:
         raise ReplayError(f"{bundle}: the bundle records no server command line (manifest target.cmdline); "
                           "give --to URL instead of --launch")
     return Plan(bundle, tuple(subset(requests) if subset else requests), to, tuple(str(a) for a in cmdline),
                 _cwd(bundle), source_url)
+
+
+def _hosts(requests: list[StoredRequest]) -> set[str]:
+    """Where the recorded clients sent their requests (their ``Host``): the server's front door
+    (the manifest names only the server's own URL), or the server itself."""
+    return {v.strip() for r in requests for k, v in r.headers if k.lower() == "host" and v.strip()}
 
 
 def _cwd(bundle: Path) -> str | None:
