@@ -281,10 +281,10 @@ def build_parser() -> argparse.ArgumentParser:
     launch.add_argument("--record", action="store_true",
                         help="keep the requests the server receives (exact bodies: users' words; off by default) "
                              "for bundles and `mlxwatch replay`, in the private runtime dir")
-    launch.add_argument("--record-max-age", type=_duration_arg, metavar="DURATION", default=front.record_max_age,
+    launch.add_argument("--record-max-age", type=_duration_arg, metavar="DURATION",
                         help=f"--record: keep the last DURATION of requests (default {d(front.record_max_age)}, "
                              "front.record_max_age's)")
-    launch.add_argument("--record-max-bytes", type=_size_arg, metavar="SIZE", default=front.record_max_bytes,
+    launch.add_argument("--record-max-bytes", type=_size_arg, metavar="SIZE",
                         help=f"--record: at most SIZE of them on disk, the oldest go first (default "
                              f"{front.record_max_bytes // 1024**2}MiB, front.record_max_bytes's)")
     launch.add_argument("server_command", nargs=argparse.REMAINDER, metavar="-- COMMAND ...",
@@ -343,12 +343,17 @@ def _attach_negative_values(parser: argparse.ArgumentParser, argv: Sequence[str]
     instead of why -5s is refused. Nothing after ``--`` or ``launch`` (a server's command) changes."""
     takes_value, words = _options_with_values(parser), list(argv)
     out: list[str] = []
+    launching = False
     while words:
         word = words.pop(0)
-        if word in ("--", "launch"):
+        if word == "--" or (launching and not word.startswith("-")):  # the server's command begins
             return [*out, word, *words]
+        launching = launching or word == "launch"
         if word in takes_value and words and words[0][:1] == "-" and words[0][1:2].isdigit():
             word = f"{word}={words.pop(0)}"
+        elif launching and word in takes_value and words:  # its value, not the server's command
+            out.append(word)
+            word = words.pop(0)
         out.append(word)
     return out
 
