@@ -128,3 +128,12 @@ def test_the_front_door_the_clients_used_is_the_bundles_server_too(tmp_path, sta
     assert len(err.strip().splitlines()) == 1
     code, out, err = _cli(["replay", str(bundle), "--to", urls[0], "--allow-bundle-url", "--speed", "10"], capsys)
     assert code == 1, (out, err)
+
+
+def test_an_out_that_is_a_file_is_named_as_such(tmp_path, capsys):
+    bundle = _bundle(tmp_path)
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("mine")
+    code, out, err = _cli(["replay", str(bundle), "--to", "http://127.0.0.1:9", "--allow-bundle-url",
+                           "--out", str(a_file)], capsys)
+    assert (code, out) == (2, "") and f"--out {a_file} is not a directory" in err and a_file.read_text() == "mine"

@@ -69,6 +69,8 @@ def _replay(args: argparse.Namespace, out: Console, err: Console) -> int:
                    stall_timeout=args.stall_timeout or base.stall_timeout)
     startup = args.startup_timeout or ProbeConfig.startup_timeout
     out_dir = Path(args.out) if args.out else bundle.resolve().parent
+    if out_dir.exists() and not out_dir.is_dir():  # mkdir's own word for it is "File exists"
+        raise UsageError(f"replay: --out {out_dir} is not a directory: give a directory for the replay's bundle")
     out_dir.mkdir(parents=True, exist_ok=True)
     if args.shrink:
         budget = Budget(trials=args.max_trials or Budget.trials, seconds=args.max_time or Budget.seconds)
