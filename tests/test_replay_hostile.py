@@ -137,3 +137,21 @@ def test_an_out_that_is_a_file_is_named_as_such(tmp_path, capsys):
     code, out, err = _cli(["replay", str(bundle), "--to", "http://127.0.0.1:9", "--allow-bundle-url",
                            "--out", str(a_file)], capsys)
     assert (code, out) == (2, "") and f"--out {a_file} is not a directory" in err and a_file.read_text() == "mine"
+
+
+@pytest.mark.parametrize("cmdline", [["python\u0000", "-m", "x"], [None, "x"], ["", "x"], ["python", 5]])
+def test_a_recorded_command_line_that_is_not_one_is_refused_and_leaves_nothing(tmp_path, capsys, monkeypatch,
+                                                                                 cmdline):
+    """A NUL in it was an internal error (Popen's ValueError) that left the server's temp dir."""
+    bundle = _bundle(tmp_path)
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    manifest["target"]["cmdline"] = cmdline
+    (bundle / "manifest.json").write_text(json.dumps(manifest))
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    monkeypatch.setenv("TMPDIR", str(tmp))
+    import tempfile
+    monkeypatch.setattr(tempfile, "tempdir", None)  # read TMPDIR again
+    code, out, err = _cli(["replay", str(bundle), "--launch"], capsys)
+    assert (code, out) == (2, "") and "target.cmdline" in err and "internal error" not in err, err
+    assert list(tmp.iterdir()) == []

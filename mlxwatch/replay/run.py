@@ -88,6 +88,9 @@ def plan_replay(bundle: Path, *, to: str | None, launch: bool, allow_bundle_url:
     source_url = source_url if isinstance(source_url, str) else None
     cmdline = target.get("cmdline")
     cmdline = cmdline if isinstance(cmdline, list) else []
+    if launch and cmdline and not all(isinstance(a, str) and a and "\0" not in a for a in cmdline):
+        raise ReplayError(f"{bundle}: the recorded server command line (manifest target.cmdline) is not one: "
+                          f"{cmdline!r:.200}; give --to URL instead of --launch")
     if to is not None and not allow_bundle_url:
         if source_url and same_server(to, source_url):
             raise ReplayError(f"--to {to} is the server this bundle came from ({source_url}): a replay may hang it "

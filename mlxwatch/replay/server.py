@@ -110,9 +110,10 @@ def launch(cmdline: list[str], *, cwd: str | None, startup_timeout: float, log_d
         with open(log_path, "ab") as log:
             popen = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=cwd,
                                      start_new_session=True)
-    except OSError as exc:
+    except (OSError, ValueError) as exc:  # ValueError: a NUL in an argument
         shutil.rmtree(where, ignore_errors=True)
-        raise ReplayError(f"cannot start the recorded server command {argv[0]}: {exc.strerror or exc}") from None
+        raise ReplayError(f"cannot start the recorded server command {argv[0][:200]}: "
+                          f"{getattr(exc, 'strerror', None) or exc}") from None
     server = LaunchedServer(argv, f"http://127.0.0.1:{port}", log_path, popen)
     try:
         _wait_ready(server, startup_timeout, cancel or threading.Event())
