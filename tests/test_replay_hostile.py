@@ -186,3 +186,31 @@ def test_a_body_larger_than_a_doors_default_limit_reaches_the_server(tmp_path):
 
     got = asyncio.run(go())
     assert sorted(len(b) for b in got)[-1] == len(big)
+
+
+def test_a_server_that_served_none_of_the_requests_is_could_not_run(tmp_path, capsys):
+    """Every request answered 501 (a server that is not the one recorded: another model name, an
+    API it does not have) was "not reproduced", exit 1: a bisect reads that as fixed, though
+    nothing was tested. Now one line with the statuses, exit 2."""
+    import http.server
+    import threading
+
+    class Refuse(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            self.send_error(404, "model not found")
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Refuse)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        bundle = _bundle(tmp_path)
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        code, out, err = _cli(["replay", str(bundle), "--to", url, "--speed", "10"], capsys)
+        assert (code, out) == (2, "") and "served none of the 4 request(s)" in err and "404" in err, err
+        assert len(err.strip().splitlines()) == 2  # the progress line, then the refusal
+    finally:
+        server.shutdown()
+        server.server_close()

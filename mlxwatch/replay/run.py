@@ -15,6 +15,7 @@ import asyncio
 import ipaddress
 import json
 import threading
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -28,7 +29,7 @@ from mlxwatch.errors import ReplayError
 from mlxwatch.host.process import lookup_server
 from mlxwatch.replay.server import LaunchedServer, launch
 from mlxwatch.replay.options import ReplayOptions
-from mlxwatch.replay.session import ReplayOutcome, replay
+from mlxwatch.replay.session import Answer, ReplayOutcome, replay
 
 REPRODUCED, NOT_REPRODUCED, COULD_NOT_RUN = 0, 1, 2
 
@@ -143,15 +144,22 @@ async def start_server(plan: Plan, startup_timeout: float) -> LaunchedServer:
 
 async def run_replay(plan: Plan, opts: ReplayOptions, out_dir: Path, *, startup_timeout: float,
                      capture: bool = True, on_round: Callable[[int], None] | None = None,
-                     requests: tuple[StoredRequest, ...] | None = None) -> ReplayReport:
+                     requests: tuple[StoredRequest, ...] | None = None, served: bool = True) -> ReplayReport:
     """Replay ``plan`` (or ``requests`` of it) once, on its URL or a server launched for it
-    (stopped after), and capture a bundle when the hang came back."""
+    (stopped after), and capture a bundle when the hang came back. ``served``: a server that
+    answered every request with an error (and no hang) tested nothing: ReplayError, not "not
+    reproduced" (``--shrink``'s trials pass False: a shrunk body may be refused, and is a no)."""
     server = None if plan.to is not None else await start_server(plan, startup_timeout)
     url = plan.to if plan.to is not None else server.url  # type: ignore[union-attr]
     try:
         outcome = await replay(requests if requests is not None else plan.requests, url, opts, on_round=on_round)
         if outcome.unreachable:
             raise ReplayError(outcome.unreachable)
+        if served and not outcome.hung and outcome.answers and all(_refused(a) for a in outcome.answers):
+            codes = Counter(str(a.status or a.error or "no answer")[:80] for a in outcome.answers)
+            raise ReplayError(f"the server at {url} served none of the {len(outcome.answers)} request(s) ("
+                              + ", ".join(f"{c} x{n}" for c, n in codes.most_common(3))
+                              + "): the replay tested nothing; is it the recorded model and API?")
         if not outcome.hung or not capture:
             return ReplayReport(outcome, url, server is not None)
         pid = server.pid if server is not None else await asyncio.to_thread(_pid_at, url)
@@ -170,6 +178,11 @@ async def run_replay(plan: Plan, opts: ReplayOptions, out_dir: Path, *, startup_
     finally:
         if server is not None:
             await asyncio.to_thread(server.stop)
+
+
+def _refused(answer: Answer) -> bool:
+    """An error for an answer: a status of 400 or more, or none (the connection failed)."""
+    return answer.status is None or answer.status >= 400
 
 
 def _pid_at(url: str) -> int | None:
