@@ -159,7 +159,8 @@ async def run_replay(plan: Plan, opts: ReplayOptions, out_dir: Path, *, startup_
             codes = Counter(str(a.status or a.error or "no answer")[:80] for a in outcome.answers)
             raise ReplayError(f"the server at {url} served none of the {len(outcome.answers)} request(s) ("
                               + ", ".join(f"{c} x{n}" for c, n in codes.most_common(3))
-                              + "): the replay tested nothing; is it the recorded model and API?")
+                              + "): the replay tested nothing; is it the recorded model and API (or did its generation "
+                              "thread die at once: mlx-lm 0.32 answers 404 then)?")
         if not outcome.hung or not capture:
             return ReplayReport(outcome, url, server is not None)
         pid = server.pid if server is not None else await asyncio.to_thread(_pid_at, url)
