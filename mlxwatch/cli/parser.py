@@ -54,13 +54,16 @@ def _count_arg(text: str) -> int:
     return value
 
 
+MIN_SPEED = 0.001  # a thousandth: 10 minutes of recorded gaps take a week
+
+
 def _speed_arg(text: str) -> float:
     try:
         value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number above 0, such as 2 or 0.5 (got {text!r})") from None
-    if not 0 < value <= 1000:
-        raise argparse.ArgumentTypeError(f"must be a number above 0 and at most 1000 (got {text!r})")
+        raise argparse.ArgumentTypeError(f"must be a number from 0.001 to 1000, such as 2 or 0.5 (got {text!r})") from None
+    if not MIN_SPEED <= value <= 1000:  # 1e-300 made every gap centuries: the replay slept for ever
+        raise argparse.ArgumentTypeError(f"must be a number from 0.001 to 1000 (got {text!r})")
     return value
 
 
