@@ -214,3 +214,10 @@ def test_a_server_that_served_none_of_the_requests_is_could_not_run(tmp_path, ca
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_an_exported_archive_is_named_as_one(tmp_path, capsys):
+    archive = tmp_path / "lab-x-redacted.tar.gz"
+    archive.write_bytes(b"\x1f\x8b")
+    code, out, err = _cli(["replay", str(archive), "--to", "http://127.0.0.1:9"], capsys)
+    assert (code, out) == (2, "") and "extract it first" in err and len(err.strip().splitlines()) == 1

@@ -62,7 +62,9 @@ def _replay(args: argparse.Namespace, out: Console, err: Console) -> int:
     to = url_arg("replay", args.to, "--to") if args.to else None
     bundle = Path(args.bundle)
     if not bundle.is_dir():
-        raise UsageError(f"replay: {bundle} is not a bundle directory")
+        hint = (" (an exported archive: extract it first, `tar xzf`; it holds the bodies only if exported "
+                "--with-request-bodies)" if bundle.name.endswith((".tar.gz", ".tgz")) and bundle.is_file() else "")
+        raise UsageError(f"replay: {bundle} is not a bundle directory{hint}")
     plan = plan_replay(bundle, to=to, launch=not to, allow_bundle_url=args.allow_bundle_url)
     base = ReplayOptions()
     opts = replace(base, speed=args.speed or base.speed, repeat=args.repeat or base.repeat,
