@@ -221,3 +221,15 @@ def test_an_exported_archive_is_named_as_one(tmp_path, capsys):
     archive.write_bytes(b"\x1f\x8b")
     code, out, err = _cli(["replay", str(archive), "--to", "http://127.0.0.1:9"], capsys)
     assert (code, out) == (2, "") and "extract it first" in err and len(err.strip().splitlines()) == 1
+
+
+def test_an_export_without_bodies_is_named_as_one(tmp_path, capsys):
+    """Said only "request 1: its body is missing (...body-000001.bin)"."""
+    bundle = _bundle(tmp_path)
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    manifest["request_bodies"] = False
+    (bundle / "manifest.json").write_text(json.dumps(manifest))
+    for body in (bundle / "requests").glob("body-*.bin"):
+        body.unlink()
+    code, out, err = _cli(["replay", str(bundle), "--to", "http://127.0.0.1:9", "--allow-bundle-url"], capsys)
+    assert (code, out) == (2, "") and "exported without the requests' bodies" in err

@@ -82,6 +82,9 @@ def plan_replay(bundle: Path, *, to: str | None, launch: bool, allow_bundle_url:
                 subset: Callable[[list[StoredRequest]], list[StoredRequest]] | None = None) -> Plan:
     """Read the bundle and check the destination; BundleError or ReplayError (one line)."""
     manifest = load_manifest(bundle)
+    if manifest.get("request_bodies") is False:  # an export's manifest says so
+        raise ReplayError(f"{bundle}: exported without the requests' bodies (`bundle export` leaves them out unless "
+                          "--with-request-bodies): replay the bundle itself, or an export made with that flag")
     requests = load_requests(bundle)
     target = manifest.get("target")
     target = target if isinstance(target, dict) else {}
