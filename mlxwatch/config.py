@@ -658,6 +658,8 @@ def _size(value: Any) -> int:
         raise ValueError(_SIZE_FORM)
     if isinstance(value, int):
         size = value
+    elif isinstance(value, str) and value.strip().isascii() and value.strip().isdigit():  # bytes, as an int is
+        size = int(value.strip()) if len(value.strip()) < 20 else MAX_SIZE + 1
     elif isinstance(value, str) and (match := _SIZE.fullmatch(value.lower())):
         number = float(match.group(1))  # digits only: finite, or inf for hundreds of digits
         if number * _SIZE_UNITS[match.group(2)] > MAX_SIZE:

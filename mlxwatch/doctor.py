@@ -325,6 +325,14 @@ async def shim_record(server: ProcessIdentity | None, env: Env) -> dict[str, Any
     return hb.record if hb is not None else None
 
 
+def _size_words(n: int) -> str:
+    """A size as people write it: ``256 MiB``, ``1.5 KiB``, ``1 B`` (not ``9.53674e-07 MiB``)."""
+    for unit, name in ((1024**3, "GiB"), (1024**2, "MiB"), (1024, "KiB")):
+        if n >= unit:
+            return f"{n // unit} {name}" if n % unit == 0 else f"{n / unit:.1f} {name}"
+    return f"{n} B"
+
+
 def recorder_finding(inst: InstanceConfig, shim: dict[str, Any] | None = None, pid: int | None = None) -> Finding:
     """Does anything keep the requests this server receives: the front door (``front.record``)
     or the launch shim in the server (``mlxwatch launch --record``)? Users' words, on disk in
@@ -335,11 +343,11 @@ def recorder_finding(inst: InstanceConfig, shim: dict[str, Any] | None = None, p
     if door:
         assert front is not None
         said.append(f"the door keeps the last {human_duration(front.record_max_age)} of requests, at most "
-                    f"{front.record_max_bytes / 1024**2:g} MiB")
+                    f"{_size_words(front.record_max_bytes)}")
     if shim is not None:
         try:
-            age, size = human_duration(float(shim["max_age"])), f"{int(shim['max_bytes']) / 1024**2:g} MiB"
-        except (KeyError, TypeError, ValueError):
+            age, size = human_duration(float(shim["max_age"])), _size_words(int(shim["max_bytes"]))
+        except (KeyError, TypeError, ValueError, OverflowError):
             age, size = "?", "?"
         if shim.get("state") == "failed":
             return Finding("recorder", WARN, f"the launch shim in PID {pid} stopped recording requests: "

@@ -77,3 +77,19 @@ async def test_an_export_leaves_the_bodies_out_unless_asked(tmp_path):
         got = [tar.extractfile(n).read() for n in bodies]
         manifest = json.loads(tar.extractfile(f"{bundle.path.name}/manifest.json").read())
     assert got == [r.body for r in recorded()] and manifest["request_bodies"] is True
+
+
+async def test_an_export_with_the_bodies_replays(tmp_path):
+    """The export made to attach to an upstream issue (redacted, --with-request-bodies) must be
+    one `mlxwatch replay` takes: the redaction took each body's SHA-256 for a token ("[redacted]"),
+    and the replay refused every body as changed since the capture (exit 2)."""
+    bundle = await _bundle(tmp_path)
+    full = export_bundle(bundle.path, tmp_path / "full.tar.gz", request_bodies=True)
+    with tarfile.open(full) as tar:
+        tar.extractall(tmp_path / "x", filter="data")
+    back = load_requests(tmp_path / "x" / bundle.path.name)
+    assert [r.body for r in back] == [r.body for r in recorded()]
+    plain = export_bundle(bundle.path, tmp_path / "plain.tar.gz")  # without the bodies: no hash of users' words
+    with tarfile.open(plain) as tar:
+        index = json.loads(tar.extractfile(f"{bundle.path.name}/requests/requests.json").read())
+    assert {e["body_sha256"] for e in index} == {"[redacted]"}

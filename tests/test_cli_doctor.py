@@ -359,3 +359,19 @@ async def test_doctor_reports_each_rank_and_each_remote_hosts_ssh(tmp_path):
     assert ("rank 1", "warn", "on mac2: unknown (its host could not be asked)") in found
     assert ("ssh", "FAIL", "mac2: ssh exit 255: Permission denied (publickey).") in found
     assert not [c for c, _, _ in await _doctor(tmp_path, None) if c in ("group", "ssh") or c.startswith("rank")]
+
+
+def test_doctor_says_a_recorders_bound_in_words_at_any_size():
+    """record_max_bytes: 1 read "at most 9.53674e-07 MiB", 1024GB "1.04858e+06 MiB"."""
+    from dataclasses import replace as _replace
+
+    from mlxwatch.config import FrontConfig, InstanceConfig
+    from mlxwatch.doctor import recorder_finding
+
+    inst = InstanceConfig("lab", "http://127.0.0.1:8080")
+    for size, words in ((1, "1 B"), (1536, "1.5 KiB"), (256 * 1024**2, "256 MiB"), (1024**4, "1024 GiB")):
+        front = FrontConfig(record=True, record_max_bytes=size)
+        assert f"at most {words}," in recorder_finding(_replace(inst, front=front)).message
+    for max_bytes in (float("inf"), "lots", None):
+        rec = {"state": "on", "detail": "", "max_age": 120.0, "max_bytes": max_bytes}
+        assert "at most ?" in recorder_finding(inst, rec, 4242).message

@@ -132,8 +132,9 @@ def test_the_bundles_own_server_is_refused_unless_allowed(tmp_path, standin, cap
     (["--to", "http://127.0.0.1:9", "--max-trials", "3"], "--max-trials and --max-time bound --shrink"),
     (["--shrink", "--repeat", "2"], "--repeat and --shrink do not go together"),
     ([], "say where to send the requests"),
-    (["--to", "http://127.0.0.1:9", "--speed", "0"], "must be a number above 0"),
-    (["--to", "http://127.0.0.1:9", "--speed", "fast"], "must be a number above 0"),
+    (["--to", "http://127.0.0.1:9", "--speed", "0"], "must be a number from 0.001 to 1000"),
+    (["--to", "http://127.0.0.1:9", "--speed", "1e-300"], "must be a number from 0.001 to 1000"),
+    (["--to", "http://127.0.0.1:9", "--speed", "fast"], "must be a number from 0.001 to 1000"),
     (["--to", "ftp://x"], "--to"),
     (["--launch"], "records no server command line"),
 ])

@@ -40,7 +40,7 @@ from mlxwatch.capture.bundle import (
     read_bounded,
 )
 from mlxwatch.capture.redact import PUBLIC, redact_bytes, redact_json
-from mlxwatch.capture.requests import is_body_file
+from mlxwatch.capture.requests import INDEX, is_body_file
 from mlxwatch.errors import BundleError
 from mlxwatch.probes.generation import DESCRIPTIONS
 
@@ -238,6 +238,20 @@ def redact_file(relname: str, data: bytes, verdict: str | None = None, quoted: d
     return redact_bytes(relname, text, PUBLIC)
 
 
+def _keep_body_hashes(original: bytes, redacted: bytes) -> bytes:
+    """``requests/requests.json`` redacted, each body's SHA-256 put back: the redaction takes a
+    64-hex run for a token, and a replay refuses a body whose hash does not match (the export
+    made to attach to an upstream issue must replay). Only with the bodies in the archive: a
+    hash without its body could confirm a guessed prompt."""
+    try:
+        before, after = json.loads(original), json.loads(redacted)
+        for old, new in zip(before, after, strict=True):
+            new["body_sha256"] = old["body_sha256"]
+    except (ValueError, TypeError, KeyError):
+        return redacted  # not an index this export can mend: the replay will say what is wrong
+    return json.dumps(after, indent=2, sort_keys=True).encode()
+
+
 def archive_name(bundle: Path, redact: bool = False) -> str:
     return f"{bundle.name}{'-redacted' if redact else ''}.tar.gz"
 
@@ -283,7 +297,8 @@ def export_bundle(bundle: Path, out: Path | None = None, redact: bool = True,
                 on_skip(relname)
             continue
         if redact and not is_body_file(relname):
-            data = redact_file(relname, data, manifest.get("verdict"), quoted)
+            redacted = redact_file(relname, data, manifest.get("verdict"), quoted)
+            data = _keep_body_hashes(data, redacted) if relname == INDEX and request_bodies else redacted
         files[relname] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
         members.append((relname, data))
     if redact:

@@ -23,14 +23,18 @@ back from its spool by ``from_shim``) in the same form; when both record, the do
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
+import os
+import re
 import time
 from dataclasses import dataclass
 from dataclasses import replace as _replace
 from pathlib import Path
 from typing import Any, Sequence
 
+from mlxwatch import storage
 from mlxwatch.errors import BundleError
 from mlxwatch.front.recorder import RecordedRequest
 from mlxwatch.shim import heartbeat, spool
@@ -180,41 +184,108 @@ class StoredRequest:
 
 
 def load_requests(bundle: Path) -> list[StoredRequest]:
-    """The bundle's recorded requests, arrival order, each body checked against its hash.
-    BundleError (one line) when the bundle has none or they are damaged."""
+    """The bundle's recorded requests, arrival order, each body checked against its hash and
+    each request checked to be one a replay can send to the server it is told, and only there
+    (bundles travel: one attached to an issue may have been made by anyone). BundleError (one
+    line) when the bundle has none or they are damaged."""
     index = bundle / INDEX
     try:
-        if index.stat().st_size > MAX_INDEX_BYTES:
-            raise BundleError(f"{index}: larger than {MAX_INDEX_BYTES} bytes")
-        entries = json.loads(index.read_bytes())
+        if (bundle / DIRECTORY).is_symlink():
+            raise BundleError(f"{bundle / DIRECTORY}: is a link (a bundle's requests are its own files)")
+        entries = json.loads(_read_own(index, MAX_INDEX_BYTES))
     except FileNotFoundError:
         raise BundleError(f"{bundle}: holds no recorded requests ({INDEX} is missing: was front.record on?)") from None
     except (OSError, ValueError) as exc:
-        raise BundleError(f"{index}: unreadable ({exc})") from None
+        raise BundleError(f"{index}: unreadable ({_why(exc)})") from None
     if not isinstance(entries, list):
         raise BundleError(f"{index}: not a list of requests")
-    out = []
+    out: list[StoredRequest] = []
+    seen: set[int] = set()
     for n, e in enumerate(entries):
         try:
             name = str(e["body_file"])
             if not is_body_file(name) or "/" in name[len(BODY_PREFIX):]:
                 raise ValueError(f"body_file {name!r} is not a body of this bundle")
-            path = bundle / name
-            if path.is_symlink() or path.stat().st_size > MAX_BODY_BYTES:
-                raise ValueError(f"{name} is a link or too large")
-            body = path.read_bytes()
+            body = _read_own(bundle / name, MAX_BODY_BYTES)
             if hashlib.sha256(body).hexdigest() != e["body_sha256"]:
                 raise ValueError(f"{name} does not match its SHA-256 (changed since the capture)")
-            headers = tuple((str(k), str(v)) for k, v in e["headers"])
-            out.append(StoredRequest(int(e["seq"]), float(e["t"]), str(e["method"]), str(e["target"]), headers, body,
-                                     bool(e.get("in_flight")), e))
+            seq = e["seq"]
+            if not isinstance(seq, int) or isinstance(seq, bool) or seq < 0:
+                raise ValueError(f"seq {seq!r} is not a request number")
+            if seq in seen:
+                raise ValueError(f"seq {seq} repeats an earlier request's")
+            seen.add(seq)
+            out.append(StoredRequest(seq, _offset(e["t"]), _method(e["method"]), _target(e["target"]),
+                                     _headers(e["headers"]), body, bool(e.get("in_flight")), e))
         except FileNotFoundError as exc:
             raise BundleError(f"{index}: request {n + 1}: its body is missing ({exc.filename})") from None
         except (KeyError, TypeError, ValueError, OSError) as exc:
-            raise BundleError(f"{index}: request {n + 1}: {exc}") from None
+            raise BundleError(f"{index}: request {n + 1}: {_why(exc)}") from None
     if not out:
         raise BundleError(f"{index}: no requests recorded")
     return out
+
+
+def _read_own(path: Path, limit: int) -> bytes:
+    """A file of the bundle's own: a regular file, not through a link, at most ``limit`` bytes
+    (a FIFO would block the read for ever, ``/dev/zero`` never end it)."""
+    try:
+        fd, st = storage.open_regular_fd(path)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise OSError(errno.ELOOP, f"{path.name} is a link (a bundle's requests are its own files)") from None
+        raise
+    with os.fdopen(fd, "rb") as fh:
+        if st.st_size > limit or len(data := fh.read(limit + 1)) > limit:
+            raise ValueError(f"{path.name} is larger than {limit} bytes")
+    return data
+
+
+def _why(exc: BaseException) -> str:
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror
+    if isinstance(exc, KeyError):
+        return f"no {exc}"
+    return str(exc)
+
+
+MAX_OFFSET = 366 * 86400.0  # seconds after the first request: the recorder keeps at most 365 days
+# RFC 9110's token (a method, a header's name); a target in origin form: printable ASCII, and
+# the bytes above 0x7f a lenient parser lets through (the door keeps them decoded as Latin-1).
+_TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+_ORIGIN_FORM = re.compile(r"/[!-~\x80-\xff]*")
+
+
+def _offset(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= MAX_OFFSET:
+        raise ValueError(f"t {value!r} is not seconds after the first request (0 to {MAX_OFFSET:g})")
+    return float(value)
+
+
+def _method(value: Any) -> str:
+    if not isinstance(value, str) or not _TOKEN.fullmatch(value):
+        raise ValueError(f"method {value!r:.80} is not an HTTP method")
+    return value
+
+
+def _target(value: Any) -> str:
+    """A path and query, as the door received them: anything else (``@host/...``, a full URL)
+    would send the request past the replay's door, to another host."""
+    if not isinstance(value, str) or not _ORIGIN_FORM.fullmatch(value):
+        raise ValueError(f"target {value!r:.80} is not a path such as /v1/chat/completions")
+    return value
+
+
+def _headers(value: Any) -> tuple[tuple[str, str], ...]:
+    out = []
+    for pair in value:
+        k, v = pair
+        if not isinstance(k, str) or not _TOKEN.fullmatch(k):
+            raise ValueError(f"header name {k!r:.80} is not an HTTP header name")
+        if not isinstance(v, str) or any(c in v for c in "\r\n\0") or max(map(ord, v), default=0) > 0xFF:
+            raise ValueError(f"header {k} has a value an HTTP request cannot carry ({v!r:.80})")
+        out.append((k, v))
+    return tuple(out)
 
 
 def from_shim(pid: int, create_time: float | None, until: float) -> tuple[tuple[RecordedRequest, ...] | None, str]:

@@ -54,13 +54,16 @@ def _count_arg(text: str) -> int:
     return value
 
 
+MIN_SPEED = 0.001  # a thousandth: 10 minutes of recorded gaps take a week
+
+
 def _speed_arg(text: str) -> float:
     try:
         value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number above 0, such as 2 or 0.5 (got {text!r})") from None
-    if not 0 < value <= 1000:
-        raise argparse.ArgumentTypeError(f"must be a number above 0 and at most 1000 (got {text!r})")
+        raise argparse.ArgumentTypeError(f"must be a number from 0.001 to 1000, such as 2 or 0.5 (got {text!r})") from None
+    if not MIN_SPEED <= value <= 1000:  # 1e-300 made every gap centuries: the replay slept for ever
+        raise argparse.ArgumentTypeError(f"must be a number from 0.001 to 1000 (got {text!r})")
     return value
 
 
@@ -195,7 +198,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="start a server from the bundle's recorded command line on a free loopback port "
                             "(this environment inherited), replay, stop it")
     rep.add_argument("--allow-bundle-url", action="store_true",
-                     help="allow --to to be the server the bundle came from (refused by default: it may hang it again)")
+                     help="allow --to to be the server the bundle came from, or the front door its clients used (refused by "
+                          "default: it may hang that server again)")
     rep.add_argument("--speed", type=_speed_arg, metavar="X",
                      help=f"replay X times as fast: the gaps between requests divided by X (default {_REPLAY.speed:g})")
     rep.add_argument("--repeat", type=_count_arg, metavar="N",
@@ -280,10 +284,10 @@ def build_parser() -> argparse.ArgumentParser:
     launch.add_argument("--record", action="store_true",
                         help="keep the requests the server receives (exact bodies: users' words; off by default) "
                              "for bundles and `mlxwatch replay`, in the private runtime dir")
-    launch.add_argument("--record-max-age", type=_duration_arg, metavar="DURATION", default=front.record_max_age,
+    launch.add_argument("--record-max-age", type=_duration_arg, metavar="DURATION",
                         help=f"--record: keep the last DURATION of requests (default {d(front.record_max_age)}, "
                              "front.record_max_age's)")
-    launch.add_argument("--record-max-bytes", type=_size_arg, metavar="SIZE", default=front.record_max_bytes,
+    launch.add_argument("--record-max-bytes", type=_size_arg, metavar="SIZE",
                         help=f"--record: at most SIZE of them on disk, the oldest go first (default "
                              f"{front.record_max_bytes // 1024**2}MiB, front.record_max_bytes's)")
     launch.add_argument("server_command", nargs=argparse.REMAINDER, metavar="-- COMMAND ...",
@@ -342,12 +346,17 @@ def _attach_negative_values(parser: argparse.ArgumentParser, argv: Sequence[str]
     instead of why -5s is refused. Nothing after ``--`` or ``launch`` (a server's command) changes."""
     takes_value, words = _options_with_values(parser), list(argv)
     out: list[str] = []
+    launching = False
     while words:
         word = words.pop(0)
-        if word in ("--", "launch"):
+        if word == "--" or (launching and not word.startswith("-")):  # the server's command begins
             return [*out, word, *words]
+        launching = launching or word == "launch"
         if word in takes_value and words and words[0][:1] == "-" and words[0][1:2].isdigit():
             word = f"{word}={words.pop(0)}"
+        elif launching and word in takes_value and words:  # its value, not the server's command
+            out.append(word)
+            word = words.pop(0)
         out.append(word)
     return out
 

@@ -62,13 +62,17 @@ def _replay(args: argparse.Namespace, out: Console, err: Console) -> int:
     to = url_arg("replay", args.to, "--to") if args.to else None
     bundle = Path(args.bundle)
     if not bundle.is_dir():
-        raise UsageError(f"replay: {bundle} is not a bundle directory")
+        hint = (" (an exported archive: extract it first, `tar xzf`; it holds the bodies only if exported "
+                "--with-request-bodies)" if bundle.name.endswith((".tar.gz", ".tgz")) and bundle.is_file() else "")
+        raise UsageError(f"replay: {bundle} is not a bundle directory{hint}")
     plan = plan_replay(bundle, to=to, launch=not to, allow_bundle_url=args.allow_bundle_url)
     base = ReplayOptions()
     opts = replace(base, speed=args.speed or base.speed, repeat=args.repeat or base.repeat,
                    stall_timeout=args.stall_timeout or base.stall_timeout)
     startup = args.startup_timeout or ProbeConfig.startup_timeout
     out_dir = Path(args.out) if args.out else bundle.resolve().parent
+    if out_dir.exists() and not out_dir.is_dir():  # mkdir's own word for it is "File exists"
+        raise UsageError(f"replay: --out {out_dir} is not a directory: give a directory for the replay's bundle")
     out_dir.mkdir(parents=True, exist_ok=True)
     if args.shrink:
         budget = Budget(trials=args.max_trials or Budget.trials, seconds=args.max_time or Budget.seconds)

@@ -10,7 +10,14 @@ import sys
 from rich.console import Console
 
 from mlxwatch.cli.common import EXIT_OK, EXIT_USAGE, err_console, explicit_config, state_dir
-from mlxwatch.config import Config, bundles_dir_for, load_config, load_runnable_config, resolve_config_path
+from mlxwatch.config import (
+    Config,
+    FrontConfig,
+    bundles_dir_for,
+    load_config,
+    load_runnable_config,
+    resolve_config_path,
+)
 from mlxwatch.errors import ConfigError, UsageError
 
 
@@ -60,7 +67,13 @@ def cmd_launch(args: argparse.Namespace, out: Console) -> int:
     from mlxwatch.shim.launcher import Record, launch
 
     err = err_console()
-    record = Record(args.record_max_age, args.record_max_bytes) if args.record else None
+    bounds = [flag for flag, value in (("--record-max-age", args.record_max_age),
+                                       ("--record-max-bytes", args.record_max_bytes)) if value is not None]
+    if bounds and not args.record:  # else nothing is recorded, and nothing says so
+        raise UsageError(f"launch: {bounds[0]} bounds --record; give --record too (off by default: the requests' "
+                         "bodies are users' words)")
+    record = Record(args.record_max_age or FrontConfig.record_max_age,
+                    args.record_max_bytes or FrontConfig.record_max_bytes) if args.record else None
     try:
         launch(list(args.server_command), name=args.name, exit_on_thread_death=args.exit_on_thread_death,
                record=record, on_warning=lambda warning: render_launch_warning(err, warning))

@@ -48,6 +48,7 @@ from typing import Callable
 
 import psutil
 
+from mlxwatch import storage
 from mlxwatch.errors import ProcessGoneError
 from mlxwatch.host.process import ProcessIdentity, is_mlx_server, listening_pids, server_port, short_cmdline
 
@@ -61,12 +62,20 @@ SSH_OPTIONS = ("-o", "BatchMode=yes", "-o", "ConnectTimeout=5", "-o", "LogLevel=
 # ...`` sends NAME to each PID still started at START (never to a process that replaced it) and
 # prints the ones it signalled. Linux reads /proc; macOS reads ``ps -E`` (not verified here).
 REMOTE_SCRIPT = r'''
-import json, os, re, signal, subprocess, sys
+import json, os, re, signal, stat, subprocess, sys
 def key_of(env):
     if env.get("MLX_HOSTFILE"):
         try:
-            return "hostfile:" + open(env["MLX_HOSTFILE"]).read().strip()
-        except OSError:
+            fd = os.open(env["MLX_HOSTFILE"], os.O_RDONLY | os.O_NONBLOCK)
+            try:
+                if not stat.S_ISREG(os.fstat(fd).st_mode):
+                    return None
+                with os.fdopen(os.dup(fd), "rb") as fh:
+                    data = fh.read(1048576 + 1)  # MAX_HOSTFILE
+            finally:
+                os.close(fd)
+            return "hostfile:" + data.decode("utf-8").strip() if len(data) <= 1048576 else None
+        except (OSError, ValueError):
             return None
     if env.get("MLX_JACCL_COORDINATOR"):
         return "jaccl:" + env["MLX_JACCL_COORDINATOR"]
@@ -283,7 +292,7 @@ def parse_launcher(cmdline: tuple[str, ...] | list[str], cwd: str | None = None)
             path = Path(cwd) / path
         out.hostfile = str(path)
         try:
-            data = json.loads(path.read_text())
+            data = json.loads(_read_small(path))
             hosts = data["hosts"] if isinstance(data, dict) else data
             out.hosts = [str(h["ssh"]) for h in hosts]
             if isinstance(data, dict) and not backend:
@@ -300,6 +309,20 @@ def parse_launcher(cmdline: tuple[str, ...] | list[str], cwd: str | None = None)
     return out
 
 
+MAX_HOSTFILE = 1024 * 1024
+
+
+def _read_small(path: Path) -> str:
+    """A file another process names (its ``--hostfile``, its ``MLX_HOSTFILE``), as text: a
+    regular file of at most ``MAX_HOSTFILE`` bytes in UTF-8 (OSError or ValueError otherwise; a
+    FIFO there would block the reader for ever)."""
+    with storage.open_regular(path, follow_links=True) as fh:
+        data = fh.read(MAX_HOSTFILE + 1)
+    if len(data) > MAX_HOSTFILE:
+        raise ValueError(f"{path} is larger than {MAX_HOSTFILE} bytes")
+    return data.decode("utf-8")
+
+
 def _environ(proc: psutil.Process) -> dict[str, str]:
     try:
         return proc.environ()
@@ -311,8 +334,8 @@ def group_key(env: dict[str, str]) -> str | None:
     """What every rank of one group shares (``REMOTE_SCRIPT``'s ``key_of``, the same rule)."""
     if env.get("MLX_HOSTFILE"):
         try:
-            return "hostfile:" + Path(env["MLX_HOSTFILE"]).read_text().strip()
-        except OSError:
+            return "hostfile:" + _read_small(Path(env["MLX_HOSTFILE"])).strip()
+        except (OSError, ValueError):
             return None
     if env.get("MLX_JACCL_COORDINATOR"):
         return "jaccl:" + env["MLX_JACCL_COORDINATOR"]
@@ -347,7 +370,7 @@ def _interpreter(command: list[str], python: str | None) -> str:
         if os.path.basename(first).startswith("python"):
             return first
         try:
-            with open(first, "rb") as fh:
+            with storage.open_regular(Path(first), follow_links=True) as fh:  # a FIFO there blocked for ever
                 line = fh.readline(512).decode("utf-8", "replace")
             if line.startswith("#!"):
                 words = line[2:].split()

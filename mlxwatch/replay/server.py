@@ -17,6 +17,7 @@ import shutil
 import socket
 import subprocess
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -86,10 +87,17 @@ class LaunchedServer:
                 shutil.rmtree(self.log_path.parent, ignore_errors=True)
 
 
-def launch(cmdline: list[str], *, cwd: str | None, startup_timeout: float, log_dir: Path | None = None) -> LaunchedServer:
+class LaunchCancelled(Exception):
+    """The wait for a launched server was given up (``cancel`` set: Ctrl-C); the server is stopped."""
+
+
+def launch(cmdline: list[str], *, cwd: str | None, startup_timeout: float, log_dir: Path | None = None,
+           cancel: threading.Event | None = None) -> LaunchedServer:
     """Start ``cmdline`` on a free loopback port (environment inherited) and wait until it
     answers ``GET /v1/models`` (no generation: a readiness prompt would prime the cache);
-    ReplayError, the process ended, if it exits or does not answer within ``startup_timeout``."""
+    ReplayError, the process ended, if it exits or does not answer within ``startup_timeout``.
+    Run in a worker thread, it hears no Ctrl-C: the caller sets ``cancel`` (LaunchCancelled, the
+    server stopped and its directory removed), else the wait goes on and the server outlives it."""
     if not cmdline:
         raise ReplayError("the bundle records no server command line (manifest target.cmdline): give --to URL")
     port = _loopback_port()
@@ -102,12 +110,13 @@ def launch(cmdline: list[str], *, cwd: str | None, startup_timeout: float, log_d
         with open(log_path, "ab") as log:
             popen = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=cwd,
                                      start_new_session=True)
-    except OSError as exc:
+    except (OSError, ValueError) as exc:  # ValueError: a NUL in an argument
         shutil.rmtree(where, ignore_errors=True)
-        raise ReplayError(f"cannot start the recorded server command {argv[0]}: {exc.strerror or exc}") from None
+        raise ReplayError(f"cannot start the recorded server command {argv[0][:200]}: "
+                          f"{getattr(exc, 'strerror', None) or exc}") from None
     server = LaunchedServer(argv, f"http://127.0.0.1:{port}", log_path, popen)
     try:
-        _wait_ready(server, startup_timeout)
+        _wait_ready(server, startup_timeout, cancel or threading.Event())
     except ReplayError:
         server.stop(keep_log=True)  # the error names the log
         raise
@@ -117,10 +126,12 @@ def launch(cmdline: list[str], *, cwd: str | None, startup_timeout: float, log_d
     return server
 
 
-def _wait_ready(server: LaunchedServer, timeout: float) -> None:
+def _wait_ready(server: LaunchedServer, timeout: float, cancel: threading.Event) -> None:
     deadline = time.monotonic() + timeout
     with httpx.Client(trust_env=False, timeout=5.0) as client:
         while time.monotonic() < deadline:
+            if cancel.is_set():
+                raise LaunchCancelled()
             if not server.alive():
                 raise ReplayError(f"the launched server exited during its start (code {server._popen.returncode}); "
                                   f"see {server.log_path}")
@@ -129,5 +140,5 @@ def _wait_ready(server: LaunchedServer, timeout: float) -> None:
                     return
             except httpx.HTTPError:
                 pass
-            time.sleep(READY_POLL)
+            cancel.wait(READY_POLL)
     raise ReplayError(f"the launched server did not answer within {timeout:g}s; see {server.log_path}")

@@ -73,8 +73,7 @@ async def replay(requests: Sequence[StoredRequest], url: str, opts: ReplayOption
                  on_round: Callable[[int], None] | None = None) -> ReplayOutcome:
     """Send ``requests`` to ``url`` (``opts.repeat`` rounds, each after the last one ended) and
     judge delivery; see the module docstring."""
-    door = FrontDoor("replay", url, FrontConfig(listen=("127.0.0.1", 0), stall_timeout=opts.stall_timeout,
-                                                request_stall_timeout=opts.request_timeout, record=True))
+    door = FrontDoor("replay", url, _door_config(requests, opts))
     await door.start()
     host, port = door.address
     base = f"http://{host}:{port}"
@@ -94,6 +93,20 @@ async def replay(requests: Sequence[StoredRequest], url: str, opts: ReplayOption
                                     "answered by the daemon's rules", sent, opts.repeat, answers=tuple(answers))
     finally:
         await door.stop(drain=0.5)
+
+
+def _door_config(requests: Sequence[StoredRequest], opts: ReplayOptions) -> FrontConfig:
+    """The replay's door, its limits raised to the recorded requests: with the defaults' a body
+    over ``front.max_body`` (recorded by the shim, which has none, or a door set higher) got 413
+    from this door, never reached the server, and the replay said "not reproduced"."""
+    d = FrontConfig()
+    bodies = [len(r.body) for r in requests]
+    heads = [len(r.method) + len(r.target) + sum(len(k) + len(v) + 4 for k, v in r.headers) + 256 for r in requests]
+    return FrontConfig(listen=("127.0.0.1", 0), stall_timeout=opts.stall_timeout,
+                       request_stall_timeout=opts.request_timeout, record=True,
+                       max_body=max([d.max_body, *bodies]), max_header=max([d.max_header, *heads]),
+                       max_buffered=max(d.max_buffered, sum(bodies)),
+                       record_max_bytes=max(d.record_max_bytes, sum(bodies)))
 
 
 async def _round(door: FrontDoor, client: httpx.AsyncClient, base: str, url: str,
@@ -176,7 +189,8 @@ async def _judge(door: FrontDoor, client: httpx.AsyncClient, url: str, opts: Rep
 
 
 async def _send(client: httpx.AsyncClient, base: str, req: StoredRequest) -> Answer:
-    headers = [(k, v) for k, v in req.headers if k.lower() not in NOT_SENT]
+    # As the door received them: its bytes decoded as Latin-1 (httpx would encode a str as ASCII).
+    headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in req.headers if k.lower() not in NOT_SENT]
     try:
         async with client.stream(req.method, base + req.target, headers=headers, content=req.body) as response:
             got = 0

@@ -107,7 +107,7 @@ async def shrink(plan: Plan, opts: ReplayOptions, budget: Budget, *, startup_tim
             raise _OutOfBudget(f"{budget.seconds:g}s")
         t0 = time.monotonic()
         report = await run_replay(plan, replace(opts, repeat=1), plan.bundle, startup_timeout=startup_timeout,
-                                  capture=False, requests=tuple(candidate))
+                                  capture=False, requests=tuple(candidate), served=False)
         trial = Trial(len(trials) + 1, tuple(r.seq for r in candidate), report.outcome.hung,
                       round(time.monotonic() - t0, 1), note, report.outcome.after_seq)
         trials.append(trial)
