@@ -91,7 +91,28 @@ def test_the_bounds_hold_under_a_thousand_requests():
     assert rec.dropped == 1000 - len(kept)
     assert kept[-2].outcome == "ok" and kept[-1].in_flight  # r999 ended (an even i), r1000 not
     now[0] += 61.0
+    left = rec.requests()  # past the age bound: only the requests still in flight (the odd ones)
+    assert left and all(r.in_flight for r in left) and 65536 * len(left) <= rec.held_bytes < 65536 * (len(left) + 1)
+    for r in left:
+        rec.ended(RequestView(r.id, "POST", "/v1/completions", now[0], False, 1, len(body), None, None, 0, 0),
+                  "ok", status=200, finish_reason="stop", client_gone=False)
+    now[0] += 61.0
     assert rec.requests() == () and rec.held_bytes == 0
+
+
+def test_a_request_in_flight_past_the_age_bound_stays():
+    """Found trying it: with a 2-minute bound, the request a server was still reading was not
+    in its bundle (the age bound counted from its arrival). Ended requests go by age; one in
+    flight stays until it ends, or the bytes bound takes it."""
+    now = [0.0]
+    rec = Recorder(120.0, 1024**2, monotonic=lambda: now[0], wall=lambda: 1e9 + now[0])
+    assert rec.arrived("old", "c1", "POST", "/v1/completions", [], b"hung on", stream=True, max_tokens=8)
+    now[0] = 10.0
+    assert rec.arrived("done", "c2", "POST", "/v1/completions", [], b"answered", stream=False, max_tokens=8)
+    rec.ended(RequestView("done", "POST", "/v1/completions", 10.0, False, 8, 8, None, None, 0, 0), "ok",
+              status=200, finish_reason="stop", client_gone=False)
+    now[0] = 200.0
+    assert [r.id for r in rec.requests()] == ["old"] and rec.requests()[0].in_flight
 
 
 def test_a_request_larger_than_the_bound_alone_is_not_kept():

@@ -260,9 +260,10 @@ def test_the_spool_holds_at_most_max_bytes_over_1000_requests_newest_kept_in_ord
 def test_the_spool_lets_go_by_age_and_a_request_larger_than_the_bound_is_not_kept(tmp_path, recorded):
     writer = SpoolWriter(str(tmp_path), 8, 10.0, 4096)
     for i in range(1, 9):
-        writer.append(_arrival(i, 300, 100.0 + i), 100.0 + i)
+        writer.append(_arrival(i, 300, 100.0 + i), 100.0 + i, opens=f"s{i}")
+        writer.append(spool.encode_end({"id": f"s{i}", "status": 200}), 100.0 + i, ends=f"s{i}")
     records, _ = spool.read(str(tmp_path), 8, now_mono=113.5, max_age=10.0, max_bytes=4096)
-    assert [r["seq"] for r in records] == [4, 5, 6, 7, 8]  # the reader: arrived in the last 10 s
+    assert [r["seq"] for r in records] == [4, 5, 6, 7, 8]  # the reader: arrived in the last 10 s (all ended)
     writer.expire(200.0)
     assert spool.segment_paths(str(tmp_path), 8) == [] and writer.held_bytes == 0
     writer.append(_arrival(9, 10, 201.0), 201.0)  # begins a new segment
@@ -369,3 +370,21 @@ def test_a_bundle_takes_the_door_requests_when_it_has_them_else_the_shim(tmp_pat
         assert result.source == source and [r.body for r in result.recorded] == [body]
         assert (files.writer.partial / "requests" / "body-000001.bin").read_bytes() == body
     assert bundle_requests.SOURCES["shim"] == "the launch shim"
+
+
+def test_the_spool_keeps_the_arrival_of_a_request_in_flight_past_the_age_bound(tmp_path):
+    """The request a server hangs on may have arrived longer ago than the age bound: its
+    arrival's segment is not expired while it is in flight, and the reader keeps it; ended
+    requests past the bound go."""
+    writer = SpoolWriter(str(tmp_path), 10, 10.0, 1024**2)
+    writer.append(_arrival(1, 50, 100.0), 100.0, opens="s1")  # the one the server hangs on
+    writer.append(_arrival(2, 50, 101.0), 101.0, opens="s2")
+    writer.append(spool.encode_end({"id": "s2", "status": 200}), 102.0, ends="s2")
+    writer.expire(200.0)
+    assert spool.segment_paths(str(tmp_path), 10)  # still on disk
+    records, _ = spool.read(str(tmp_path), 10, now_mono=200.0, max_age=10.0, max_bytes=1024**2)
+    assert [r["seq"] for r in records] == [1] and "end" not in records[0]
+    writer.append(spool.encode_end({"id": "s1", "status": 200}), 201.0, ends="s1")
+    writer.expire(300.0)
+    assert spool.segment_paths(str(tmp_path), 10) == []
+    writer.close()

@@ -140,15 +140,28 @@ class Recorder:
         del self._by_id[view.id]
 
     def trim(self) -> None:
-        """Let go of what is past the bounds, oldest first."""
+        """Let go of what is past the bounds, oldest first: by bytes whatever it is, by age only
+        once it ended (a request in flight past the age bound may be the one the server hangs
+        on: measured, a 2-minute bound left the request a server was still reading out of its
+        bundle)."""
         oldest = self._monotonic() - self.max_age
-        while self._entries and (self._held > self.max_bytes or self._entries[0].request.arrived_mono < oldest):
-            entry = self._entries.popleft()
-            self._held -= entry.size
-            if entry.request.arrived_mono >= oldest:
-                self.dropped += 1
-            if self._by_id.get(entry.request.id) is entry:
-                del self._by_id[entry.request.id]
+        while self._entries and self._held > self.max_bytes:
+            self._let_go(self._entries.popleft(), oldest)
+        if self._entries and self._entries[0].request.arrived_mono < oldest:
+            kept: collections.deque[_Entry] = collections.deque()
+            for entry in self._entries:
+                if entry.request.arrived_mono < oldest and entry.end is not None:
+                    self._let_go(entry, oldest)
+                else:
+                    kept.append(entry)
+            self._entries = kept
+
+    def _let_go(self, entry: _Entry, oldest: float) -> None:
+        self._held -= entry.size
+        if entry.request.arrived_mono >= oldest:
+            self.dropped += 1
+        if self._by_id.get(entry.request.id) is entry:
+            del self._by_id[entry.request.id]
 
     def requests(self, view: DeliveryView | None = None, *, until: float | None = None) -> tuple[RecordedRequest, ...]:
         """Every request held, in arrival order (those arrived by ``until``, monotonic, if

@@ -171,7 +171,7 @@ class RequestRecorder:
             flight.skip = True
             self.dropped += 1
             return
-        self.spool.append(parts, flight.mono)
+        self.spool.append(parts, flight.mono, opens=flight.id)
         self.recorded += 1
 
     def wrote(self, flight: Flight, data: Any) -> None:
@@ -243,7 +243,7 @@ class RequestRecorder:
             self.spool.append(encode_end({"id": flight.id, "status": flight.status, "first": flight.first,
                                           "last": flight.last, "tokens": flight.tokens, "finish": flight.finish,
                                           "outcome": outcome, "gone": gone, "ended": time.monotonic()}),
-                              time.monotonic())
+                              time.monotonic(), ends=flight.id)
         except Exception as err:
             self.failed(err)
 

@@ -40,12 +40,13 @@ _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 
 
 class _Segment:
-    __slots__ = ("n", "path", "size", "newest", "ino")
+    __slots__ = ("n", "path", "size", "newest", "ino", "open_ids")
 
     def __init__(self, n: int, path: str, ino: int) -> None:
         self.n, self.path, self.ino = n, path, ino
         self.size = 0
         self.newest = 0.0  # monotonic time of its newest record
+        self.open_ids: set[str] = set()  # requests whose arrival it holds and that have not ended
 
 
 class SpoolWriter:
@@ -59,6 +60,7 @@ class SpoolWriter:
         self.segments: deque[_Segment] = deque()
         self.fd = -1
         self.next_n = 1
+        self.arrived_in: dict[str, _Segment] = {}  # a request in flight: the segment holding its arrival
 
     @property
     def held_bytes(self) -> int:
@@ -78,8 +80,11 @@ class SpoolWriter:
                 except OSError:
                     pass
 
-    def append(self, parts: list[bytes], mono: float) -> None:
-        """One record (its parts written in one ``writev``), at monotonic time ``mono``."""
+    def append(self, parts: list[bytes], mono: float, *, opens: str | None = None, ends: str | None = None) -> None:
+        """One record (its parts written in one ``writev``), at monotonic time ``mono``: the
+        arrival of request ``opens``, or the end of request ``ends``. A segment holding the
+        arrival of a request still in flight is not expired by age (the request a server hangs
+        on is the one that matters), only by the bytes bound."""
         size = sum(len(p) for p in parts)
         with self.lock:
             current = self.segments[-1] if self.segments and self.fd >= 0 else None
@@ -88,6 +93,11 @@ class SpoolWriter:
             _write_all(self.fd, parts)
             current.size += size
             current.newest = mono
+            if opens is not None:
+                current.open_ids.add(opens)
+                self.arrived_in[opens] = current
+            if ends is not None and (held := self.arrived_in.pop(ends, None)) is not None:
+                held.open_ids.discard(ends)
             self._trim()
 
     def _begin(self) -> _Segment:
@@ -106,6 +116,8 @@ class SpoolWriter:
             self._remove(self.segments.popleft())
 
     def _remove(self, segment: _Segment) -> None:
+        for rid in segment.open_ids:
+            self.arrived_in.pop(rid, None)
         try:
             os.unlink(segment.path)
         except FileNotFoundError:
@@ -115,7 +127,7 @@ class SpoolWriter:
         """Remove the segments whose newest record is past ``max_age``; notice a current
         segment removed under us (a /tmp cleaner): the next record begins a new one."""
         with self.lock:
-            while self.segments and self.segments[0].newest < now_mono - self.max_age:
+            while self.segments and self.segments[0].newest < now_mono - self.max_age and not self.segments[0].open_ids:
                 if len(self.segments) == 1 and self.fd >= 0:
                     self._close_fd()
                 self._remove(self.segments.popleft())
@@ -249,7 +261,9 @@ def read(directory: str, pid: int, *, now_mono: float, max_age: float, max_bytes
     kept = []
     for rid, record in arrivals.items():
         mono = record.get("mono")
-        if not isinstance(mono, (int, float)) or mono < now_mono - max_age or (until is not None and mono > until):
+        if not isinstance(mono, (int, float)) or (until is not None and mono > until):
+            continue
+        if mono < now_mono - max_age and rid in ends:  # past the age bound and over; one in flight stays
             continue
         if rid in ends:
             record["end"] = ends[rid]
