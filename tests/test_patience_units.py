@@ -463,3 +463,14 @@ def test_a_prompt_is_never_timed_across_a_server_restart(tmp_path):
         fh.write("2026-12-07 05:23:40,000 - INFO - Prompt processing progress: 700/700\n"
                  "2026-12-07 05:24:30,000 - INFO - Prompt processing progress: 2048/3608\n")
     assert looks.observe(None).detail["log"]["token_seconds"] == []
+
+
+def test_a_probes_hint_never_makes_a_chunk_slower_than_the_prior():
+    """Measured (bench.patience under load): the lab's probes hinted 88 s a chunk (132 s its
+    bound) of a server reading 25 s chunks, and a hang mid-read was called 132 s after it began.
+    The prior is the largest models' pace: a hint is never slower."""
+    speed = Speed(probe_read=88.0 / 2048 / 2)
+    assert speed.chunk_time() == (PRIOR_CHUNK, "from its probes' first tokens")
+    assert speed.chunk_typical() == PRIOR_CHUNK
+    fast = Speed(probe_read=10.0 / 2048 / 2)
+    assert fast.chunk_time()[0] == 15.0 and fast.chunk_typical() == 10.0

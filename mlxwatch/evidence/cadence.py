@@ -119,8 +119,11 @@ class Speed:
         if self.chunk is not None:
             return self.chunk.bound(), "learned from its chunks"
         if self.probe_read is not None:
+            # the hint errs slow (a probe's fixed cost, a loaded host): never past the prior, the
+            # largest models' pace (measured under load: the lab's probes hinted 88 s a chunk
+            # of a 25 s server, and a hang mid-read was called 132 s after it began)
             read = self.probe_read * self.chunk_tokens * PROBE_READ_FACTOR
-            return MIN_BOUND_FACTOR * read, "from its probes' first tokens"
+            return min(MIN_BOUND_FACTOR * read, PRIOR_CHUNK), "from its probes' first tokens"
         return PRIOR_CHUNK, "the prior (nothing learned yet)"
 
     def chunk_typical(self) -> float:
@@ -128,7 +131,7 @@ class Speed:
         if self.chunk is not None:
             return self.chunk.mean
         if self.probe_read is not None:
-            return self.probe_read * self.chunk_tokens * PROBE_READ_FACTOR
+            return min(self.probe_read * self.chunk_tokens * PROBE_READ_FACTOR, PRIOR_CHUNK)
         return PRIOR_CHUNK
 
     def read_time(self, tokens: float) -> float:
