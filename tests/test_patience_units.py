@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import time
 
+import pytest
+
 from mlxwatch.config import ProbeConfig
 from mlxwatch.evidence import Evidence, Stall, Window
 from mlxwatch.evidence.cadence import PRIOR_CHUNK, Cadence, Estimate, Speed
@@ -16,6 +18,8 @@ from mlxwatch.journal.incidents import Journal
 from lab.daemon import remember_pace
 from test_delivery_units import StandIn, _events, _last_probe_ok, _run_until
 from test_sight_units import _daemon
+
+pytestmark = pytest.mark.usefixtures("first_probe_soon")  # one instance: no first-probe spread
 
 KIB16 = 16 * 1024  # the request of a ~3,600-token prompt (JSON, ~4.5 bytes a token)
 

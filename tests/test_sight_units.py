@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import time
 
+import pytest
+
 from mlxwatch.config import ProbeConfig
 from mlxwatch.daemon.supervisor import Daemon
 from mlxwatch.host.process import ServerLookup
@@ -14,6 +16,8 @@ from lab.evidence import KernelAnswers, KernelShows
 from mlxwatch.config import RestartConfig
 from mlxwatch.restart.methods import OK, RestartOutcome
 from test_delivery_units import StandIn, _capture_nothing, _config, _events, _last_probe_ok, _run_until
+
+pytestmark = pytest.mark.usefixtures("first_probe_soon")  # one instance: no first-probe spread
 
 
 def _daemon(tmp_path, probe: ProbeConfig, server: StandIn, kernel, restart_cfg: RestartConfig = RestartConfig(),
