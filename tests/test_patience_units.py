@@ -200,9 +200,10 @@ async def test_a_long_prompt_read_in_silent_chunks_draws_no_verdict_and_a_hang_m
     3 s): a stream reading a long prompt, with nothing but a keepalive between its chunks, drew
     a kernel stall after the quiet window and a verdict. Now the server's learned pace (kept in
     the state file from an earlier run) allows a chunk's silence; when the keepalives stop (the
-    read hung), the stall and the verdict come within about one chunk's bound."""
-    server, kernel = StandIn(), _Reading(every=3.0)
-    daemon, journal, state = _daemon_that_learned(tmp_path, server, kernel, chunk=3.0)
+    read hung), the stall and the verdict come within about one chunk's bound. Run at a chunk of
+    2 s (twice the quiet window) for four chunks (over two and a half chunk bounds of 3 s)."""
+    server, kernel = StandIn(), _Reading(every=2.0)
+    daemon, journal, state = _daemon_that_learned(tmp_path, server, kernel, chunk=2.0)
     seen: dict[str, float] = {}
 
     def run(j: Journal) -> bool:
@@ -210,7 +211,7 @@ async def test_a_long_prompt_read_in_silent_chunks_draws_no_verdict_and_a_hang_m
         if "from" not in seen and _last_probe_ok(state):
             kernel.start()
             server.delay, seen["from"] = None, now  # the probe queues behind the read
-        if "from" in seen and kernel.reading and now - seen["from"] > 13.0:
+        if "from" in seen and kernel.reading and now - seen["from"] > 8.5:
             assert "kernel_stall" not in _events(j) and "verdict" not in _events(j), _events(j)
             kernel.reading, seen["hung"] = False, now
         return "verdict" in _events(j)
