@@ -127,6 +127,24 @@ def without_lab_groups():
 
 
 # Fixtures more than one test module uses live here, never imported from one test file into another.
+@pytest.fixture
+def first_probe_soon(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An in-process daemon's first probe within 0.2 s of its start: the spread that keeps many
+    instances' first probes apart (up to min(interval, 5 s), at random) is no part of what a
+    test of one instance is about, and at interval 60 s it cost 2.5 s on average."""
+    from mlxwatch.daemon import watcher
+    monkeypatch.setattr(watcher, "FIRST_PROBE_SPREAD", 0.2)
+
+
+@pytest.fixture
+def kernel_read_often(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kernel's counters read at each look (every 2 s) while healthy, not every 5 s: at a
+    test's quiet_window of 1 s, the low rate (it only delays seeing a stall) was most of the wait
+    for a stream the test opened to be seen."""
+    from mlxwatch.evidence import kernel
+    monkeypatch.setattr(kernel, "POLL_HEALTHY", 1.0)
+
+
 class FullDisk:
     """A disk with ``free`` bytes left under ``directory``, simulated at the OS-call boundary (a
     real small tmpfs needs root and mount): an ``os.write`` to a file opened (``os.open``) for

@@ -909,6 +909,7 @@ def test_demo_keep_says_what_was_kept(tmp_path):
             assert expected in text and "are gone" not in text
 
 
+@pytest.mark.usefixtures("first_probe_soon")  # one instance: no first-probe spread (up to 5 s)
 async def test_after_recovery_status_shows_the_recovery_probe(tmp_path):
     """Measured: after a recovery `status` said healthy with "last probe: failed". A daemon
     watching a stand-in that hangs, then answers again after the restart: healthy and ok."""
@@ -938,8 +939,9 @@ async def test_after_recovery_status_shows_the_recovery_probe(tmp_path):
             return RestartOutcome(OK, "stand-in answers again")
 
         # A long interval: the recovery probe is the last one before the daemon is stopped (a
-        # later probe on a loaded machine could fail its deadline and be what status shows).
-        probe = ProbeConfig(interval=30.0, suspect_interval=0.1, first_token_timeout=2.0, timeout=4.0, failures=1,
+        # later probe on a loaded machine could fail its deadline and be what status shows). A
+        # failed probe's stream is read until `timeout`: 2.5 s, not 4, before each verdict.
+        probe = ProbeConfig(interval=30.0, suspect_interval=0.1, first_token_timeout=2.0, timeout=2.5, failures=1,
                             endpoint_timeout=1.0, startup_timeout=30.0)
         cfg = Config(None, (InstanceConfig("gemma", f"http://127.0.0.1:{port}", None, None, probe,
                                            RestartConfig("command", argv=("true",), backoff=0.1)),),

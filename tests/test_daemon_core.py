@@ -271,9 +271,11 @@ async def test_a_second_daemon_on_the_same_state_dir_is_refused(tmp_path):
     assert collect_status(cfg, cfg.state_dir)["daemon"]["running"] is False
 
 
-async def test_status_of_a_running_daemon_mid_incident_says_in_progress(tmp_path):
+async def test_status_of_a_running_daemon_mid_incident_says_in_progress(tmp_path, monkeypatch):
     """A running daemon's open incident is not "daemon stopped at ..."."""
     from rich.console import Console
+
+    monkeypatch.setattr(supervisor_module, "STOP_RESTART_WAIT", 0.3)  # the stop's wait for a restart that never ends
 
     cfg = config(tmp_path / "state", f"http://127.0.0.1:{free_port()}", RestartConfig("command", argv=("true",)))
     async with Running(cfg, restart_fn=never) as run:
@@ -504,10 +506,11 @@ def test_restart_failure_is_raised_not_recorded_as_ok():
         asyncio.run(restart(RestartContext(inst, None, None)))
 
 
-async def test_a_restart_left_running_by_a_killed_daemon_gets_its_startup_time(tmp_path):
+async def test_a_restart_left_running_by_a_killed_daemon_gets_its_startup_time(tmp_path, monkeypatch):
     """A daemon killed while its restart hook ran: the next start closes the incident and gives
     the hook's server `startup_timeout` to appear, instead of a `crashed` verdict (and a second
     restart racing the first) while nothing listens yet."""
+    monkeypatch.setattr(supervisor_module, "STOP_RESTART_WAIT", 0.3)  # the stop's wait for a restart that never ends
     url = f"http://127.0.0.1:{free_port()}"
     cfg = config(tmp_path / "state", url, RestartConfig("command", argv=("true",)))
     async with Running(cfg, restart_fn=never) as run:

@@ -100,7 +100,7 @@ def test_short_requests_of_the_daemons_client_are_never_read_as_another_clients(
     caught: list[bool] = []  # each server end caught with its client end open: was it ours?
     try:
         deadline = time.monotonic() + 60.0
-        while len(caught) < 20 and time.monotonic() < deadline:
+        while len(caught) < 10 and time.monotonic() < deadline:  # unregistered, 7 of 7 were misread: 10 show it
             caught += [c.own for c in reader([port]).connections if not c.closed]
     finally:
         stop.set()

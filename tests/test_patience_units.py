@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import time
 
+import pytest
+
 from mlxwatch.config import ProbeConfig
 from mlxwatch.evidence import Evidence, Stall, Window
 from mlxwatch.evidence.cadence import PRIOR_CHUNK, Cadence, Estimate, Speed
@@ -16,6 +18,8 @@ from mlxwatch.journal.incidents import Journal
 from lab.daemon import remember_pace
 from test_delivery_units import StandIn, _events, _last_probe_ok, _run_until
 from test_sight_units import _daemon
+
+pytestmark = pytest.mark.usefixtures("first_probe_soon", "kernel_read_often")  # one instance; waits that are not the point
 
 KIB16 = 16 * 1024  # the request of a ~3,600-token prompt (JSON, ~4.5 bytes a token)
 
@@ -195,9 +199,10 @@ async def test_a_long_prompt_read_in_silent_chunks_draws_no_verdict_and_a_hang_m
     3 s): a stream reading a long prompt, with nothing but a keepalive between its chunks, drew
     a kernel stall after the quiet window and a verdict. Now the server's learned pace (kept in
     the state file from an earlier run) allows a chunk's silence; when the keepalives stop (the
-    read hung), the stall and the verdict come within about one chunk's bound."""
-    server, kernel = StandIn(), _Reading(every=3.0)
-    daemon, journal, state = _daemon_that_learned(tmp_path, server, kernel, chunk=3.0)
+    read hung), the stall and the verdict come within about one chunk's bound. Run at a chunk of
+    2 s (twice the quiet window) for four chunks (over two and a half chunk bounds of 3 s)."""
+    server, kernel = StandIn(), _Reading(every=2.0)
+    daemon, journal, state = _daemon_that_learned(tmp_path, server, kernel, chunk=2.0)
     seen: dict[str, float] = {}
 
     def run(j: Journal) -> bool:
@@ -205,7 +210,7 @@ async def test_a_long_prompt_read_in_silent_chunks_draws_no_verdict_and_a_hang_m
         if "from" not in seen and _last_probe_ok(state):
             kernel.start()
             server.delay, seen["from"] = None, now  # the probe queues behind the read
-        if "from" in seen and kernel.reading and now - seen["from"] > 13.0:
+        if "from" in seen and kernel.reading and now - seen["from"] > 8.5:
             assert "kernel_stall" not in _events(j) and "verdict" not in _events(j), _events(j)
             kernel.reading, seen["hung"] = False, now
         return "verdict" in _events(j)

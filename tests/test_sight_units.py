@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import time
 
+import pytest
+
 from mlxwatch.config import ProbeConfig
 from mlxwatch.daemon.supervisor import Daemon
 from mlxwatch.host.process import ServerLookup
@@ -13,7 +15,10 @@ from mlxwatch.journal.incidents import Journal
 from lab.evidence import KernelAnswers, KernelShows
 from mlxwatch.config import RestartConfig
 from mlxwatch.restart.methods import OK, RestartOutcome
+from lab.daemon import remember_pace
 from test_delivery_units import StandIn, _capture_nothing, _config, _events, _last_probe_ok, _run_until
+
+pytestmark = pytest.mark.usefixtures("first_probe_soon", "kernel_read_often")  # one instance; waits that are not the point
 
 
 def _daemon(tmp_path, probe: ProbeConfig, server: StandIn, kernel, restart_cfg: RestartConfig = RestartConfig(),
@@ -119,6 +124,9 @@ async def test_client_streams_left_without_a_byte_are_a_stall_and_the_next_probe
     probe = ProbeConfig(interval=60.0, suspect_interval=10.0, first_token_timeout=30.0, timeout=60.0,
                         quiet_window=1.0, endpoint_timeout=0.5, startup_timeout=30.0)
     daemon, journal, state = _daemon(tmp_path, probe, server, kernel)
+    # A pace learned earlier (1 s a chunk): else the first probe's time to first token hints at
+    # it, and on a loaded machine that hint let the open stream read a prompt for 12 to 38 s.
+    remember_pace(state, 1.0)
     seen: dict[str, float] = {}
 
     def stalled(j: Journal) -> bool:
