@@ -1308,8 +1308,12 @@ async def test_a_request_sent_a_byte_at_a_time_is_cut_off_at_a_deadline_for_the_
         loop = asyncio.get_running_loop()
         started = loop.time()
         senders = [asyncio.create_task(dribble(w1, heads)), asyncio.create_task(dribble(w2, b"x" * 1000))]
-        half_head = await _closed_by_the_door(r1)
-        short_body = await _closed_by_the_door(r2)
+        try:  # no answer is owed to half a head: the door closes, and the bytes the client still
+            # sends after it make the kernel reset the connection (seen under load: 3 runs in 4)
+            half_head = await _closed_by_the_door(r1)
+        except ConnectionResetError:
+            half_head = b""
+        short_body = await _closed_by_the_door(r2)  # the 408 lingers: read whole, never reset
         for sender in senders:
             sender.cancel()
         await asyncio.gather(*senders, return_exceptions=True)
