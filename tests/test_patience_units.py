@@ -479,3 +479,20 @@ def test_a_probes_hint_never_makes_a_chunk_slower_than_the_prior():
     assert speed.chunk_typical() == PRIOR_CHUNK
     fast = Speed(probe_read=10.0 / 2048 / 2)
     assert fast.chunk_time()[0] == 15.0 and fast.chunk_typical() == 10.0
+
+
+def test_a_stream_first_seen_past_its_head_is_matched_to_the_prompt_the_log_read():
+    """Measured (bench.patience, livelock after a long prefill, the daemon healthy and reading
+    the kernel every 5 s): the agent's stream was first seen with its head already out, its
+    request's size was not kept, it matched no prompt the log read, and the token its finished
+    prompt owed was never overdue: the livelock was called 147 s after its onset (goal 60 s)."""
+    from test_evidence import conn, looks, source
+
+    src = source([conn(5000, 248, 1, received=14_600)], [conn(5000, 248 + 23, 2, received=14_600)])
+    got = looks(src, 1.0, 2.0)
+    (owed,) = got.detail["kernel"]["owed"]
+    assert owed["request_bytes"] == 14_600 and owed["streamed"]
+    cadence = _learned(25.0)
+    detail = {**got.detail, "log": {"followed": True, "open": {}, "completed": [(3.0, 3608)], "token_seconds": []}}
+    pace = cadence.judge(3.0 + 8.0 + 1.0, None, detail)  # the floor (quiet_window 8 s) past the N/N
+    assert pace.overdue is not None and "finished reading" in pace.overdue

@@ -174,7 +174,10 @@ class KernelSource:
         if before is None:  # a baseline: what it got before is unknown
             phase = IDLE if c.bytes_received == 0 else WAITING if c.written == 0 else STREAM
             return _Conn(at, c.written, c.bytes_received, c.segments_out, phase, at,
-                         request_bytes=c.bytes_received if phase == WAITING else 0, unsent=c.unsent,
+                         # its request's size, whether its head went out yet or not (measured: a stream first
+                         # seen past its head had no size, matched no prompt the log read, and a livelock
+                         # after its N/N was called 147 s after its onset, not 60)
+                         request_bytes=c.bytes_received if phase != IDLE else 0, unsent=c.unsent,
                          headed_at=at if phase == STREAM else None)
         if c.bytes_received > before.received:  # a request: the answer before it, if any, is over
             if before.phase != WAITING:
