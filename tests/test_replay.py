@@ -112,8 +112,10 @@ def test_the_server_receives_the_recorded_bytes(tmp_path):
         return bodies
 
     got = asyncio.run(go())
-    assert [hashlib.sha256(b).hexdigest() for b in got] == \
-        [json.loads((bundle / INDEX).read_text())[i]["body_sha256"] for i in range(4)]
+    # the bytes, each request's; the order they reach the server in is the sending order only as
+    # far as the machine keeps it: 5 ms apart here, a loaded machine swapped two (seen in CI's tier)
+    assert sorted(hashlib.sha256(b).hexdigest() for b in got) == \
+        sorted(json.loads((bundle / INDEX).read_text())[i]["body_sha256"] for i in range(4))
 
 
 def test_the_bundles_own_server_is_refused_unless_allowed(tmp_path, standin, capsys):
