@@ -217,6 +217,7 @@ async def test_daemon_gives_no_verdict_while_progress_goes_on_in_the_rotated_log
     from mlxwatch.config import CaptureConfig, Config, InstanceConfig, ProbeConfig
     from mlxwatch.daemon.supervisor import Daemon
     from mlxwatch.journal.incidents import Journal
+    from lab.daemon import remember_pace
     from lab.ports import free_port
     from lab.standin import STANDIN
 
@@ -232,6 +233,9 @@ async def test_daemon_gives_no_verdict_while_progress_goes_on_in_the_rotated_log
                         endpoint_timeout=0.3, startup_timeout=30.0, quiet_window=1.0)
     cfg = Config(None, (InstanceConfig("rotated", f"http://127.0.0.1:{port}", log, None, probe),), tmp_path / "state",
                  (), CaptureConfig(snapshots=1, spacing=0.1, ceiling=5.0))
+    # a pace learned before (1 s a chunk): the writer's chunks come every 20 ms, too fast to time,
+    # and a loaded machine's probes hint up to the prior (a minute a chunk), the test's whole bound
+    remember_pace(cfg.state_dir / "state.json", 1.0, name="rotated", url=f"http://127.0.0.1:{port}")
     daemon = Daemon(cfg, cfg.state_dir, heartbeat=3600.0)
     stop, reload = asyncio.Event(), asyncio.Event()
     journal = Journal(cfg.state_dir)
