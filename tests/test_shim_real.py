@@ -137,7 +137,8 @@ def test_a_request_recorded_by_launch_record_is_in_the_bundle_byte_for_byte_and_
                      "--stall-timeout", "5s"])
     assert code == 1 and "not reproduced: " in out, out  # no hang: exit 1
     again = [r["body"] for r in _spooled(shim_lab) if marker.encode() in r["body"]]
-    assert len(again) == before + 2 and again[-2:] == [streamed, whole]  # the server got the same bytes
+    # the server got the same bytes (in the order the machine kept: a loaded one swapped the two)
+    assert len(again) == before + 2 and sorted(again[-2:]) == sorted([streamed, whole])
 
 
 def trigger(server: LabServer, fault: str) -> None:
@@ -340,9 +341,11 @@ def test_answers_are_byte_identical_with_and_without_the_shim(server_python, lab
         try:
             answers[label] = _answers(server.url)
             if shim is not None:
-                hb = wait_hb(server, lambda h: h.tokens > 0, what="tokens")
+                # the heartbeat is published about once a second: wait for the one that counts them all
+                hb = wait_hb(server, lambda h: h.tokens > 0 and (h.record or {}).get("recorded", 0) >= 7,
+                             what="tokens and 7 requests recorded")
                 assert hb.seam_ok and hb.record is not None and hb.record["state"] == "on"
-                assert hb.record["recorded"] >= 7 and hb.record["errors"] == 0
+                assert hb.record["errors"] == 0
         finally:
             server.stop()
     assert answers["shim"] == answers["plain"]
