@@ -98,20 +98,24 @@ async def _server_side(bodies: list[bytes]) -> tuple[str, asyncio.AbstractServer
     return f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}", server
 
 
-def test_the_server_receives_the_recorded_bytes(tmp_path):
-    """Replay fidelity, checked where it matters: the body bytes the server read are the recorded ones."""
-    bundle = _bundle(tmp_path)
-    requests = load_requests(bundle)
+def replayed_to_a_server_that_keeps_the_bodies(requests, speed: float = 10.0):
+    """``replay`` to a loopback server that keeps each body it read: the outcome, and the bodies."""
 
-    async def go() -> list[bytes]:
+    async def go():
         bodies: list[bytes] = []
         url, server = await _server_side(bodies)
         async with server:
-            outcome = await replay(requests, url, ReplayOptions(speed=10.0))
-        assert not outcome.hung
-        return bodies
+            outcome = await replay(requests, url, ReplayOptions(speed=speed))
+        return outcome, bodies
 
-    got = asyncio.run(go())
+    return asyncio.run(go())
+
+
+def test_the_server_receives_the_recorded_bytes(tmp_path):
+    """Replay fidelity, checked where it matters: the body bytes the server read are the recorded ones."""
+    bundle = _bundle(tmp_path)
+    outcome, got = replayed_to_a_server_that_keeps_the_bodies(load_requests(bundle))
+    assert not outcome.hung
     # the bytes, each request's; the order they reach the server in is the sending order only as
     # far as the machine keeps it: 5 ms apart here, a loaded machine swapped two (seen in CI's tier)
     assert sorted(hashlib.sha256(b).hexdigest() for b in got) == \

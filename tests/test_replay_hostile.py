@@ -163,28 +163,16 @@ def test_a_body_larger_than_a_doors_default_limit_reaches_the_server(tmp_path):
     larger body (the shim has no such limit; a door may be configured higher) got 413 from the
     replay's door, never reached the server, and the replay said "not reproduced" (exit 1: a
     bisect reads it as fixed)."""
-    import asyncio
     import hashlib
 
-    from mlxwatch.replay.options import ReplayOptions
-    from mlxwatch.replay.session import replay
-    from test_replay import _server_side
+    from test_replay import replayed_to_a_server_that_keeps_the_bodies
 
     bundle = _bundle(tmp_path)
     big = b'{"messages": [{"role": "user", "content": "' + b"z" * (20 * 1024**2) + b'"}], "stream": true}'
     (bundle / "requests/body-000001.bin").write_bytes(big)
     _edit(bundle, 0, body_sha256=hashlib.sha256(big).hexdigest(), body_bytes=len(big))
-    requests = load_requests(bundle)
-
-    async def go() -> list[bytes]:
-        bodies: list[bytes] = []
-        url, server = await _server_side(bodies)
-        async with server:
-            outcome = await replay(requests, url, ReplayOptions(speed=10.0))
-        assert [a.status for a in sorted(outcome.answers, key=lambda a: a.seq)] == [200] * 4, outcome.answers
-        return bodies
-
-    got = asyncio.run(go())
+    outcome, got = replayed_to_a_server_that_keeps_the_bodies(load_requests(bundle))
+    assert [a.status for a in sorted(outcome.answers, key=lambda a: a.seq)] == [200] * 4, outcome.answers
     assert sorted(len(b) for b in got)[-1] == len(big)
 
 
