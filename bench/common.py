@@ -27,6 +27,17 @@ SRC = Path(os.environ.get("MLXWATCH_BENCH_SRC") or ROOT)
 # The test lab (lab servers with faults, the stand-in) lives in tests/lab, outside the package:
 # benchmarks import it as `lab`, as the tests do.
 sys.path.insert(0, str(SRC / "tests"))
+# The daemons, shims and servers a benchmark starts keep their runtime files (shim heartbeats,
+# one-daemon-per-server locks: thousands at 300 stand-ins on fresh ports) in a directory of this
+# run, removed at its end, never in the user's shared /tmp/mlxwatch-<uid> (as tests/conftest.py).
+if "MLXWATCH_RUNTIME_DIR" not in os.environ:
+    import atexit
+    import shutil
+    import tempfile
+
+    _RUNTIME = tempfile.mkdtemp(prefix="mlxwatch-bench-runtime-")
+    os.environ["MLXWATCH_RUNTIME_DIR"] = _RUNTIME
+    atexit.register(shutil.rmtree, _RUNTIME, True)
 VENVS = Path(os.environ.get("MLXWATCH_VENVS") or ROOT / ".venvs")
 TEST_PYTHON = VENVS / "test" / "bin" / "python"  # mlxwatch + the newest mlx-lm 0.32.x
 OLD_PYTHON = VENVS / "mlx-lm-0.31.3" / "bin" / "python"  # the server of the public report
