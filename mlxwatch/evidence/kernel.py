@@ -263,19 +263,18 @@ class KernelSource:
 
     def _pace_signs(self) -> dict:
         """For the cadence: the requests owed a first token (when each arrived, its size, a
-        stream or not), and when the last keepalive and the last tokens were sent (monotonic).
-        A stream whose client leaves the server's writes unread is owed nothing."""
+        stream or not), the gaps between two keepalives on one stream since the last call, and
+        when tokens or an answer last went out (monotonic). A stream whose client leaves the
+        server's writes unread is owed nothing."""
         owed = [{"arrived": c.since, "request_bytes": c.request_bytes, "streamed": False}
                 for c in self.conns.values() if c.phase == WAITING]
         owed += [{"arrived": c.headed_at if c.headed_at is not None else c.since, "request_bytes": c.request_bytes,
                   "streamed": True} for c in self.conns.values()
                  if c.phase == STREAM and c.token_at is None and c.unsent == 0]
-        last = {kind: next((f.at for f in reversed(self.flows) if f.kind == kind), None)
-                for kind in ("keepalive", "tokens", "answer")}
-        tokens = [t for t in (last["tokens"], last["answer"]) if t is not None]
+        # flows are kept in time order: the last that is not a keepalive is the last delivery
+        last_token = next((f.at for f in reversed(self.flows) if f.kind != "keepalive"), None)
         gaps, self.keepalive_gaps = self.keepalive_gaps, []
-        return {"owed": owed, "last_keepalive": last["keepalive"], "keepalive_gaps": gaps,
-                "last_token": max(tokens) if tokens else None}
+        return {"owed": owed, "keepalive_gaps": gaps, "last_token": last_token}
 
     def answer(self, window: Window) -> Evidence:
         reading = self.last_reading
