@@ -27,10 +27,11 @@ What the server owes decides which pace applies (``judge``), never longer than `
   arrived after the last sign): the next sign (a chunk logged, a keepalive, a token) is due
   within one chunk's bound of the last one; prompts the last batch step read together (the
   log's ``together``) are read a chunk each in the next, so their next line is due after all
-  those tokens (the log times a chunk by every prompt's tokens read meanwhile). Where no sign can show between chunks (no log
-  followed, a non-streamed request), the whole prompt's reading is allowed from its arrival. A
-  chunk that runs late while the server computes (its process's CPU, or on a Mac the GPU:
-  ``mlxwatch.evidence.gpu``) gets one more chunk's time, no more: a livelock computes too;
+  those tokens (the log times a chunk by every prompt's tokens read meanwhile). Where no sign
+  can show between chunks (no log followed, a non-streamed request), the whole prompt's
+  reading is allowed from its arrival. A chunk that runs late while the server computes (its
+  process's CPU, or on a Mac the GPU: ``mlxwatch.evidence.gpu``) gets one more chunk's time,
+  no more: a livelock computes too;
 - **a non-streamed answer** (a request that got nothing, no stream): sent whole at its end, so
   its silence is hidden work until its prompt's reading plus, while the server computes,
   ``--max-tokens`` decode steps (a few steps while it idles: a blocked server takes nothing up);
@@ -118,21 +119,26 @@ class Speed:
         """A full chunk's bound in seconds, and what it rests on."""
         if self.chunk is not None:
             return self.chunk.bound(), "learned from its chunks"
-        if self.probe_read is not None:
-            # the hint errs slow (a probe's fixed cost, a loaded host): never past the prior, the
-            # largest models' pace (measured under load: the lab's probes hinted 88 s a chunk
-            # of a 25 s server, and a hang mid-read was called 132 s after it began)
-            read = self.probe_read * self.chunk_tokens * PROBE_READ_FACTOR
-            return min(MIN_BOUND_FACTOR * read, PRIOR_CHUNK), "from its probes' first tokens"
+        if (hint := self._probe_hint()) is not None:
+            return min(MIN_BOUND_FACTOR * hint, PRIOR_CHUNK), "from its probes' first tokens"
         return PRIOR_CHUNK, "the prior (nothing learned yet)"
 
     def chunk_typical(self) -> float:
         """A chunk's usual time (the estimate's mean), for people; ``chunk_time`` is its bound."""
         if self.chunk is not None:
             return self.chunk.mean
-        if self.probe_read is not None:
-            return min(self.probe_read * self.chunk_tokens * PROBE_READ_FACTOR, PRIOR_CHUNK)
+        if (hint := self._probe_hint()) is not None:
+            return min(hint, PRIOR_CHUNK)
         return PRIOR_CHUNK
+
+    def _probe_hint(self) -> float | None:
+        """A chunk's time as the probes hint it (doubled: it errs slow), if they have. The
+        bounds never take it past the prior, the largest models' pace: a probe's fixed cost
+        on a loaded host made the lab's probes hint 88 s a chunk of a 25 s server, and a hang
+        mid-read was called 132 s after it began."""
+        if self.probe_read is None:
+            return None
+        return self.probe_read * self.chunk_tokens * PROBE_READ_FACTOR
 
     def read_time(self, tokens: float) -> float:
         """The bound for reading ``tokens`` prompt tokens, at this pace."""
@@ -284,7 +290,8 @@ class Cadence:
         # mlx-lm reads a chunk of each of them in one batch step (``together``: those the latest
         # step read), and logs them all at its end: the next line is due after all their tokens.
         open_prompts = sorted((log.get("open") or {}).items())
-        together = [(y, xa) for y, xa in open_prompts if y in set(log.get("together") or ())]
+        read_together = set(log.get("together") or ())
+        together = [(y, xa) for y, xa in open_prompts if y in read_together]
         for group in ([together] if together else [[p] for p in open_prompts]):
             tokens = sum(min(self.speed.chunk_tokens, y - x) for y, (x, _) in group)
             y, (x, at) = max(group, key=lambda p: p[1][1])

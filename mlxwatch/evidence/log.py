@@ -26,7 +26,7 @@ import asyncio
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, NamedTuple
 
 from mlxwatch.evidence import Evidence, Seeing, Window
 from mlxwatch.probes import CheckReport
@@ -93,6 +93,16 @@ def own_prompt_progress(report: CheckReport | None) -> str | None:
     return None
 
 
+class _Open(NamedTuple):
+    """A prompt being read: its last line's X, when it was read, when it was logged (if the
+    line says), and ``LogSource.read_total`` then."""
+
+    x: int
+    at: float
+    logged: float | None
+    total: int
+
+
 @dataclass
 class LogSource:
     tracker: ProgressTracker
@@ -101,8 +111,7 @@ class LogSource:
     advances: deque[tuple[float, int, int]] = field(default_factory=lambda: deque(maxlen=KEPT))
     read_at: float | None = None
     pending_notes: list[str] = field(default_factory=list)  # from priming: said with the next answer
-    reading: dict[int, tuple[int, float]] = field(default_factory=dict)  # prompt Y -> (X, when) while X < Y
-    reading_mark: dict[int, tuple[float | None, int]] = field(default_factory=dict)  # Y -> (its line's stamp, read_total then)
+    reading: dict[int, _Open] = field(default_factory=dict)  # prompt Y -> its last line, while X < Y
     read_total: int = 0  # prompt tokens the log showed read, all prompts together
     completed: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=OPEN_KEPT))  # (when, Y)
     token_seconds: list[float] = field(default_factory=list)  # speed samples not yet given
@@ -115,23 +124,21 @@ class LogSource:
         timed by one prompt's tokens alone, the pace was three times too slow)."""
         for x, y, logged in advanced:
             before = self.reading.pop(y, None)
-            self.read_total += x - (before[0] if before is not None else 0)
-            stamped, total = self.reading_mark.pop(y, (None, self.read_total))
-            read = self.read_total - total
-            if before is not None and x > before[0] and read >= MIN_SAMPLE_TOKENS:  # not a new one of its size
-                if logged is not None and stamped is not None:
-                    if logged > stamped:
-                        self.token_seconds.append((logged - stamped) / read)
-                elif at > before[1]:
-                    self.token_seconds.append((at - before[1]) / read)
+            self.read_total += x - (before.x if before is not None else 0)
+            # not a new request of its size, and far enough apart to time
+            read = self.read_total - before.total if before is not None else 0
+            if before is not None and x > before.x and read >= MIN_SAMPLE_TOKENS:
+                if logged is not None and before.logged is not None:
+                    if logged > before.logged:
+                        self.token_seconds.append((logged - before.logged) / read)
+                elif at > before.at:
+                    self.token_seconds.append((at - before.at) / read)
             if x < y:
-                self.reading[y] = (x, at)
-                self.reading_mark[y] = (logged, self.read_total)
+                self.reading[y] = _Open(x, at, logged, self.read_total)
             else:
                 self.completed.append((at, y))
         while len(self.reading) > OPEN_KEPT:
-            self.reading_mark.pop(y := next(iter(self.reading)), None)
-            self.reading.pop(y)
+            self.reading.pop(next(iter(self.reading)))
 
     def _read_together(self) -> list[int]:
         """The open prompts (their Ys) the latest batch step read: their lines were logged
@@ -140,12 +147,12 @@ class LogSource:
         a prompt left mid-read (its client gone) is not among them."""
         if not self.reading:
             return []
-        stamps = {y: mark[0] for y, mark in self.reading_mark.items() if mark[0] is not None and y in self.reading}
+        stamps = {y: o.logged for y, o in self.reading.items() if o.logged is not None}
         if stamps:
             newest = max(stamps.values())
             return sorted(y for y, stamp in stamps.items() if newest - stamp <= STEP_SPREAD)
-        newest_at = max(at for _, at in self.reading.values())
-        return sorted(y for y, (_, at) in self.reading.items() if at == newest_at)
+        newest_at = max(o.at for o in self.reading.values())
+        return sorted(y for y, o in self.reading.items() if o.at == newest_at)
 
     def follow(self, log: Path) -> bool:
         """Follow ``log`` from its end from now on (a launchd job's log, named later); False
@@ -179,7 +186,6 @@ class LogSource:
                 self.advances.extend((window.end, x, y) for x, y, _ in advanced)
                 if self.tracker.server_started:  # a new process: no prompt is read across it
                     self.reading.clear()
-                    self.reading_mark.clear()
                 self._pace(window.end, advanced)
         inside = [(x, y) for at, x, y in self.advances if window.start < at <= window.end]
         progress = []
@@ -191,7 +197,8 @@ class LogSource:
             progress.append(own)
         last = self.advances[-1][0] if self.advances else None
         samples, self.token_seconds = self.token_seconds, []
-        detail = {"log": {"followed": self.tracker.follower is not None, "open": dict(self.reading),
+        detail = {"log": {"followed": self.tracker.follower is not None,
+                          "open": {y: (o.x, o.at) for y, o in self.reading.items()},
                           "together": self._read_together(),
                           "completed": list(self.completed), "token_seconds": samples}}
         return Evidence(progress=tuple(progress), notes=tuple(notes), last_flow=last, detail=detail)
