@@ -102,10 +102,13 @@ class LinuxReader:
         client_ends = {(m.src, m.sport): m.inode for m in found
                        if m.dport in wanted and m.inode}  # a client end on this machine: whose is it?
         own = _own_socket_inodes() if client_ends else set()
-        out = [self._connection(m, own=(m.dst, m.dport) in self.registered or client_ends.get((m.dst, m.dport)) in own)
-               for m in found if m.sport in wanted]
+        out = [self._connection(m, own=self._own((m.dst, m.dport), client_ends, own)) for m in found if m.sport in wanted]
         self.tracked = {c.key[1] for c in out if not c.own and (not c.closed or c.key[1] in self.tracked)}
         return Reading(at, tuple(out))
+
+    def _own(self, client: tuple[str, int], client_ends: dict[tuple[str, int], int], inodes: set[int]) -> bool:
+        """Is the connection from ``client`` the daemon's: registered, or its socket ours now?"""
+        return client in self.registered or client_ends.get(client) in inodes
 
     @staticmethod
     def _connection(m: sockdiag.DiagSocket, own: bool) -> Connection:
