@@ -57,6 +57,7 @@ SPEEDS = (5.0, 12.0, 30.0, 60.0)  # ms a prompt token
 DELIVERIES = ("streamed", "whole")
 MODES = ("computing", "idle")
 HANG_MS = 12.0
+DEFAULT_TOKENS = 3600
 GOALS = {"hang": 120.0, "livelock": 60.0}  # onset -> verdict, seconds
 AGENT = SRC / "tests" / "lab" / "agent.py"
 SECTION = "## Big models at the defaults: patience while a long prompt is read"
@@ -199,10 +200,11 @@ def section(data: dict[str, Any]) -> str:
              "its prompts one after the other; **whole**, three agents sending two prompts each without streaming.",
              "", "| ms a token | a chunk, s | answers | process | mlx-lm | prompt tokens | verdicts (goal 0) | "
              "answered (goal all) | restarts | `slow` | run |", "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for row in row_ids():
-        r = rows.get(row)
-        if r is None or row in GOALS:
-            continue
+    order = {row: n for n, row in enumerate(row_ids())}
+    speeds = sorted((k for k in rows if k.split("@")[0] not in GOALS),
+                    key=lambda k: (rows[k]["prompt_tokens"], order.get(k.split("@")[0], len(order))))
+    for key in speeds:
+        r = rows[key]
         all_answered = r["answered"] == r["requests"]
         lines.append(f"| {r['ms_per_token']:g} | {r['chunk_s']:g} | {r['delivery']} | {r['mode']} | {r['mlx_lm']} | "
                      f"{r['prompt_tokens']:,} | {r['verdicts']}{'' if r['verdicts'] == 0 else ' **missed**'} | "
@@ -232,7 +234,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.patience", description=__doc__.split("\n")[0])
     parser.add_argument("--rows", default="12/*,hang,livelock",
                         help="comma-separated rows or shell patterns (default: the 12 ms rows, hang, livelock)")
-    parser.add_argument("--tokens", type=int, default=3600, help="prompt tokens a request (default 3600)")
+    parser.add_argument("--tokens", type=int, default=DEFAULT_TOKENS,
+                        help=f"prompt tokens a request (default {DEFAULT_TOKENS}; other sizes are rows of their own)")
     parser.add_argument("--turns", type=int, default=3, help="the streaming agent's prompts (default 3)")
     parser.add_argument("--trials", type=int, default=3, help="trials of each hang (default 3)")
     parser.add_argument("--step", type=int, default=2048, help="the server's --prefill-step-size (default 2048)")
@@ -251,7 +254,8 @@ def main(argv: list[str] | None = None) -> int:
                     result = hang_row(args.python, workdir, row, args.trials, args.tokens, args.step)
                 else:
                     result = speed_row(args.python, workdir, row, args.tokens, args.turns, args.step)
-                done[row] = {**result, "started_at": header["started_at"], "commit": header["commit"],
+                key = row if args.tokens == DEFAULT_TOKENS else f"{row}@{args.tokens}"  # longer prompts: rows of their own
+                done[key] = {**result, "started_at": header["started_at"], "commit": header["commit"],
                              "load_average": header["load_average"]}
         if args.no_write:  # the shape of bench/patience.json: `--render FILE --no-write` prints its section
             part = {"machine": header["machine"], "rows": done, "pass": all(r["pass"] for r in done.values())}
