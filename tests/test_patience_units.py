@@ -470,15 +470,31 @@ def test_a_prompt_is_never_timed_across_a_server_restart(tmp_path):
     assert looks.observe(None).detail["log"]["token_seconds"] == []
 
 
-def test_a_probes_hint_never_makes_a_chunk_slower_than_the_prior():
-    """Measured (bench.patience under load): the lab's probes hinted 88 s a chunk (132 s its
-    bound) of a server reading 25 s chunks, and a hang mid-read was called 132 s after it began.
-    The prior is the largest models' pace: a hint is never slower."""
+def test_a_probes_hint_slower_than_the_prior_is_its_own_bound_with_no_margin():
+    """Measured (bench.patience under load): the lab's probes hinted 88 s a chunk of a server
+    reading 25 s chunks; with 1.5 hints (132 s) a hang mid-read was called 132 s after it began.
+    Past the prior (the largest models' pace) the hint is its own bound: it is already doubled."""
     speed = Speed(probe_read=88.0 / 2048 / 2)
-    assert speed.chunk_time() == (PRIOR_CHUNK, "from its probes' first tokens")
-    assert speed.chunk_typical() == PRIOR_CHUNK
+    assert speed.chunk_time() == (88.0, "from its probes' first tokens")
+    assert speed.chunk_typical() == 44.0  # what the probes measured, not doubled
     fast = Speed(probe_read=10.0 / 2048 / 2)
-    assert fast.chunk_time()[0] == 15.0 and fast.chunk_typical() == 10.0
+    assert fast.chunk_time()[0] == 15.0 and fast.chunk_typical() == 5.0
+    near = Speed(probe_read=50.0 / 2048 / 2)  # 1.5 hints pass the prior, the hint does not: the prior
+    assert near.chunk_time()[0] == PRIOR_CHUNK
+
+
+def test_a_server_slower_than_the_prior_is_given_its_second_chunk():
+    """Measured (bench.patience, 30 ms a token, the process idle, one streamed 3,608-token
+    prompt): the probes had measured 30 ms a token, the bound was capped at the prior (60 s a
+    chunk), and the second chunk (1,560 tokens) was due 45.7 s after the first; it was logged
+    47.7 s after it, 1 s after the verdict, and the answer was lost."""
+    cadence = Cadence(Speed(probe_read=0.030), quiet_window=8.0, grace_ceiling=600.0)
+    log = {"followed": True, "open": {3608: (2048, 62.0)}, "completed": []}
+    detail = {"log": log, "kernel": {"owed": [_stream(0.0)], "streams": 1}}
+    pace = cadence.judge(62.0 + 47.7, 62.0, detail)
+    assert pace.allows(62.0 + 47.7, 62.0) and pace.owes == "reading a 3,608-token prompt (2,048 read)"
+    assert "~61 s a chunk" in pace.basis
+    assert not cadence.judge(62.0 + 150.0, 62.0, detail).allows(62.0 + 150.0, 62.0)  # a hang mid-read: still called
 
 
 def test_a_stream_first_seen_past_its_head_is_matched_to_the_prompt_the_log_read():

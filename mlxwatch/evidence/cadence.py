@@ -120,7 +120,7 @@ class Speed:
         if self.chunk is not None:
             return self.chunk.bound(), "learned from its chunks"
         if (hint := self._probe_hint()) is not None:
-            return min(MIN_BOUND_FACTOR * hint, PRIOR_CHUNK), "from its probes' first tokens"
+            return min(MIN_BOUND_FACTOR * hint, max(hint, PRIOR_CHUNK)), "from its probes' first tokens"
         return PRIOR_CHUNK, "the prior (nothing learned yet)"
 
     def chunk_typical(self) -> float:
@@ -128,14 +128,16 @@ class Speed:
         if self.chunk is not None:
             return self.chunk.mean
         if (hint := self._probe_hint()) is not None:
-            return min(hint, PRIOR_CHUNK)
+            return hint / PROBE_READ_FACTOR  # the probes' own speed, not doubled
         return PRIOR_CHUNK
 
     def _probe_hint(self) -> float | None:
-        """A chunk's time as the probes hint it (doubled: it errs slow), if they have. The
-        bounds never take it past the prior, the largest models' pace: a probe's fixed cost
-        on a loaded host made the lab's probes hint 88 s a chunk of a 25 s server, and a hang
-        mid-read was called 132 s after it began."""
+        """A chunk's time as the probes hint it (doubled: it errs slow), if they have. Its
+        bound (``chunk_time``) is 1.5 hints up to the prior, the largest models' pace, and the
+        hint itself past it. Both measured: a probe's fixed cost on a loaded host made the lab's
+        probes hint 88 s a chunk of a 25 s server, and with 1.5 hints a hang mid-read was called
+        132 s after it began; capped at the prior, a server reading 61 s chunks (30 ms a token)
+        was called hung 46 s into its second chunk of 47 s, and its stream's answer was lost."""
         if self.probe_read is None:
             return None
         return self.probe_read * self.chunk_tokens * PROBE_READ_FACTOR
