@@ -3,8 +3,11 @@ docs/deciding.md ("Kernel sight") end to end through the real watcher, policy an
 
 from __future__ import annotations
 
+import asyncio
+import json
 import time
 
+import httpx
 import pytest
 
 from mlxwatch.config import ProbeConfig
@@ -87,6 +90,83 @@ async def test_a_failure_the_quiet_window_ended_is_confirmed_at_once_not_after_s
     assert confirming - first < 4.5  # its 1 s wait and at once: not 1 s and 6 s
     verdict = next(r for r in journal.records() if r["event"] == "verdict")
     assert len(verdict["failures"]) == 2 and all("nothing sent to any client" in f for f in verdict["failures"])
+
+
+class _Tokens(httpx.AsyncByteStream):
+    """A probe's stream: ``first`` tokens ``every`` seconds apart, then (``stop``) nothing, or [DONE]."""
+
+    def __init__(self, first: int, every: float, stop: bool) -> None:
+        self.first, self.every, self.stop = first, every, stop
+
+    async def __aiter__(self):
+        for _ in range(self.first):
+            yield f"data: {json.dumps({'choices': [{'delta': {'content': 'x'}}]})}\n\n".encode()
+            await asyncio.sleep(self.every)
+        if self.stop:
+            await asyncio.sleep(3600)
+        yield b"data: [DONE]\n\n"
+
+
+class _FirstTokenThenNothing(StandIn):
+    """Healthy until ``livelock``: then each stream gets its prompt's first token and nothing more."""
+
+    livelock = False
+
+    async def handle(self, request):
+        if request.url.path != "/v1/chat/completions" or not self.livelock:
+            return await super().handle(request)
+        return httpx.Response(200, headers={"content-type": "text/event-stream"}, stream=_Tokens(1, 0.0, True))
+
+
+async def test_a_probe_given_one_token_then_nothing_is_cut_short_not_left_to_its_whole_timeout(tmp_path):
+    """Measured (bench.patience, the report's shape at 12 ms a token): the probe read with the
+    prompt's last chunk got its first token, then nothing, and waited out the whole stream's
+    timeout (90 s): the verdict came 60.5 s after the onset (goal 60 s). Nothing flowing
+    anywhere, the probe's own stream included, ends its wait as it does before a first token."""
+    server, kernel = _FirstTokenThenNothing(), KernelShows(streams=0)
+    probe = ProbeConfig(interval=1.0, suspect_interval=0.4, first_token_timeout=30.0, timeout=60.0,
+                        quiet_window=1.0, endpoint_timeout=0.5, startup_timeout=30.0)
+    daemon, journal, state = _daemon(tmp_path, probe, server, kernel)
+    seen: dict[str, float] = {}
+
+    def hung(j: Journal) -> bool:
+        if "from" not in seen and _last_probe_ok(state):
+            server.livelock, seen["from"] = True, time.monotonic()
+        return "verdict" in _events(j)
+
+    await _run_until(daemon, journal, hung, timeout=70)
+    assert time.monotonic() - seen["from"] < 20.0  # not the stream's 60 s timeout
+    verdict = next(r for r in journal.records() if r["event"] == "verdict")
+    assert "1 tokens, then nothing; the wait ended early" in verdict["failures"][0], verdict["failures"]
+
+
+async def test_a_probes_own_slow_tokens_are_flow_its_wait_is_not_cut(tmp_path):
+    """The kernel leaves the daemon's own connections out, so a probe whose own tokens come
+    slowly (0.5 s apart, 6 s in all) while no client is served must not be cut at the quiet
+    window (1 s) counted from its sending: its own tokens are the flow (before, the wait was
+    cut only until a first token came)."""
+    kernel = KernelShows(streams=0)
+
+    class Slow(StandIn):
+        async def handle(self, request):
+            if request.url.path != "/v1/chat/completions":
+                return await super().handle(request)
+            return httpx.Response(200, headers={"content-type": "text/event-stream"}, stream=_Tokens(8, 0.5, False))
+
+    server = Slow()
+    probe = ProbeConfig(interval=1.0, suspect_interval=0.4, first_token_timeout=30.0, timeout=60.0,
+                        quiet_window=1.0, endpoint_timeout=0.5, startup_timeout=30.0)
+    daemon, journal, state = _daemon(tmp_path, probe, server, kernel)
+
+    def probed(j: Journal) -> bool:
+        try:
+            last = json.loads(state.read_text())["instances"]["x"].get("last_probe") or {}
+        except (OSError, ValueError, KeyError):
+            return False
+        return last.get("tokens") == 8 or "suspect" in _events(j)
+
+    await _run_until(daemon, journal, probed, timeout=60)
+    assert "verdict" not in _events(journal) and "suspect" not in _events(journal), _events(journal)
 
 
 async def test_tokens_the_kernel_sees_sent_to_other_clients_make_it_slow_never_hung(tmp_path):

@@ -277,10 +277,11 @@ class InstanceWatcher:
             pass
 
     async def probe(self, delivered_since: float | None = None) -> CheckReport:
-        """One check. While it waits for its first token the evidence is looked at every
-        ``LOOK_EVERY`` s (``_cut_reason``): nothing flowing to anyone for ``probe.quiet_window``
-        ends the wait early, as a failure; so does, with ``delivered_since`` (a recovery's
-        wait), a delivery to any client since then: the caller has its answer. A failed probe's stream is read on until the server
+        """One check. While it waits the evidence is looked at every ``LOOK_EVERY`` s
+        (``_cut_reason``): nothing flowing to anyone, the probe's own stream included (since
+        its last token), past the server's pace ends the wait early, as a failure; so does,
+        with ``delivered_since`` (a recovery's wait) and no token yet, a delivery to any client
+        since then: the caller has its answer. A failed probe's stream is read on until the server
         ends it or ``probe.timeout`` after it was sent, and longer while the server shows
         progress or delivery (``_hold_streams``): the server serves that reply anyway (mlx-lm
         notices a closed stream only when it writes), and a token on it is a delivery. A healthy
@@ -296,15 +297,23 @@ class InstanceWatcher:
             opened = self.shared.clock.monotonic()
             await self._look(opened, end=opened)  # the window opens: what the sources find now came before it
             self.cut, self.probe_sent = False, opened
+            own_token: float | None = None  # monotonic: the probe's last token (its stream is no client's)
+
+            def token() -> None:
+                nonlocal own_token
+                own_token = self.shared.clock.monotonic()
+
             check = asyncio.ensure_future(run_check(
                 self.client, self.inst.url, first_token_timeout=p.first_token_timeout, timeout=p.timeout,
-                max_tokens=p.max_tokens, endpoint_timeout=p.endpoint_timeout, read_until=p.timeout, cut=cut))
+                max_tokens=p.max_tokens, endpoint_timeout=p.endpoint_timeout, read_until=p.timeout, cut=cut,
+                on_token=token))
             while not check.done():
                 await asyncio.wait({check}, timeout=LOOK_EVERY)
                 if check.done() or cut.done():
                     continue
-                reason = await self._cut_reason(self.probe_sent)
-                if not reason and delivered_since is not None and (await self._look(delivered_since)).delivered:
+                reason = await self._cut_reason(opened if own_token is None else own_token)
+                if (not reason and delivered_since is not None and own_token is None
+                        and (await self._look(delivered_since)).delivered):
                     reason = "a client was delivered to meanwhile"
                 if reason and not cut.done():
                     self.cut = True
@@ -348,7 +357,7 @@ class InstanceWatcher:
         return evidence
 
     async def _cut_reason(self, sent: float) -> str | None:
-        """Why the probe sent at ``sent`` should stop waiting for its first token now, or None:
+        """Why the probe should stop waiting now (``sent``: when it was sent, or its last token), or None:
         nothing flowed to any client (nor any other sign of work) for ``probe.quiet_window``,
         where a source sees every client; or a source's own bound (a stall at the front door)."""
         evidence = await self._look(sent)

@@ -78,6 +78,7 @@ async def run_check(
     linger: float = 0.0,
     read_until: float | None = None,
     cut: asyncio.Future[str] | None = None,
+    on_token: Callable[[], None] | None = None,
 ) -> CheckReport:
     """Probe generation and the endpoints concurrently; never raises for the server's behaviour.
 
@@ -88,14 +89,14 @@ async def run_check(
     ``linger`` is the generation probe's (see ``probe_generation``): after a deadline verdict
     its stream is read on in ``report.lingering`` rather than dropped on a struggling server;
     ``read_until`` bounds that reading from the sending instead (``probe_generation``);
-    ``cut`` ends the wait for a first token early (``probe_generation``).
+    ``cut`` ends the probe's wait early, ``on_token`` hears its tokens (``probe_generation``).
     """
     loop = asyncio.get_running_loop()
     started = loop.time()
     generation, health, models = await asyncio.gather(
         probe_generation(
             client, url, first_token_timeout=first_token_timeout, timeout=timeout, max_tokens=max_tokens,
-            linger=linger, read_until=read_until, cut=cut,
+            linger=linger, read_until=read_until, cut=cut, on_token=on_token,
         ),
         probe_endpoint(client, url, "/health", endpoint_timeout),
         probe_endpoint(client, url, "/v1/models", endpoint_timeout),

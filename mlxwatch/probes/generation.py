@@ -183,6 +183,7 @@ async def probe_generation(
     linger: float = 0.0,
     read_until: float | None = None,
     cut: asyncio.Future[str] | None = None,
+    on_token: Callable[[], None] | None = None,
 ) -> GenerationProbeResult:
     """Send one streaming generation request and judge it by delivery. Never raises for the server.
 
@@ -196,12 +197,15 @@ async def probe_generation(
     ``read_until`` (seconds after sending; the daemon passes its ``timeout``) replaces ``linger``:
     the stream is read until then, so a token within it is a delivery; past it, nothing is
     (``result.read_on`` moves that bound later, never earlier).
-    ``cut``: a future the caller may resolve with a reason while no token has come: the probe
-    then fails ``no_first_token`` at once, as at its deadline (its stream read on the same way).
+    ``cut``: a future the caller may resolve with a reason (nothing flows anywhere, the probe's
+    own stream included): the probe then fails at once, as at its deadline (its stream read on
+    the same way): ``no_first_token`` before its first token, ``stalled`` after it. ``on_token``
+    is called at each token delivered, so that the caller can tell the probe's own stream's
+    silence (it sees only other clients').
     """
     loop = asyncio.get_running_loop()
     run = _Run(url, loop, first_token_timeout=first_token_timeout, timeout=timeout, linger=linger,
-               max_body=body_limit(max_tokens), read_until=read_until)
+               max_body=body_limit(max_tokens), read_until=read_until, on_token=on_token)
     run.result._read_on = run.read_on
     if cut is not None:
         cut.add_done_callback(lambda f: run.cut_short(f.result()) if not f.cancelled() else None)
@@ -244,9 +248,10 @@ class _Run:
 
     def __init__(
         self, url: str, loop: asyncio.AbstractEventLoop, *, first_token_timeout: float, timeout: float, linger: float,
-        max_body: int = MAX_BODY_BYTES, read_until: float | None = None,
+        max_body: int = MAX_BODY_BYTES, read_until: float | None = None, on_token: Callable[[], None] | None = None,
     ) -> None:
         self.loop = loop
+        self.on_token = on_token
         self.max_body = max_body
         self.t0 = loop.time()
         self.result = GenerationProbeResult(url=url, started_at=time.time())
@@ -307,11 +312,15 @@ class _Run:
         elif self.last_delivery is not None:
             self.result.gaps.append(round(t - self.last_delivery, 4))
         self.last_delivery = t
+        if self.on_token is not None:
+            self.on_token()
 
     def cut_short(self, reason: str) -> None:
         """The caller's evidence says no token is coming (nothing flows anywhere): fail now as
-        at the first-token deadline. Too late once a token came or the verdict is in."""
-        if self.judged or self.result.ttft is not None:
+        at the deadline that applies (first token, or the whole stream after a token: the
+        report's livelock delivers a prompt's first token, then nothing, and waiting out the
+        whole stream's 90 s put its verdict 60 s after the onset). Too late once the verdict is in."""
+        if self.judged:
             return
         self.disarm()
         self._deadline_passed(reason)
@@ -331,6 +340,9 @@ class _Run:
             waited = (f"the wait ended early, after {self.now():.1f}s of {self.first_token_timeout:g}s: {early}"
                       if early else f"{self.first_token_timeout:g}s passed")
             self.fail(Failure.NO_FIRST_TOKEN, f"{waited} ({where}{extra})")
+        elif early:
+            self.fail(Failure.STALLED, f"{res.tokens} tokens, then nothing; the wait ended early, "
+                                       f"after {self.now():.1f}s of {self.timeout:g}s: {early}")
         else:
             self.fail(Failure.STALLED, f"{res.tokens} tokens, then nothing; stream unfinished after {self.timeout:g}s")
         res.total = round(self.now(), 4)
