@@ -225,6 +225,14 @@ def section(data: dict[str, Any]) -> str:
             lines.append(f"| {names[r['row']]} | {r['chunk_s']:g} | {r['mlx_lm']} | {len(r['trials'])} | "
                          f"{r['false_verdicts']} | {fmt_mmm(s)} | "
                          f"≤ {goal:g} s | {'met' if met else '**missed**'}, {r['started_at'][:16]} {r['commit']} |")
+        lines += ["", "Each hang row's server is new to its daemon, so no chunk was learned before the hang: the "
+                  "prompt's next chunk is bounded by the probes' hint (their least time a prompt token, doubled). On "
+                  "a loaded host their fixed cost makes it slow (88 s a chunk of this 25 s server), and the blocked "
+                  "read is called after that bound. Until 73cc3b5 a hint was cut at the prior (60 s a chunk): a "
+                  "blocked read was called 49 s after its onset, but a server of 61 s chunks (30 ms a token) was "
+                  "called hung 1 s before its second chunk came. Until 355f6b6 a probe given its first token then "
+                  "nothing waited out its 90 s `timeout`: the livelock after `N/N` was called 8.8-60.5 s after its "
+                  "onset."]
     return "\n".join(lines) + "\n"
 
 
