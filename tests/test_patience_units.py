@@ -497,6 +497,23 @@ def test_a_server_slower_than_the_prior_is_given_its_second_chunk():
     assert not cadence.judge(62.0 + 150.0, 62.0, detail).allows(62.0 + 150.0, 62.0)  # a hang mid-read: still called
 
 
+def test_an_apps_small_prompts_running_late_on_a_computing_server_get_as_long_again_not_a_chunk():
+    """Measured (bench.sight_detection, the app streaming a 5-word prompt every 2 s, the
+    livelock that computes): the probes hinted 8.6 s a chunk (25.8 s its bound); ten new small
+    prompts were owed 6 s of reading, and running late while the process computed bought them a
+    whole chunk more: the verdict came 54-56 s after the onset (goal 30 s). Now as long again."""
+    cadence = Cadence(Speed(probe_read=0.0042), quiet_window=8.0, grace_ceiling=600.0)
+    owed = [_stream(100.0 + 2 * i, 150) for i in range(10)]
+    detail = {"kernel": {"owed": owed, "streams": 10, "cpu": 0.93}}
+    assert cadence.judge(105.0, None, detail).allows(105.0, 100.0)  # the reading owed
+    assert cadence.judge(110.0, None, detail).allows(110.0, 100.0)  # running late while computing
+    late = cadence.judge(115.0, None, detail)
+    assert not late.allows(115.0, 100.0), late
+    big = _learned(25.0)  # a full chunk owed: a chunk more, as before
+    one = {"kernel": {"owed": [_stream(0.0)], "streams": 1, "cpu": 0.9}}
+    assert big.judge(60.0, None, one).allows(60.0, 0.0) and not big.judge(80.0, None, one).allows(80.0, 0.0)
+
+
 def test_a_stream_first_seen_past_its_head_is_matched_to_the_prompt_the_log_read():
     """Measured (bench.patience, livelock after a long prefill, the daemon healthy and reading
     the kernel every 5 s): the agent's stream was first seen with its head already out, its

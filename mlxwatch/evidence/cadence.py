@@ -29,9 +29,9 @@ What the server owes decides which pace applies (``judge``), never longer than `
   log's ``together``) are read a chunk each in the next, so their next line is due after all
   those tokens (the log times a chunk by every prompt's tokens read meanwhile). Where no sign
   can show between chunks (no log followed, a non-streamed request), the whole prompt's
-  reading is allowed from its arrival. A chunk that runs late while the server computes (its
-  process's CPU, or on a Mac the GPU: ``mlxwatch.evidence.gpu``) gets one more chunk's time,
-  no more: a livelock computes too;
+  reading is allowed from its arrival. Reading that runs late while the server computes (its
+  process's CPU, or on a Mac the GPU: ``mlxwatch.evidence.gpu``) gets as long again, at most a
+  chunk, no more: a livelock computes too;
 - **a non-streamed answer** (a request that got nothing, no stream): sent whole at its end, so
   its silence is hidden work until its prompt's reading plus, while the server computes,
   ``--max-tokens`` decode steps (a few steps while it idles: a blocked server takes nothing up);
@@ -286,7 +286,7 @@ class Cadence:
             floor = min(max(floor, STEPS_OWED * step), self.grace_ceiling)
         logged = bool(log.get("followed"))
         last_sign = last_flow if last_flow is not None else float("-inf")
-        dues: list[tuple[float, str]] = []
+        dues: list[tuple[float, str, float]] = []  # (due, what is owed, the wait it was given)
 
         # Prompts the log announced and has not finished (X < Y): their next chunk is due.
         # mlx-lm reads a chunk of each of them in one batch step (``together``: those the latest
@@ -299,7 +299,8 @@ class Cadence:
             y, (x, at) = max(group, key=lambda p: p[1][1])
             what = (f"reading a {y:,}-token prompt ({x:,} read)" if len(group) == 1
                     else f"reading {len(group)} prompts, a chunk of each a step")
-            dues.append((max(at, last_sign) + self._wait(self.speed.read_time(tokens)), what))
+            wait = self._wait(self.speed.read_time(tokens))
+            dues.append((max(at, last_sign) + wait, what, wait))
         # Streams that got nothing yet. With the log followed, a stream whose prompt the log
         # shows (matched by size: its request's bytes against the prompt's tokens) is announced
         # there: being read (above), or read, and then it owes a token (``_overdue``). The
@@ -315,7 +316,8 @@ class Cadence:
             start = anchor if anchor is not None else min(o.arrived for o in reading)
             what = (f"reading a prompt of ~{int(total):,} tokens" if len(reading) == 1 and reading[0].request_bytes
                     else f"reading {len(reading)} new prompt(s)")
-            dues.append((max(start, last_sign) + self._wait(self.speed.read_time(tokens)), what))
+            wait = self._wait(self.speed.read_time(tokens))
+            dues.append((max(start, last_sign) + wait, what, wait))
         # Requests that got nothing at all: non-streamed answers, sent whole at their end, or
         # requests the server has not taken up yet (a streamed one gets its head when it is).
         # Their prompts' reading is owed from the start of the episode; the answers' decode
@@ -333,15 +335,17 @@ class Cadence:
             if end > now:
                 hidden_reason = (f"{len(hidden)} non-streamed answer(s) may be in the making "
                                  f"(up to {_secs(end - now)} more at this server's pace)")
-                dues.append((end, f"{len(hidden)} non-streamed answer(s)"))
+                dues.append((end, f"{len(hidden)} non-streamed answer(s)", end - start))
 
-        live = [(due, what) for due, what in dues if due > now]
+        live = [(due, what) for due, what, _ in dues if due > now]
         if not live and dues and busy:
-            # A chunk running late on a server that computes (its process, or on a Mac its GPU):
-            # one more chunk's time, no more (a livelock computes too).
-            due, what = max(dues)
-            if due + chunk > now:
-                live = [(due + chunk, f"{what}, running late while {busy}")]
+            # Reading that runs late on a server that computes (its process, or on a Mac its GPU):
+            # as long again, at most a chunk, no more (a livelock computes too; measured: a whole
+            # chunk for the few tokens of an app's small prompts held a livelock's verdict 54 s).
+            due, what, wait = max(dues)
+            late = due + min(wait, chunk)
+            if late > now:
+                live = [(late, f"{what}, running late while {busy}")]
         overdue = self._overdue(now, [o for o in owed if o.streamed], completed, floor, bool(live))
         if live:
             due, what = max(live)

@@ -3,7 +3,7 @@ instance is suspect or a probe waits (every ``POLL`` s), rarely otherwise.
 
 It is no delivery and no progress by itself (a livelock that evaluates keeps the GPU busy too):
 the cadence (``mlxwatch.evidence.cadence``) reads it as it reads the process's CPU, to allow a
-prompt owed reading one more chunk's time when the chunk runs late on a busy GPU. Elsewhere
+prompt owed reading as long again (at most a chunk) when it runs late on a busy GPU. Elsewhere
 (Linux, no ``ioreg``) the source says nothing.
 """
 
