@@ -210,6 +210,18 @@ def section(data: dict[str, Any]) -> str:
                      f"{r['prompt_tokens']:,} | {r['verdicts']}{'' if r['verdicts'] == 0 else ' **missed**'} | "
                      f"{r['answered']} of {r['requests']}{'' if all_answered else ' **missed**'} | {r['restarts']} | "
                      f"{r['slow_episodes']} | {r['started_at'][:16]} {r['commit']} |")
+    missed = [rows[k] for k in speeds if not rows[k]["pass"]]
+    if missed:
+        lines += ["", "Rows that drew a verdict:", ""]
+        for r in missed:
+            after = ", ".join(f"{a:g} s" for a in r["verdict_after_s"])
+            lines.append(f"- {r['row']} ({r['commit']}): verdict {after} after the agents began "
+                         f"({'; '.join(str(f) for f in r['verdict_failures'])}); bundle {', '.join(r['bundles'])}.")
+        if any(a >= 0.9 * 600 for r in missed for a in r["verdict_after_s"]):
+            lines += ["", "A verdict near 600 s is `probe.grace_ceiling` (10 min), which bounds every allowance: three "
+                      "3,600-token prompts read together at 60 ms a token (a chunk of each a step, 369 s a step) send "
+                      "nothing to anyone for about 650 s before the first answer. A server that slow under such load "
+                      "needs `grace_ceiling` raised (docs/deciding.md#patience)."]
     hangs = [rows[s] for s in GOALS if s in rows]
     if hangs:
         lines += ["", f"A hang during a long prefill ({HANG_MS:g} ms a token, a streamed prompt; the onset is the "
