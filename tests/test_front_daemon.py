@@ -43,7 +43,6 @@ from lab.ports import free_port
 
 from test_daemon_core import FAST, Running
 
-pytestmark = pytest.mark.usefixtures("first_probe_soon")  # one instance: no first-probe spread
 
 FRONT = FrontConfig(listen=("127.0.0.1", 1), stall_timeout=1.0)
 
