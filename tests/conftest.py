@@ -136,6 +136,7 @@ def first_probe_soon(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyP
     if request.node.get_closest_marker("real_server"):
         return
     from mlxwatch.daemon import watcher
+    from mlxwatch.output import daemon as said  # noqa: F401  imported first: `run` says the real spread, 5 s
     monkeypatch.setattr(watcher, "FIRST_PROBE_SPREAD", 0.2)
 
 
