@@ -127,12 +127,16 @@ def without_lab_groups():
 
 
 # Fixtures more than one test module uses live here, never imported from one test file into another.
-@pytest.fixture
-def first_probe_soon(monkeypatch: pytest.MonkeyPatch) -> None:
-    """An in-process daemon's first probe within 0.2 s of its start: the spread that keeps many
-    instances' first probes apart (up to min(interval, 5 s), at random) is no part of what a
-    test of one instance is about, and at interval 60 s it cost 2.5 s on average."""
+@pytest.fixture(autouse=True)
+def first_probe_soon(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every fast-tier test: an in-process daemon's first probe within 0.2 s of its start. The
+    spread that keeps many instances' first probes apart (up to min(interval, 5 s), at random)
+    is no part of what a fast test is about (none tests the spread itself), and each daemon a
+    test started paid it: 2.5 s on average at interval 60 s. Real-server tests keep it."""
+    if request.node.get_closest_marker("real_server"):
+        return
     from mlxwatch.daemon import watcher
+    from mlxwatch.output import daemon as said  # noqa: F401  imported first: `run` says the real spread, 5 s
     monkeypatch.setattr(watcher, "FIRST_PROBE_SPREAD", 0.2)
 
 

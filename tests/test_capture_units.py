@@ -730,7 +730,7 @@ async def test_a_step_past_the_ceiling_is_cut_and_the_bundle_holds_the_rest(offl
     """The capture's probe never answers: at the ceiling it is stopped and recorded so; the steps
     that finished keep their files and results, and the bundle is written within the ceiling."""
     make, _ = offline
-    req, _ = make(ceiling=8.0)
+    req, _ = make(ceiling=5.0)
 
     async def never(*args, **kwargs):
         await asyncio.Event().wait()
@@ -738,7 +738,7 @@ async def test_a_step_past_the_ceiling_is_cut_and_the_bundle_holds_the_rest(offl
     monkeypatch.setattr(mlxwatch.probes, "run_check", never)
     bundle = await capture_bundle(req, runner=_fake_runner)
     steps = {s["name"]: s for s in bundle.manifest["steps"]}
-    assert (steps["probe"]["outcome"], steps["probe"]["error"]) == ("stopped at ceiling", "the 8s capture ceiling was reached")
+    assert (steps["probe"]["outcome"], steps["probe"]["error"]) == ("stopped at ceiling", "the 5s capture ceiling was reached")
     assert steps["stacks"]["outcome"] == steps["cpu"]["outcome"] == steps["log"]["outcome"] == "ok", steps
     assert steps["versions"]["outcome"] == "ok", steps
     assert not (bundle.path / "probe.json").exists()

@@ -909,7 +909,6 @@ def test_demo_keep_says_what_was_kept(tmp_path):
             assert expected in text and "are gone" not in text
 
 
-@pytest.mark.usefixtures("first_probe_soon")  # one instance: no first-probe spread (up to 5 s)
 async def test_after_recovery_status_shows_the_recovery_probe(tmp_path):
     """Measured: after a recovery `status` said healthy with "last probe: failed". A daemon
     watching a stand-in that hangs, then answers again after the restart: healthy and ok."""

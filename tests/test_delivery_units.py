@@ -225,7 +225,9 @@ async def test_tokens_that_arrive_after_the_deadline_make_it_slow_and_a_later_ha
     notified, in the state file), no verdict; when it stops delivering, the verdict comes."""
     server = StandIn()
     probe = ProbeConfig(interval=1.0, suspect_interval=0.4, first_token_timeout=0.3, timeout=1.0, failures=2,
-                        endpoint_timeout=0.5, startup_timeout=30.0)
+                        endpoint_timeout=0.5, startup_timeout=30.0, quiet_window=3.0)  # the late tokens' flow
+    # holds the failed probes' streams for quiet_window, the hang's verdict after it: 8 s at the default; 1 s read
+    # 'suspect' while slow under load 7 (a late token 0.15 s past its deadline, 3 s: 20 times that)
     notify_log = tmp_path / "notified"
     notify = (sys.executable, "-c", f"import sys; open({str(notify_log)!r}, 'a').write(sys.stdin.read() + '\\n')")
     cfg = _config(tmp_path, probe, notify=notify)

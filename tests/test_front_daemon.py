@@ -28,6 +28,7 @@ from mlxwatch.config import (
     ProbeConfig,
     RestartConfig,
 )
+from mlxwatch.daemon import supervisor
 from mlxwatch.daemon.frontwatch import requests_evidence
 from mlxwatch.evidence import Window
 from mlxwatch.evidence.door import DoorSource, quiet_start, stall_of
@@ -43,7 +44,6 @@ from lab.ports import free_port
 
 from test_daemon_core import FAST, Running
 
-pytestmark = pytest.mark.usefixtures("first_probe_soon")  # one instance: no first-probe spread
 
 FRONT = FrontConfig(listen=("127.0.0.1", 1), stall_timeout=1.0)
 
@@ -395,6 +395,14 @@ def _status_text(cfg: Config) -> str:
     return "\n".join(line.plain for line in status_lines(collect_status(cfg, cfg.state_dir), width=200))
 
 
+@pytest.fixture
+def doors_read_often(monkeypatch):
+    """The daemon reads its doors (for status and the metrics) every 0.5 s, not every 5 s: a
+    test waiting for the first reading paid most of those 5 s."""
+    monkeypatch.setattr(supervisor, "FRONT_METRICS_EVERY", 0.5)
+
+
+@pytest.mark.usefixtures("doors_read_often")
 async def test_status_shows_the_door_its_gate_and_its_requests(tmp_path, standin):
     """`mlxwatch status` names the door, its gate, requests in flight, the last token and the
     outcomes so far, as the running daemon last read them; a stopped daemon's door is not shown."""
@@ -452,6 +460,7 @@ async def test_the_bundle_holds_the_door_requests_as_passed(tmp_path):
     assert json.loads((bundle.path / "front" / "requests.json").read_text()) == evidence
 
 
+@pytest.mark.usefixtures("doors_read_often")
 async def test_the_daemon_feeds_the_door_into_the_metrics(tmp_path):
     """The daemon reads each door for the metrics (here its textfile) every few seconds."""
     textfile = tmp_path / "m.prom"

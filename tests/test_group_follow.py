@@ -176,7 +176,8 @@ async def test_the_launcher_killed_one_incident_recovered_by_delivery(fake_group
     assert orphaned in (bundle / "summary.md").read_text()
     restarted = next(r for r in journal.records() if r["event"] == "restart")
     assert "ended 2 group(s)" in restarted["restarts"][-1]["detail"]
-    assert len(instance_groups(fake_group.port)) == 1 and fake_group.answers()
+    # one group, and it answers: asked for up to 30 s (one 5 s request failed in 1 of 7 runs of this file on a loaded machine)
+    assert len(instance_groups(fake_group.port)) == 1 and fake_group.wait_answers(30.0)
 
 
 async def test_a_relaunched_group_is_followed_and_a_slow_one_draws_no_verdict(fake_group, tmp_path):

@@ -9,13 +9,23 @@ import asyncio
 import time
 from dataclasses import replace
 
+import pytest
+
 from mlxwatch.config import MemoryConfig, RestartConfig
+from mlxwatch.daemon import memwatch
 from mlxwatch.daemon import watcher as watcher_module
 from mlxwatch.host.memuse import MemoryReading
 from mlxwatch.restart.methods import OK, RestartOutcome
 from test_daemon_core import FAST, Running, config
 
 MiB = 1024 * 1024
+
+
+@pytest.fixture(autouse=True)
+def trend_drawn_soon(monkeypatch):
+    """A trend from readings over 1.5 s, not 5 s (memwatch.MIN_SPAN; test_memory_units holds the
+    rule): each test here waited those 5 s for its first warning, at 200 MiB/s and 6 readings."""
+    monkeypatch.setattr(memwatch, "MIN_SPAN", 1.5)
 
 
 def growing(rate_mib: float, limit_mib: float = 4096):

@@ -19,7 +19,7 @@ from lab.daemon import remember_pace
 from test_delivery_units import StandIn, _events, _last_probe_ok, _run_until
 from test_sight_units import _daemon
 
-pytestmark = pytest.mark.usefixtures("first_probe_soon", "kernel_read_often")  # one instance; waits that are not the point
+pytestmark = pytest.mark.usefixtures("kernel_read_often")  # a wait that is not the point
 
 KIB16 = 16 * 1024  # the request of a ~3,600-token prompt (JSON, ~4.5 bytes a token)
 

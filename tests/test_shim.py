@@ -646,9 +646,10 @@ def test_a_stale_heartbeat_and_a_signal_that_is_not_offered(tmp_path):
         heartbeat.request_stacks(hb, ProcessIdentity.of(os.getpid()))
 
 
-def test_a_stopped_process_is_not_sent_the_signal_it_would_handle_on_resuming(standin):
+def test_a_stopped_process_is_not_sent_the_signal_it_would_handle_on_resuming(standin, monkeypatch):
     """Found in review: a signal sent to a stopped process stays pending and is handled when it
     resumes, with every thread running: the unsafe case. It is not sent then."""
+    monkeypatch.setattr(heartbeat, "ANSWER_QUIET", 1.5)  # a stopped process publishes nothing: 5 s was all waiting
     s = standin()
     hb = s.wait_for(lambda h: h.tokens > 0, what="tokens")
     os.kill(s.pid, signal.SIGSTOP)
@@ -666,7 +667,7 @@ def test_a_stopped_process_is_not_sent_the_signal_it_would_handle_on_resuming(st
     assert os.path.getsize(hb.stacks_file) == 0
 
 
-def test_a_dump_thread_that_died_is_started_again_and_never_replaced_by_the_signal(standin):
+def test_a_dump_thread_that_died_is_started_again_and_never_replaced_by_the_signal(standin, monkeypatch):
     """Found in review: a dump thread ended by a failed write (a full disk) was never started
     again, and every later dump went by the signal, which then killed the busy server. Here the
     server may write files of at most 24 KiB (its answers fill that in a few dumps): while it runs
@@ -674,6 +675,9 @@ def test_a_dump_thread_that_died_is_started_again_and_never_replaced_by_the_sign
     s = standin(argv=["bash", "-c", f"ulimit -f 24; exec {sys.executable} -c '{PROGRAM}'"])
     hb = s.wait_for(lambda h: h.tokens > 0 and h.ask_path is not None, what="the dump thread")
     identity = ProcessIdentity.of(s.pid)
+    # The dead thread's dump is given up after ANSWER_LIMIT while heartbeats come: 6 s, not 10, still
+    # past ANSWER_QUIET (5 s), so heartbeats that stopped would send the signal and fail the test.
+    monkeypatch.setattr(heartbeat, "ANSWER_LIMIT", 6.0)
     failed = None
     for _ in range(40):
         try:

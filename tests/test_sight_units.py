@@ -21,7 +21,7 @@ from mlxwatch.restart.methods import OK, RestartOutcome
 from lab.daemon import remember_pace
 from test_delivery_units import StandIn, _capture_nothing, _config, _events, _last_probe_ok, _run_until
 
-pytestmark = pytest.mark.usefixtures("first_probe_soon", "kernel_read_often")  # one instance; waits that are not the point
+pytestmark = pytest.mark.usefixtures("kernel_read_often")  # a wait that is not the point
 
 
 def _daemon(tmp_path, probe: ProbeConfig, server: StandIn, kernel, restart_cfg: RestartConfig = RestartConfig(),

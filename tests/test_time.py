@@ -80,7 +80,7 @@ async def test_a_wall_clock_stepped_forward_in_grace_does_not_end_the_grace(tmp_
     (url,), _, _ = standin("hang")
     log = tmp_path / "server.log"
     log.write_text("")
-    grace = 4.0
+    grace = 2.5  # the bug ended it at the step: any grace of seconds tells them apart
     probe = replace(FAST, failures=2, grace_ceiling=grace)
     cfg = config(tmp_path / "state", url, probe=probe, log=log)
     clock = SteppedClock()
