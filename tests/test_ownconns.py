@@ -97,11 +97,14 @@ def test_short_requests_of_the_daemons_client_are_never_read_as_another_clients(
     requester = threading.Thread(target=lambda: asyncio.run(requests()), daemon=True)
     requester.start()
     reader = LinuxReader()
-    caught: list[bool] = []  # each server end caught with its client end open: was it ours?
+    caught: list[bool] = []  # each server end caught with its client end open and a request in: was it ours?
     try:
         deadline = time.monotonic() + 60.0
         while len(caught) < 10 and time.monotonic() < deadline:  # unregistered, 7 of 7 were misread: 10 show it
-            caught += [c.own for c in reader([port]).connections if not c.closed]
+            # A connection caught between its handshake and its registration has sent nothing:
+            # it is no request of anyone's to kernel sight (test_evidence's connections that never sent a byte),
+            # and the next reading finds it registered (measured: 3 of ~40 under load, each 0 bytes).
+            caught += [c.own for c in reader([port]).connections if not c.closed and c.bytes_received > 0]
     finally:
         stop.set()
         requester.join(10)
