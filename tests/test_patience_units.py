@@ -514,6 +514,21 @@ def test_an_apps_small_prompts_running_late_on_a_computing_server_get_as_long_ag
     assert big.judge(60.0, None, one).allows(60.0, 0.0) and not big.judge(80.0, None, one).allows(80.0, 0.0)
 
 
+def test_a_finished_prompt_is_overdue_after_what_the_prompts_read_meanwhile_take_not_a_chunk():
+    """Measured (bench.sight_detection, 0.31.3, the livelock that computes, the app streaming a
+    5-word prompt every 2 s): each app prompt was read (logged ``N/N``) and got no token, and the
+    next app prompt being read added a whole chunk to the token's allowance (23.6 s at a fresh
+    daemon's hinted pace): the verdict came 48-50 s after the onset (goal 30 s). The prompts read
+    meanwhile take what their tokens take."""
+    cadence = Cadence(Speed(probe_read=0.003838), quiet_window=8.0, grace_ceiling=600.0)
+    cadence.last_token = 99.0
+    owed = [_stream(100.0 + 2 * i, 150) for i in range(11)]  # the last, at 120 s, is being read
+    log = {"followed": True, "open": {}, "completed": [(100.5 + 2 * i, 20) for i in range(10)]}
+    pace = cadence.judge(121.0, 120.5, {"log": log, "kernel": {"owed": owed, "streams": 11}})
+    assert pace.overdue and "finished reading 20s ago" in pace.overdue, pace
+    assert pace.allows(121.0, 120.5)  # the prompt being read still has its reading: the overdue token decides
+
+
 def test_a_stream_first_seen_past_its_head_is_matched_to_the_prompt_the_log_read():
     """Measured (bench.patience, livelock after a long prefill, the daemon healthy and reading
     the kernel every 5 s): the agent's stream was first seen with its head already out, its

@@ -338,6 +338,7 @@ class Cadence:
                 dues.append((end, f"{len(hidden)} non-streamed answer(s)", end - start))
 
         live = [(due, what) for due, what, _ in dues if due > now]
+        read_wait = max((wait for due, _, wait in dues if due > now), default=0.0)  # what is read now takes
         if not live and dues and busy:
             # Reading that runs late on a server that computes (its process, or on a Mac its GPU):
             # as long again, at most a chunk, no more (a livelock computes too; measured: a whole
@@ -346,7 +347,8 @@ class Cadence:
             late = due + min(wait, chunk)
             if late > now:
                 live = [(late, f"{what}, running late while {busy}")]
-        overdue = self._overdue(now, [o for o in owed if o.streamed], completed, floor, bool(live))
+                read_wait = min(wait, chunk)
+        overdue = self._overdue(now, [o for o in owed if o.streamed], completed, floor, min(read_wait, chunk))
         if live:
             due, what = max(live)
             return Pace(floor, what, basis, due, hidden=hidden_reason, overdue=overdue)
@@ -380,19 +382,21 @@ class Cadence:
         return o.request_bytes / BYTES_PER_TOKEN if o.request_bytes else float(self.speed.chunk_tokens)
 
     def _overdue(self, now: float, streams: list[Owed], completed: list[tuple[float, int]], floor: float,
-                 reading: bool) -> str | None:
+                 reading: float) -> str | None:
         """A stream's prompt finished reading (``N/N`` logged, matched to the stream by size)
-        and no token reached any client since, for longer than a few steps (and a chunk while
-        other prompts are read: a step follows each chunk): the token it owes is overdue. A
-        prompt matched to no stream (the daemon's own probe, a non-streamed request) owes the
-        kernel nothing it could see."""
+        and no token reached any client since, for longer than a few steps (and, while other
+        prompts are read, what their reading takes, at most a chunk: a step follows each chunk):
+        the token it owes is overdue. A whole chunk for an app's few small prompts held the
+        report's livelock with traffic 48 s (bench.sight_detection, a fresh daemon whose probes
+        hinted 24 s a chunk of a tiny model). A prompt matched to no stream (the daemon's own
+        probe, a non-streamed request) owes the kernel nothing it could see."""
         done = [at for o in streams if (at := _read_since(o, completed)) is not None]
         if not done:
             return None
         first = min(done)
         if self.last_token is not None and self.last_token >= first:
             return None
-        allowed = floor + (self.speed.chunk_time()[0] if reading else 0.0)
+        allowed = floor + reading
         if now - first <= allowed:
             return None
         return (f"a streamed prompt finished reading {now - first:.0f}s ago and no token reached any client "
