@@ -307,17 +307,25 @@ class Cadence:
         # others' reading is owed from the start of the episode (``_owing``) or the last sign
         # since: requests that keep arriving at a hung server must not keep its pace ahead of
         # them (measured: an app streaming every 2 s kept a livelock from any verdict for 4
-        # minutes).
+        # minutes). Nor may their number: a prompt that arrived after a sign was already due
+        # adds no time to it (measured: an app's small prompts, a chunk's worth after a minute
+        # at a fresh daemon's hinted pace, held a livelock's verdict 84 s).
         reading = [o for o in owed if o.streamed and not (logged and (
             _read_since(o, completed) is not None or any(_matches(o, y) for y, _ in open_prompts)))]
         if reading:
-            total = sum(self._tokens(o) for o in reading)
-            tokens = min(float(self.speed.chunk_tokens), total)  # the next chunk's worth
             start = anchor if anchor is not None else min(o.arrived for o in reading)
-            what = (f"reading a prompt of ~{int(total):,} tokens" if len(reading) == 1 and reading[0].request_bytes
-                    else f"reading {len(reading)} new prompt(s)")
-            wait = self._wait(self.speed.read_time(tokens))
-            dues.append((max(start, last_sign) + wait, what, wait))
+            origin = max(start, last_sign)
+            total, taken, due, wait = 0.0, 0, origin, 0.0
+            for o in sorted(reading, key=lambda o: o.arrived):
+                if taken and o.arrived >= due:
+                    break
+                total += self._tokens(o)
+                taken += 1
+                wait = self._wait(self.speed.read_time(min(float(self.speed.chunk_tokens), total)))
+                due = origin + wait
+            what = (f"reading a prompt of ~{int(total):,} tokens" if taken == 1 and reading[0].request_bytes
+                    else f"reading {taken} new prompt(s)")
+            dues.append((due, what, wait))
         # Requests that got nothing at all: non-streamed answers, sent whole at their end, or
         # requests the server has not taken up yet (a streamed one gets its head when it is).
         # Their prompts' reading is owed from the start of the episode; the answers' decode
