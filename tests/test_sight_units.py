@@ -38,26 +38,35 @@ async def _restarted(ctx) -> RestartOutcome:
 
 
 RESTART = RestartConfig("command", argv=("true",), backoff=0.0)
+# One instance probed every second, a failure confirmed at once, nothing flowing for 1 s ends a wait.
+QUICK = ProbeConfig(interval=1.0, suspect_interval=0.4, first_token_timeout=30.0, timeout=60.0,
+                    quiet_window=1.0, endpoint_timeout=0.5, startup_timeout=30.0)
+
+
+async def _hung_once_healthy(tmp_path, server: StandIn, hang, timeout: float) -> tuple[float, dict]:
+    """Run a daemon (``QUICK``, no client stream) until its verdict, ``hang()`` called once the
+    first probe passed: the seconds from then to the verdict, and the verdict's record."""
+    daemon, journal, state = _daemon(tmp_path, QUICK, server, KernelShows(streams=0))
+    seen: dict[str, float] = {}
+
+    def hung(j: Journal) -> bool:
+        if "from" not in seen and _last_probe_ok(state):
+            hang()
+            seen["from"] = time.monotonic()
+        return "verdict" in _events(j)
+
+    await _run_until(daemon, journal, hung, timeout=timeout)
+    took = time.monotonic() - seen["from"]
+    return took, next(r for r in journal.records() if r["event"] == "verdict")
 
 
 async def test_nothing_flowing_anywhere_ends_a_probes_wait_after_the_quiet_window(tmp_path):
     """A server nobody else uses hangs: without kernel sight each probe waits out its
     first-token timeout (30 s here, 45 s at the defaults); with it, the wait ends once nothing
     has been sent to any client for quiet_window."""
-    server, kernel = StandIn(), KernelShows(streams=0)
-    probe = ProbeConfig(interval=1.0, suspect_interval=0.4, first_token_timeout=30.0, timeout=60.0,
-                        quiet_window=1.0, endpoint_timeout=0.5, startup_timeout=30.0)
-    daemon, journal, state = _daemon(tmp_path, probe, server, kernel)
-    seen: dict[str, float] = {}
-
-    def hung(j: Journal) -> bool:
-        if "from" not in seen and _last_probe_ok(state):
-            server.delay, seen["from"] = None, time.monotonic()
-        return "verdict" in _events(j)
-
-    await _run_until(daemon, journal, hung, timeout=40)
-    assert time.monotonic() - seen["from"] < 15.0
-    verdict = next(r for r in journal.records() if r["event"] == "verdict")
+    server = StandIn()
+    took, verdict = await _hung_once_healthy(tmp_path, server, lambda: setattr(server, "delay", None), timeout=40)
+    assert took < 15.0
     assert "nothing sent to any client" in verdict["failures"][-1]
 
 
@@ -123,20 +132,9 @@ async def test_a_probe_given_one_token_then_nothing_is_cut_short_not_left_to_its
     prompt's last chunk got its first token, then nothing, and waited out the whole stream's
     timeout (90 s): the verdict came 60.5 s after the onset (goal 60 s). Nothing flowing
     anywhere, the probe's own stream included, ends its wait as it does before a first token."""
-    server, kernel = _FirstTokenThenNothing(), KernelShows(streams=0)
-    probe = ProbeConfig(interval=1.0, suspect_interval=0.4, first_token_timeout=30.0, timeout=60.0,
-                        quiet_window=1.0, endpoint_timeout=0.5, startup_timeout=30.0)
-    daemon, journal, state = _daemon(tmp_path, probe, server, kernel)
-    seen: dict[str, float] = {}
-
-    def hung(j: Journal) -> bool:
-        if "from" not in seen and _last_probe_ok(state):
-            server.livelock, seen["from"] = True, time.monotonic()
-        return "verdict" in _events(j)
-
-    await _run_until(daemon, journal, hung, timeout=70)
-    assert time.monotonic() - seen["from"] < 20.0  # not the stream's 60 s timeout
-    verdict = next(r for r in journal.records() if r["event"] == "verdict")
+    server = _FirstTokenThenNothing()
+    took, verdict = await _hung_once_healthy(tmp_path, server, lambda: setattr(server, "livelock", True), timeout=70)
+    assert took < 20.0  # not the stream's 60 s timeout
     assert "1 tokens, then nothing; the wait ended early" in verdict["failures"][0], verdict["failures"]
 
 
@@ -145,8 +143,6 @@ async def test_a_probes_own_slow_tokens_are_flow_its_wait_is_not_cut(tmp_path):
     slowly (0.5 s apart, 6 s in all) while no client is served must not be cut at the quiet
     window (1 s) counted from its sending: its own tokens are the flow (before, the wait was
     cut only until a first token came)."""
-    kernel = KernelShows(streams=0)
-
     class Slow(StandIn):
         async def handle(self, request):
             if request.url.path != "/v1/chat/completions":
@@ -154,9 +150,7 @@ async def test_a_probes_own_slow_tokens_are_flow_its_wait_is_not_cut(tmp_path):
             return httpx.Response(200, headers={"content-type": "text/event-stream"}, stream=_Tokens(8, 0.5, False))
 
     server = Slow()
-    probe = ProbeConfig(interval=1.0, suspect_interval=0.4, first_token_timeout=30.0, timeout=60.0,
-                        quiet_window=1.0, endpoint_timeout=0.5, startup_timeout=30.0)
-    daemon, journal, state = _daemon(tmp_path, probe, server, kernel)
+    daemon, journal, state = _daemon(tmp_path, QUICK, server, KernelShows(streams=0))
 
     def probed(j: Journal) -> bool:
         try:
