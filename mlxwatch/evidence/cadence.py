@@ -315,15 +315,16 @@ class Cadence:
         if reading:
             start = anchor if anchor is not None else min(o.arrived for o in reading)
             origin = max(start, last_sign)
+            in_order = sorted(reading, key=lambda o: o.arrived)
             total, taken, due, wait = 0.0, 0, origin, 0.0
-            for o in sorted(reading, key=lambda o: o.arrived):
+            for o in in_order:
                 if taken and o.arrived >= due:
                     break
                 total += self._tokens(o)
                 taken += 1
                 wait = self._wait(self.speed.read_time(min(float(self.speed.chunk_tokens), total)))
                 due = origin + wait
-            what = (f"reading a prompt of ~{int(total):,} tokens" if taken == 1 and reading[0].request_bytes
+            what = (f"reading a prompt of ~{int(total):,} tokens" if taken == 1 and in_order[0].request_bytes
                     else f"reading {taken} new prompt(s)")
             dues.append((due, what, wait))
         # Requests that got nothing at all: non-streamed answers, sent whole at their end, or
