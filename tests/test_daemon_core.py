@@ -380,6 +380,29 @@ def test_lookup_matches_the_exact_address_not_only_the_port(standin):
     assert other.identity is None and other.stranger is None and other.loading is None
 
 
+def test_a_pid_file_whose_process_serves_the_url_is_trusted_whatever_the_clocks_say(tmp_path, standin):
+    """Measured in CI: a lab server 20 minutes old, its PID file written just after its start, was
+    called "stale: PID ... is now mlx_lm.server" (its create_time, boot time + ticks, had moved
+    past the file's time with a step of the system clock), and so never captured. A PID that
+    serves the URL is the server; the file's time only judges a PID that does not."""
+    (url,), _, proc = standin("ok")
+    pid_file = tmp_path / "server.pid"
+    pid_file.write_text(f"{proc.pid}\n")
+    an_hour_before = time.time() - 3600  # as the file looks after the clock stepped an hour on
+    os.utime(pid_file, (an_hour_before, an_hour_before))
+    found = lookup_server(url, pid_file)
+    assert found.identity is not None and found.identity.pid == proc.pid, found.detail
+    idle = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:  # a PID that does not serve the URL and started after the file: reused, as before
+        pid_file.write_text(f"{idle.pid}\n")
+        os.utime(pid_file, (an_hour_before, an_hour_before))
+        stale = lookup_server(url, pid_file)
+        assert stale.identity is None and stale.loading is None and "is stale" in stale.detail
+    finally:
+        idle.kill()
+        idle.wait(10)
+
+
 # --- state that is tracked, not re-guessed
 
 
