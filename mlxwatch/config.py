@@ -58,7 +58,7 @@ class ProbeConfig:
     suspect_interval: float = 10.0  # after a failed probe: confirm (or clear) quickly
     max_tokens: int = 4
     failures: int = 2  # consecutive failed probes before a verdict
-    grace_ceiling: float = 600.0  # most extra time that visible progress may buy
+    grace_ceiling: float = 900.0  # most extra time that visible progress may buy
     endpoint_timeout: float = 5.0  # /health and /v1/models
     startup_timeout: float = 600.0  # after a restart: large models take minutes to load
     stall_timeout: float = 60.0  # launch shim: requests in flight and no token this long -> suspect at once

@@ -14,6 +14,7 @@ from mlxwatch.evidence.cadence import PRIOR_CHUNK, Cadence, Estimate, Speed
 from mlxwatch.evidence.sight import Sight
 from mlxwatch.host.connections import Connection
 from mlxwatch.host.sockets import Reading
+from mlxwatch.verdict.policy import Detection
 from mlxwatch.journal.incidents import Journal
 from lab.daemon import remember_pace
 from test_delivery_units import StandIn, _events, _last_probe_ok, _run_until
@@ -547,3 +548,23 @@ def test_a_stream_first_seen_past_its_head_is_matched_to_the_prompt_the_log_read
     detail = {**got.detail, "log": {"followed": True, "open": {}, "completed": [(3.0, 3608)], "token_seconds": []}}
     pace = cadence.judge(3.0 + 8.0 + 1.0, None, detail)  # the floor (quiet_window 8 s) past the N/N
     assert pace.overdue is not None and "finished reading" in pace.overdue
+
+
+def test_three_long_prompts_read_together_at_the_slowest_row_are_held_at_the_defaults():
+    """Measured (bench.patience, 60 ms a token, not streamed, the process idle): three 3,600-token
+    prompts read together send nothing to anyone for ~650 s (a step of 369 s reads a chunk of
+    each); `grace_ceiling` (then 10 min) ended both the answers' allowance and the policy's hold:
+    a verdict at 610 s, 0 of 3 answered, twice. At the defaults both hold past the answers."""
+    ceiling = ProbeConfig().grace_ceiling
+    speed = Speed(chunk=Estimate(123.0, 123.0 / 20, 10), step=Estimate(0.06, 0.006, 10))
+    cadence = Cadence(speed, quiet_window=ProbeConfig().quiet_window, grace_ceiling=ceiling)
+    owed = [{"arrived": 0.0, "request_bytes": KIB16, "streamed": False} for _ in range(3)]
+    log = {"followed": True, "open": {y: (2048, 369.0) for y in (3590, 3600, 3608)}, "completed": [],
+           "together": [3590, 3600, 3608]}
+    for now in (300.0, 640.0, 700.0):  # before and after the step's lines; the answers come at ~650 s
+        detail = {"kernel": {"owed": owed, "streams": 0, "cpu": 0.0}, **({"log": log} if now > 369 else {})}
+        pace = cadence.judge(now, 369.0 if now > 369 else None, detail)
+        assert pace.hidden and pace.allows(now, 0.0), (now, pace)
+    detect = Detection(ProbeConfig().failures, ceiling)
+    detect.success()
+    assert not any(detect.failure(30.0 + 10 * i, ["3 non-streamed answers may be in the making"]) for i in range(68))

@@ -213,7 +213,7 @@ class Cadence:
 
     speed: Speed = field(default_factory=Speed)
     quiet_window: float = 8.0  # probe.quiet_window: the least patience
-    grace_ceiling: float = 600.0  # probe.grace_ceiling: the most
+    grace_ceiling: float = 900.0  # probe.grace_ceiling: the most
     changed: bool = False  # the speed changed since the watcher last saved it
     owing_since: float | None = None  # monotonic: requests have been owed a first token since (one episode)
     owed_none_since: float | None = None  # ... and none was owed since then

@@ -25,7 +25,7 @@ table below does not allow is a bug in the caller: it is refused (the state stay
 per (from, to) pair to ``on_refused`` (the watcher logs it), and never raises, so a watcher
 with a bug goes on watching::
 
-    d = Detection(failures_needed=2, grace_ceiling=600, on_refused=log.error)
+    d = Detection(failures_needed=2, grace_ceiling=900, on_refused=log.error)
     d.recovering()          # from starting: refused, state stays "starting", one line logged
 """
 
