@@ -167,3 +167,33 @@ async def test_reconfigure_turns_the_recorder_on_and_off(standin):
         assert door.recorded() is None
     finally:
         await door.stop(drain=0.5)
+
+
+def test_a_recorded_request_leaves_few_objects_for_the_collector():
+    """Measured (bench.replay's door at 64 streams): with the recorder, CPython's collections of
+    young objects took 3-4 times as long as without it, on the loop that relays every token: a
+    request kept nine objects the collector counts (every 700 start a collection). Its headers
+    are now one flat tuple and its end is set on its entry: two, however many headers (three with
+    a credential's name kept)."""
+    import gc
+
+    rec = Recorder(600.0, 2**30, monotonic=lambda: 1.0, wall=lambda: 1.0)
+    headers = [("Content-Type", "application/json"), ("User-Agent", "openai/1"), ("Accept", "*/*"),
+               ("X-Stainless-Lang", "python"), ("Authorization", "Bearer x")]
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        before = gc.get_count()[0]
+        for i in range(200):
+            rec.arrived(f"r{i}", "c1", "POST", "/v1/chat/completions", [(k, v) for k, v in headers], _body(i),
+                        stream=True, max_tokens=8)
+            rec.ended(RequestView(f"r{i}", "POST", "/v1/chat/completions", 0.0, True, 8, 10, 0.1, 0.5, 8, 100),
+                      "ok", status=200, finish_reason="stop", client_gone=False)
+        kept = (gc.get_count()[0] - before) / 200
+    finally:
+        if was:
+            gc.enable()
+    assert kept <= 3, kept
+    (first, *_) = rec.requests()
+    assert first.headers == tuple(headers[:4]) and first.dropped_headers == ("Authorization",)
+    assert (first.status, first.outcome, first.tokens) == (200, "ok", 8)
