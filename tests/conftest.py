@@ -8,6 +8,7 @@ failure instead of a skip, so CI cannot pass by skipping the tests that matter.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import importlib.util
 import os
@@ -70,6 +71,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 _servers: dict[str, LabServer] = {}
 _SHARED_BEFORE = pytest.StashKey[set]()
+_SHARED_EXISTED = pytest.StashKey[bool]()  # the shared runtime dir, at the start: one the run made is removed if empty
 _BASETEMP = pytest.StashKey[Path]()
 
 
@@ -248,6 +250,7 @@ def _shared_runtime_entries() -> set[str]:
 
 def pytest_sessionstart(session: pytest.Session) -> None:
     session.config.stash[_SHARED_BEFORE] = _shared_runtime_entries()
+    session.config.stash[_SHARED_EXISTED] = SHARED_RUNTIME_DIR.exists()
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -292,7 +295,11 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     leaked = _leaked_by_workers if basetemp is None else leaked_runtime_files(before or set(), basetemp)
     if hasattr(session.config, "workeroutput"):  # a pytest-xdist worker: its controller reports it
         session.config.workeroutput["leaked_runtime_files"] = leaked
-    elif leaked:
+        return
+    if not session.config.stash.get(_SHARED_EXISTED, True):
+        with contextlib.suppress(OSError):  # made during this run (a daemon without a private one), left empty
+            SHARED_RUNTIME_DIR.rmdir()
+    if leaked:
         reporter = session.config.pluginmanager.get_plugin("terminalreporter")
         line = f"this run left {len(leaked)} file(s) in {SHARED_RUNTIME_DIR}: {', '.join(leaked[:10])}"
         if reporter is not None:
