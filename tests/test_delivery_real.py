@@ -36,6 +36,7 @@ def lab_config(lab: LabServer, state_dir: Path, probe: ProbeConfig) -> Config:
 
 
 @pytest.mark.timeout(600)
+@pytest.mark.newest_server_only  # a minute a version; late probes of a slow server: tests/test_daemon_trust_real.py, both
 async def test_slow_server_that_delivers_late_is_slow_not_hung(server_python, lab_root, tmp_path):
     """Measured on main: 1 s per batch step, two long prompts in flight, first-token timeout 5 s:
     a `hung` verdict and a restart ~14 s after their prompt processing ended, although every

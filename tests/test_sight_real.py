@@ -53,6 +53,7 @@ def events(journal: Journal) -> list[str]:
 
 
 @pytest.mark.timeout(600)
+@pytest.mark.newest_server_only  # 2 minutes a version; long prompts read slowly, streamed: tests/test_patience_real.py, both
 async def test_slow_server_streaming_long_prompts_is_not_restarted(server_python, lab_root, tmp_path):
     """The measured failure above, at its settings (interval 3 s, first token 5 s, timeout 8 s,
     --prefill-step-size 64). Here every batch step takes 4 s, so the probe's first token (its

@@ -114,6 +114,7 @@ async def test_killed_server_is_restarted_and_recorded_as_crashed(lab, tmp_path)
     assert "connection refused" in recovered["failures"][-1]
 
 
+@pytest.mark.newest_server_only  # the log's prompt progress holding a verdict: tests/test_patience_real.py, both
 async def test_slow_server_with_long_prompt_in_flight_draws_no_verdict(server_python, lab_root, tmp_path, caplog):
     """Slow steps and a long prompt in prefill: probes may miss their first-token deadline, but
     the advancing prompt progress holds the verdict; no incident over several probe cycles."""
