@@ -86,7 +86,7 @@ check types "$VENVS/test/bin/python" -m mypy
 check "types (the in-server shim on Python 3.10)" "$VENVS/test/bin/python" -m mypy --python-version 3.10 \
     mlxwatch/shim/agent.py mlxwatch/shim/dumps.py mlxwatch/shim/layout.py mlxwatch/shim/boot/sitecustomize.py \
     mlxwatch/shim/recorder.py mlxwatch/shim/spool.py
-# Two passes: the fast tier on four workers (its tests mostly wait on timeouts: CONTRIBUTING.md),
+# Two passes: the fast tier on six workers (its tests mostly wait on timeouts: CONTRIBUTING.md),
 # then the real-server tests in one process (they share one lab server per mlx-lm version). A
 # pass that selects nothing (pytest's exit 5, e.g. `-k` naming tests of the other tier only)
 # fails the run only when the other pass ran nothing either.
@@ -99,7 +99,7 @@ pass_rc() {
 }
 fast_rc=0
 real_rc=0
-pass_rc "fast tier" -m "not real_server" -n 4 "$@" || fast_rc=$?
+pass_rc "fast tier" -m "not real_server" -n 6 "$@" || fast_rc=$?
 pass_rc "real servers" -m real_server --durations=30 "$@" || real_rc=$?  # the slowest named: the budget
 if [ "$fast_rc" = 5 ] && [ "$real_rc" = 5 ]; then
     echo "scripts/test.sh: no test was selected" >&2
