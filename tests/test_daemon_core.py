@@ -370,6 +370,31 @@ async def test_a_stranger_on_the_port_is_reported_and_never_signalled(tmp_path, 
     assert any(f"taken by PID {stranger.pid}" in line and "never captured or signalled" in line for line in evidence)
 
 
+async def test_a_pid_files_process_that_never_listens_is_never_signalled(tmp_path, standin):
+    """Measured (an adversarial review): a pid_file naming a `sleep` (a wrapper's PID, a reused
+    one), the URL served by a stranger that hangs: past startup_timeout the daemon "acted on"
+    the PID file's process and sent it SIGTERM. A process that never listened while another
+    serves the URL, and is no mlx-lm server, is not the server: nothing is signalled. (With
+    nothing on the port it may be a server stuck loading: acted on, tests/test_delivery_units.py.)"""
+    (url,), _, stranger = standin("hang")
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        time.sleep(1.2)  # the file is written after the process started: not a stale PID
+        pid_file = tmp_path / "server.pid"
+        pid_file.write_text(f"{sleeper.pid}\n")
+        probe = replace(FAST, startup_timeout=1.0)
+        restart_cfg = RestartConfig("signal", grace=1.0, budget=1, backoff=0.1)
+        cfg = Config(None, (InstanceConfig("gone", url, None, pid_file, probe, restart_cfg),), tmp_path / "state", (),
+                     CaptureConfig(snapshots=1, spacing=0.1, ceiling=5.0))
+        async with Running(cfg) as run:
+            await run.until(lambda: "restart" in run.events() or "nothing_to_restart" in run.events())
+        assert "nothing_to_restart" in run.events() and "restart" not in run.events(), run.events()
+        assert sleeper.poll() is None and stranger.poll() is None  # neither was signalled
+    finally:
+        sleeper.kill()
+        sleeper.wait(10)
+
+
 def test_lookup_matches_the_exact_address_not_only_the_port(standin):
     """Measured: an instance at http://[::1]:PORT restarted a healthy server bound to 127.0.0.1."""
     (url,), _, proc = standin("ok")
