@@ -370,6 +370,20 @@ async def test_a_stranger_on_the_port_is_reported_and_never_signalled(tmp_path, 
     assert any(f"taken by PID {stranger.pid}" in line and "never captured or signalled" in line for line in evidence)
 
 
+@pytest.mark.timeout(20)
+def test_a_pid_file_that_is_a_fifo_or_holds_no_pid_is_one_clear_line_and_never_blocks(tmp_path):
+    """Measured (an adversarial review): a FIFO as pid_file hung `doctor`, and `mlxwatch run`
+    logged "stopped" on SIGINT but never exited (its lookup threads blocked in open()); a file
+    holding -1 printed "ValueError: pid must be a positive integer"."""
+    fifo = tmp_path / "server.pid"
+    os.mkfifo(fifo)
+    found = lookup_server("http://127.0.0.1:9", fifo)
+    assert found.identity is None and found.detail == f"cannot read a PID from {fifo}: it is not a regular file"
+    negative = tmp_path / "negative.pid"
+    negative.write_text("-1\n")
+    assert lookup_server("http://127.0.0.1:9", negative).detail == f"cannot read a PID from {negative}: -1 is no PID"
+
+
 async def test_a_pid_files_process_that_never_listens_is_never_signalled(tmp_path, standin):
     """Measured (an adversarial review): a pid_file naming a `sleep` (a wrapper's PID, a reused
     one), the URL served by a stranger that hangs: past startup_timeout the daemon "acted on"

@@ -30,6 +30,7 @@ import dataclasses
 import ipaddress
 import os
 import socket
+import stat
 import threading
 import time
 from dataclasses import dataclass
@@ -283,13 +284,25 @@ def listening_pids(port: int) -> set[int]:
 
 
 def _read_pid_file(pid_file: Path) -> int:
+    """The PID in ``pid_file``: a line, read without blocking (a FIFO there would hang every
+    lookup, and the daemon's stop with it) and never more than 64 bytes of it."""
     try:
-        with open(pid_file, "rb") as fh:  # a PID file is a line; never read a huge or endless one
-            return int(fh.read(64).split()[0])
+        fd = os.open(pid_file, os.O_RDONLY | os.O_NONBLOCK)
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise ProcessGoneError(f"cannot read a PID from {pid_file}: it is not a regular file")
+            head = os.read(fd, 64)
+        finally:
+            os.close(fd)
     except OSError as exc:  # strerror: the path is named once, not again in "[Errno 2] ...: 'path'"
         raise ProcessGoneError(f"cannot read a PID from {pid_file}: {(exc.strerror or str(exc)).lower()}") from None
+    try:
+        pid = int(head.split()[0])
     except (ValueError, IndexError):
         raise ProcessGoneError(f"cannot read a PID from {pid_file}: it holds no PID") from None
+    if pid <= 0:
+        raise ProcessGoneError(f"cannot read a PID from {pid_file}: {pid} is no PID")
+    return pid
 
 
 def lookup_server(url: str, pid_file: Path | None = None, launchd_label: str | None = None,
