@@ -197,3 +197,28 @@ def test_a_recorded_request_leaves_few_objects_for_the_collector():
     (first, *_) = rec.requests()
     assert first.headers == tuple(headers[:4]) and first.dropped_headers == ("Authorization",)
     assert (first.status, first.outcome, first.tokens) == (200, "ok", 8)
+
+
+async def test_a_header_value_padded_with_whitespace_is_recorded_and_forwarded_without_it(standin):
+    """Measured (an adversarial review): `X-Spaces:   lead and trail   ` was recorded as
+    "lead and trail   " (the parser dropped the leading whitespace only), and its replay failed:
+    httpx refuses a value with trailing whitespace. A field's value has none (RFC 9112, 5.1)."""
+    urls, _, _ = standin()
+    door = FrontDoor("t", urls[0], _cfg(record=True))
+    await door.start()
+    try:
+        host, port = door.address
+        body = _body(1, stream=False)
+        reader, writer = await asyncio.open_connection(host, port)
+        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"X-Spaces:   lead and trail   \r\nX-Tab:\tv\t\r\nConnection: close\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        await writer.drain()
+        answer = await asyncio.wait_for(reader.read(), BOUND)
+        writer.close()
+        recorded = door.recorded()
+    finally:
+        await door.stop(drain=0.5)
+    assert answer.startswith(b"HTTP/1.1 200")
+    assert recorded is not None and ("X-Spaces", "lead and trail") in recorded[0].headers
+    assert ("X-Tab", "v") in recorded[0].headers

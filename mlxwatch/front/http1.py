@@ -373,7 +373,7 @@ class ClientConnection(asyncio.Protocol):
             if self._trailer_bytes > self.limits.max_header:
                 raise _Refuse(self._too_large_head(), "trailers too large")
             return
-        self._headers.append((name.decode("latin-1"), value.decode("latin-1")))
+        self._headers.append((name.decode("latin-1"), value.rstrip(b" \t").decode("latin-1")))  # RFC 9112, 5.1: no OWS
         if len(self._headers) > self.limits.max_header_count:
             raise _Refuse(self._too_large_head(), "too many header fields")
 
@@ -904,7 +904,7 @@ class UpstreamConnection(asyncio.Protocol):
 
     def on_header(self, name: bytes, value: bytes) -> None:
         if not self._complete and not self._got_head:  # trailers of a chunked answer are not passed on
-            self._headers.append((name.decode("latin-1"), value.decode("latin-1")))
+            self._headers.append((name.decode("latin-1"), value.rstrip(b" \t").decode("latin-1")))
 
     def on_headers_complete(self) -> None:
         if self._complete:
