@@ -83,10 +83,12 @@ def test_a_sequence_that_hangs_is_reproduced_with_a_bundle_of_its_own(tmp_path, 
     assert [r.body for r in load_requests(own)] == [r.body for r in _recorded()]  # what the replay sent: the bytes
 
 
-async def _server_side(bodies: list[bytes]) -> tuple[str, asyncio.AbstractServer]:
-    """A server that keeps each request body it reads and answers with a tiny stream."""
+async def _server_side(bodies: list[bytes], heads: list[bytes] | None = None) -> tuple[str, asyncio.AbstractServer]:
+    """A server that keeps each request body (and head) it reads and answers with a tiny stream."""
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         head = await reader.readuntil(b"\r\n\r\n")
+        if heads is not None:
+            heads.append(head)
         length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length"))
         bodies.append(await reader.readexactly(length))
         writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nConnection: close\r\n\r\n"
@@ -98,17 +100,32 @@ async def _server_side(bodies: list[bytes]) -> tuple[str, asyncio.AbstractServer
     return f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}", server
 
 
-def replayed_to_a_server_that_keeps_the_bodies(requests, speed: float = 10.0):
-    """``replay`` to a loopback server that keeps each body it read: the outcome, and the bodies."""
+def replayed_to_a_server_that_keeps_the_bodies(requests, speed: float = 10.0, heads: list[bytes] | None = None):
+    """``replay`` to a loopback server that keeps each body (and head) it read: the outcome, and the bodies."""
 
     async def go():
         bodies: list[bytes] = []
-        url, server = await _server_side(bodies)
+        url, server = await _server_side(bodies, heads)
         async with server:
             outcome = await replay(requests, url, ReplayOptions(speed=speed))
         return outcome, bodies
 
     return asyncio.run(go())
+
+
+def test_the_server_receives_the_recorded_headers_and_none_of_httpxs_own(tmp_path):
+    """Measured (an adversarial review): every replayed request carried `Accept: */*`,
+    `Accept-Encoding: gzip, deflate` and httpx's `User-Agent`, which no client had sent: the
+    headers are the recorded ones (and the hop's own: Host, Content-Length)."""
+    bundle = _bundle(tmp_path)
+    recorded = load_requests(bundle)
+    heads: list[bytes] = []
+    outcome, _ = replayed_to_a_server_that_keeps_the_bodies(recorded, heads=heads)
+    assert not outcome.hung and len(heads) == len(recorded)
+    sent = {line.split(b":", 1)[0].decode().lower() for head in heads for line in head.split(b"\r\n")[1:] if line}
+    had = {k.lower() for r in recorded for k, _ in r.headers}
+    assert not ({"accept", "accept-encoding", "user-agent"} - had) & sent, sent
+    assert {k for k in had if k not in ("host", "content-length", "connection")} <= sent, (had, sent)
 
 
 def test_the_server_receives_the_recorded_bytes(tmp_path):

@@ -80,8 +80,7 @@ async def replay(requests: Sequence[StoredRequest], url: str, opts: ReplayOption
     sent = 0
     answers: list[Answer] = []
     try:
-        async with httpx.AsyncClient(trust_env=False, timeout=httpx.Timeout(opts.request_timeout),
-                                     limits=httpx.Limits(max_connections=None, max_keepalive_connections=0)) as client:
+        async with replay_client(opts) as client:
             for round_no in range(1, opts.repeat + 1):
                 if on_round is not None:
                     on_round(round_no)
@@ -93,6 +92,17 @@ async def replay(requests: Sequence[StoredRequest], url: str, opts: ReplayOption
                                     "answered by the daemon's rules", sent, opts.repeat, answers=tuple(answers))
     finally:
         await door.stop(drain=0.5)
+
+
+def replay_client(opts: ReplayOptions) -> httpx.AsyncClient:
+    """The client that sends the recorded requests: none of httpx's own headers (``Accept``,
+    ``Accept-Encoding``, ``User-Agent``) are added to what was recorded (an adversarial review:
+    every replayed request carried all three, and ``Accept-Encoding`` changes what a server
+    sends); httpx still sets the hop's own (``Host``, ``Content-Length``)."""
+    client = httpx.AsyncClient(trust_env=False, timeout=httpx.Timeout(opts.request_timeout),
+                               limits=httpx.Limits(max_connections=None, max_keepalive_connections=0))
+    client.headers.clear()
+    return client
 
 
 def _door_config(requests: Sequence[StoredRequest], opts: ReplayOptions) -> FrontConfig:
