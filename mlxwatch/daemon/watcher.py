@@ -50,7 +50,7 @@ from mlxwatch.front.door import FrontDoor
 from mlxwatch.host.group import Group, find_group, refresh
 from mlxwatch.host.memuse import read_memory
 from mlxwatch.host.sockets import KernelCounters
-from mlxwatch.host.process import ProcessIdentity, ServerLookup, is_mlx_server, lookup_instance, lookup_server, short_cmdline
+from mlxwatch.host.process import ProcessIdentity, ServerLookup, lookup_instance, lookup_server, short_cmdline
 from mlxwatch.journal.incidents import Event, Incident, Journal
 from mlxwatch.journal.state import StateFile, take_resume
 from mlxwatch.probes import PROBE_PROMPT, CheckReport, make_client, run_check
@@ -796,10 +796,7 @@ class InstanceWatcher:
         if not await asyncio.to_thread(newcomer.alive):
             return lookagain.LookAgain()
         found = await asyncio.to_thread(self._lookup)
-        if found.stranger and not (newcomer.same_process(found.identity) or is_mlx_server(newcomer.cmdline)):
-            # A PID file's process that never listened while another serves the URL, and is no
-            # mlx-lm server, is not the server: never signalled or named to a hook (measured: the
-            # daemon sent SIGTERM to a `sleep` a pid_file named, a stranger on the port).
+        if lookagain.not_the_server(newcomer, found):
             log.warning("%s: PID %d (%s) has not listened on %s %.0fs after it started, and %s: it is not "
                         "the server, so it is not signalled", self.name, newcomer.pid,
                         short_cmdline(newcomer.cmdline), self.inst.url, self.inst.probe.startup_timeout,

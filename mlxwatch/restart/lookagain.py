@@ -34,7 +34,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mlxwatch.host.process import ProcessIdentity
+from mlxwatch.host.process import ProcessIdentity, ServerLookup, is_mlx_server
 
 
 @dataclass(frozen=True)
@@ -89,6 +89,15 @@ def startup_left(server: ProcessIdentity, *, wall_now: float, startup_timeout: f
     than now counts as now). 0: it has had its allowance; not answering is a failure."""
     age = max(0.0, wall_now - server.create_time)
     return max(0.0, startup_timeout - age)
+
+
+def not_the_server(newcomer: ProcessIdentity, found: ServerLookup) -> bool:
+    """A replacement that had its ``startup_timeout`` and still does not listen, while another
+    process serves the URL (``found``, looked up again now), and is no mlx-lm server: a PID
+    file's wrapper or wrong PID, never to be signalled or named to a hook (measured: the daemon
+    sent SIGTERM to a ``sleep`` a pid_file named). With nothing on the port it may be a server
+    stuck loading (a relaunched group's rank 0 that could not bind was one): acted on."""
+    return bool(found.stranger) and not (newcomer.same_process(found.identity) or is_mlx_server(newcomer.cmdline))
 
 
 def delivered_after_replacement(newcomer: ProcessIdentity) -> str:
