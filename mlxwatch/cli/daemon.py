@@ -48,7 +48,7 @@ def cmd_run(args: argparse.Namespace, out: Console) -> int:
 def _run_daemon(args: argparse.Namespace, held: _HeldSignals) -> int:
     import logging
 
-    # httpx imports its command-line client (click, pygments, rich.syntax: 5.8 MB of a 60 MB goal at
+    # httpx imports its command-line client (click, pygments, rich.syntax: 5.6 MB of a 60 MB goal at
     # 300 instances, bench/RESULTS.md) only to offer `httpx.main`; a module that cannot be imported
     # is its own fallback (a None in sys.modules raises ModuleNotFoundError). The daemon never uses it.
     sys.modules.setdefault("httpx._main", None)  # type: ignore[arg-type]

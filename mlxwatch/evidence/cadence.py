@@ -48,6 +48,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+from mlxwatch.config import ProbeConfig
+
 PRIOR_CHUNK = 60.0  # seconds a chunk (whatever its size), before anything is learned: the largest models' pace
 DEFAULT_CHUNK_TOKENS = 2048  # mlx-lm's --prefill-step-size default (0.31.3 and 0.32.x)
 DEFAULT_MAX_TOKENS = 512  # mlx-lm's --max-tokens default (0.31.3 and 0.32.x)
@@ -212,8 +214,8 @@ class Cadence:
     """One instance's pace: learns from healthy probes and the sources' answers, judges each look."""
 
     speed: Speed = field(default_factory=Speed)
-    quiet_window: float = 8.0  # probe.quiet_window: the least patience
-    grace_ceiling: float = 900.0  # probe.grace_ceiling: the most
+    quiet_window: float = ProbeConfig.quiet_window  # the least patience (``configure``: the instance's)
+    grace_ceiling: float = ProbeConfig.grace_ceiling  # the most
     changed: bool = False  # the speed changed since the watcher last saved it
     owing_since: float | None = None  # monotonic: requests have been owed a first token since (one episode)
     owed_none_since: float | None = None  # ... and none was owed since then
