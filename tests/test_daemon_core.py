@@ -38,6 +38,7 @@ from mlxwatch.journal import incidents as journal_module
 from mlxwatch.journal.incidents import Journal
 from mlxwatch.journal.state import StateFile
 from lab.ports import free_port  # a loopback port free a moment ago
+from test_delivery_units import _end, _sleeper
 from mlxwatch.restart.methods import OK, RestartContext, RestartOutcome, restart
 
 FAST = ProbeConfig(interval=0.2, suspect_interval=0.1, first_token_timeout=0.5, timeout=1.0, failures=1,
@@ -391,7 +392,7 @@ async def test_a_pid_files_process_that_never_listens_is_never_signalled(tmp_pat
     serves the URL, and is no mlx-lm server, is not the server: nothing is signalled. (With
     nothing on the port it may be a server stuck loading: acted on, tests/test_delivery_units.py.)"""
     (url,), _, stranger = standin("hang")
-    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    sleeper = _sleeper()
     try:
         time.sleep(1.2)  # the file is written after the process started: not a stale PID
         pid_file = tmp_path / "server.pid"
@@ -405,8 +406,7 @@ async def test_a_pid_files_process_that_never_listens_is_never_signalled(tmp_pat
         assert "nothing_to_restart" in run.events() and "restart" not in run.events(), run.events()
         assert sleeper.poll() is None and stranger.poll() is None  # neither was signalled
     finally:
-        sleeper.kill()
-        sleeper.wait(10)
+        _end(sleeper)
 
 
 def test_lookup_matches_the_exact_address_not_only_the_port(standin):
@@ -431,15 +431,14 @@ def test_a_pid_file_whose_process_serves_the_url_is_trusted_whatever_the_clocks_
     os.utime(pid_file, (an_hour_before, an_hour_before))
     found = lookup_server(url, pid_file)
     assert found.identity is not None and found.identity.pid == proc.pid, found.detail
-    idle = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    idle = _sleeper()
     try:  # a PID that does not serve the URL and started after the file: reused, as before
         pid_file.write_text(f"{idle.pid}\n")
         os.utime(pid_file, (an_hour_before, an_hour_before))
         stale = lookup_server(url, pid_file)
         assert stale.identity is None and stale.loading is None and "is stale" in stale.detail
     finally:
-        idle.kill()
-        idle.wait(10)
+        _end(idle)
 
 
 # --- state that is tracked, not re-guessed
